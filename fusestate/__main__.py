@@ -1,0 +1,3 @@
+from fusestate.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Blocks: content-addressed objects, their caches, staging and upload workers."""

@@ -1,0 +1,130 @@
+"""Read caches: a memory LRU and a size-bounded disk cache that verifies what it returns."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import diskcache
+
+from fusestate.blocks.keys import block_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    hit_bytes: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+
+
+class MemoryCache:
+    """LRU of immutable block bytes, bounded by total size. Used only on the event loop."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.used = 0
+        self.stats = TierStats()
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+    def get(self, key: str) -> Optional[bytes]:
+        data = self._items.get(key)
+        if data is None:
+            self.stats.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.stats.hits += 1
+        self.stats.hit_bytes += len(data)
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        if len(data) > self.limit:
+            return
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.used -= len(old)
+        self._items[key] = data
+        self.used += len(data)
+        while self.used > self.limit:
+            _, evicted = self._items.popitem(last=False)
+            self.used -= len(evicted)
+            self.stats.evictions += 1
+
+
+class DiskCache:
+    """Blocks on local disk (diskcache), LRU-evicted at a size limit.
+
+    Every hit is re-hashed: a corrupt entry is dropped and reported as a miss,
+    so the caller fetches it again. Methods block: call them from worker threads.
+    """
+
+    def __init__(self, directory: str, limit_bytes: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self._cache = diskcache.Cache(
+            directory,
+            size_limit=limit_bytes,
+            eviction_policy="least-recently-used",
+            cull_limit=16,
+            disk_min_file_size=0,
+            statistics=False,
+        )
+        self.limit = limit_bytes
+        self.stats = TierStats()
+
+    def get(self, key: str) -> Optional[bytes]:
+        data = self._cache.get(key, default=None, read=False)
+        if data is None:
+            self.stats.misses += 1
+            return None
+        if block_key(data) != key:
+            log.error("disk cache entry %s is corrupt; dropping it and fetching again", key[:16])
+            self.stats.corrupt += 1
+            self.stats.misses += 1
+            self._cache.delete(key)
+            return None
+        self.stats.hits += 1
+        self.stats.hit_bytes += len(data)
+        return data
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._cache
+
+    def put(self, key: str, data: bytes) -> None:
+        before = len(self._cache)
+        self._cache.set(key, data)
+        evicted = before + 1 - len(self._cache)
+        if evicted > 0:
+            self.stats.evictions += evicted
+
+    def put_file(self, key: str, path: str) -> None:
+        with open(path, "rb") as f:
+            self._cache.set(key, f, read=True)
+
+    def evict(self, nbytes: int) -> None:
+        """Make room on a full disk: cull least-recently-used entries."""
+        target = max(0, self._cache.volume() - nbytes)
+        self._cache.reset("size_limit", target)
+        self._cache.cull()
+        self._cache.reset("size_limit", self.limit)
+
+    @property
+    def used(self) -> int:
+        return self._cache.volume()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def close(self) -> None:
+        self._cache.close()

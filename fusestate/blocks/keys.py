@@ -1,0 +1,31 @@
+"""Content addressing: a block's object key is the SHA-256 of its bytes."""
+
+from __future__ import annotations
+
+import hashlib
+
+BLOCK_PREFIX = "blocks/"
+
+
+def block_key(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def object_name(key: str) -> str:
+    """Where a block lives in the bucket; two hex digits of fan-out keep listings small."""
+    return f"{BLOCK_PREFIX}{key[:2]}/{key}"
+
+
+def key_of_object(name: str) -> str:
+    return name.rsplit("/", 1)[-1]
+
+
+def is_zero(data: bytes) -> bool:
+    return data.count(0) == len(data)
+
+
+def seal_digest(data: bytes) -> str | None:
+    """Key for a block about to be stored, or None for an all-zero block (kept as a hole)."""
+    if is_zero(data):
+        return None
+    return block_key(data)

@@ -1,0 +1,73 @@
+"""The staging area: sealed blocks on local disk until they are in the bucket.
+
+Files are named by their key and written with temp-file + rename, so a crash
+never leaves a torn block under a real name. They survive a daemon crash and
+are uploaded by the next mount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+
+class Staging:
+    """Blocking file operations; call them from worker threads."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.directory, key)
+
+    def write(self, key: str, data: bytes, fsync: bool = False) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            with open(self.path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def fsync(self, keys: list[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(self.path(key), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def remove(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(key))
+
+    def keys(self) -> list[str]:
+        """Staged keys; leftover temp files from a crash are removed."""
+        found = []
+        for name in os.listdir(self.directory):
+            if name.startswith(".tmp-"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, name))
+            else:
+                found.append(name)
+        return found

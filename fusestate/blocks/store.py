@@ -1,0 +1,217 @@
+"""The block store: seal blocks into content-addressed objects, and read them back.
+
+Reads are served from memory, then the staging area or the disk cache, then the
+bucket. A small read of a block that is nowhere local is answered with a range
+read while the whole block is fetched in the background; larger reads fetch
+the whole block, verify its hash and keep it in both caches.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import trio
+
+from fusestate.blocks.caches import DiskCache, MemoryCache
+from fusestate.blocks.keys import block_key, object_name, seal_digest
+from fusestate.blocks.staging import Staging
+from fusestate.blocks.uploader import Uploader
+from fusestate.meta.engine import MetadataEngine
+from fusestate.remote.store import RemoteError, RemoteStore
+
+log = logging.getLogger(__name__)
+
+
+class BlockReadError(IOError):
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
+
+
+@dataclass
+class ReadStats:
+    remote_full_fetches: int = 0
+    remote_range_reads: int = 0
+    remote_bytes: int = 0
+    prefetches: int = 0
+
+
+class BlockStore:
+    def __init__(self, meta: MetadataEngine, remote: RemoteStore, staging: Staging,
+                 memory: MemoryCache, disk: DiskCache, uploader: Uploader, *,
+                 block_size: int, local_io: trio.CapacityLimiter,
+                 prefetch_concurrency: int = 4) -> None:
+        self.meta = meta
+        self.remote = remote
+        self.staging = staging
+        self.memory = memory
+        self.disk = disk
+        self.uploader = uploader
+        self.block_size = block_size
+        self.stats = ReadStats()
+        self._local_io = local_io
+        self._fetching: dict[str, trio.Event] = {}
+        self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
+        self._nursery: Optional[trio.Nursery] = None
+        self._staging_inflight: set[str] = set()
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+    # --- write side --------------------------------------------------------
+    async def seal(self, data: bytes) -> Optional[str]:
+        """Store a block's final bytes; returns its key (None for an all-zero hole).
+
+        The caller must reference the key in the metadata (set_block) without
+        awaiting in between, so the object cannot be discarded under it.
+        """
+        key = await trio.to_thread.run_sync(seal_digest, data, limiter=self._local_io)
+        if key is None:
+            return None
+        self.memory.put(key, data)
+        if self.meta.get_object(key) is not None or key in self._staging_inflight:
+            return key  # dedup: the volume has these bytes already
+        self._staging_inflight.add(key)
+        try:
+            await self._write_staging(key, data)
+        finally:
+            self._staging_inflight.discard(key)
+        return key
+
+    async def _write_staging(self, key: str, data: bytes) -> None:
+        while True:
+            try:
+                await trio.to_thread.run_sync(self.staging.write, key, data, limiter=self._local_io)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # A full cache disk: free read cache and wait for uploads, never fail.
+                log.warning("cache disk full while staging a block; evicting and waiting for uploads")
+                await trio.to_thread.run_sync(self.disk.evict, 16 * self.block_size)
+                self.uploader.expedite_all()
+                await trio.sleep(0.5)
+
+    def committed(self, key: Optional[str], size: int) -> None:
+        """A sealed key is now referenced by the metadata: queue it if it is new."""
+        if key is None:
+            return
+        info = self.meta.get_object(key)
+        if info is not None and not info.uploaded:
+            self.uploader.add(key, size)
+
+    def abandon(self, key: Optional[str]) -> None:
+        """A sealed key that will not be referenced after all: drop its staging file."""
+        if key and self.meta.get_object(key) is None and key not in self._staging_inflight:
+            self.staging.remove(key)
+
+    def release(self, keys: list[str]) -> None:
+        """Objects whose refcount fell to zero: drop them if they never left staging."""
+        for key in keys:
+            info = self.meta.get_object(key)
+            if info is None or info.refcount > 0 or info.uploaded:
+                continue  # uploaded ones wait for the garbage collector
+            if key in self._staging_inflight:
+                continue
+            self.uploader.discard(key)
+
+    # --- read side ---------------------------------------------------------
+    async def read(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object (shorter if the object is shorter)."""
+        data = self.memory.get(key)
+        if data is not None:
+            return data[start:end]
+        data = await self._load_local(key)
+        if data is not None:
+            return data[start:end]
+        if key in self._fetching or (end - start) * 4 >= self.block_size:
+            data = await self.fetch(key)
+            return data[start:end]
+        # Small cold read: answer from a range read, fetch the block in the background.
+        self.prefetch([key])
+        try:
+            chunk = await self.remote.aget_range(object_name(key), start, end)
+        except (RemoteError, FileNotFoundError) as exc:
+            raise BlockReadError(f"block {key[:16]}: {exc}") from exc
+        self.stats.remote_range_reads += 1
+        self.stats.remote_bytes += len(chunk)
+        return chunk
+
+    async def _load_local(self, key: str) -> Optional[bytes]:
+        data = await trio.to_thread.run_sync(self._load_local_sync, key, limiter=self._local_io)
+        if data is not None:
+            self.memory.put(key, data)
+        return data
+
+    def _load_local_sync(self, key: str) -> Optional[bytes]:
+        if self.uploader.is_pending(key):
+            data = self.staging.read(key)
+            if data is not None:
+                return data
+        return self.disk.get(key)
+
+    async def fetch(self, key: str) -> bytes:
+        """The whole block, verified, from the bucket (one fetch per key at a time)."""
+        while key in self._fetching:
+            await self._fetching[key].wait()
+            data = self.memory.get(key)
+            if data is not None:
+                return data
+        done = self._fetching[key] = trio.Event()
+        try:
+            data = await self._fetch_verified(key)
+            self.memory.put(key, data)
+            await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
+            return data
+        finally:
+            del self._fetching[key]
+            done.set()
+
+    async def _fetch_verified(self, key: str) -> bytes:
+        last_error = "hash mismatch"
+        for _ in range(3):
+            try:
+                data = await self.remote.aget(object_name(key))
+            except FileNotFoundError:
+                raise BlockReadError(f"block {key[:16]} is missing from the bucket") from None
+            except RemoteError as exc:
+                raise BlockReadError(str(exc)) from exc
+            self.stats.remote_full_fetches += 1
+            self.stats.remote_bytes += len(data)
+            if await trio.to_thread.run_sync(block_key, data, limiter=self._local_io) == key:
+                return data
+            log.error("block %s from the bucket failed its hash check; fetching again", key[:16])
+        raise BlockReadError(f"block {key[:16]}: {last_error}")
+
+    # --- prefetch ------------------------------------------------------------
+    def prefetch(self, keys: list[str]) -> None:
+        """Fetch blocks into the caches in the background (readahead, warmup)."""
+        if self._nursery is None:
+            return
+        for key in keys:
+            if key in self.memory or key in self._fetching:
+                continue
+            self._nursery.start_soon(self._prefetch_one, key)
+
+    async def _prefetch_one(self, key: str) -> None:
+        async with self._prefetch_limiter:
+            if key in self.memory or key in self._fetching:
+                return
+            if await self._load_local(key) is not None:
+                return
+            self.stats.prefetches += 1
+            try:
+                await self.fetch(key)
+            except BlockReadError as exc:
+                log.warning("prefetch of block %s failed: %s", key[:16], exc)
+
+    async def ensure_cached(self, key: str) -> bool:
+        """Make sure a block is on local disk (warmup); True if it had to be fetched."""
+        if self.uploader.is_pending(key):
+            return False
+        if await trio.to_thread.run_sync(self.disk.__contains__, key, limiter=self._local_io):
+            return False
+        await self.fetch(key)
+        return True

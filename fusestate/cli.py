@@ -1,0 +1,239 @@
+"""The fusestate command line: mount, umount, status, warmup."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+from fusestate import __version__
+from fusestate.config import DEFAULT_CACHE_DIR, MountConfig, format_size, parse_size
+from fusestate.errors import UserError
+
+READY_FD_ENV = "FUSESTATE_READY_FD"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusestate", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fusestate {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("mount", help="mount a bucket as a POSIX directory")
+    m.add_argument("url", help="bucket URL: file:///path, s3://bucket/prefix, gs://bucket/prefix")
+    m.add_argument("mountpoint")
+    m.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="local cache, staging and metadata (default %(default)s)")
+    m.add_argument("--cache-size", default="20G", help="disk budget for the cache dir (default %(default)s)")
+    m.add_argument("--memory-cache-size", default="512M", help="memory block cache (default %(default)s)")
+    m.add_argument("--max-dirty", default=None, help="bound on data not yet in the bucket (default: cache-size/4, at most 2G)")
+    m.add_argument("--block-size", default=None, help="block size of a new volume (default 4M)")
+    m.add_argument("--durability", choices=["remote", "local"], default="remote",
+                   help="what fsync waits for (default %(default)s)")
+    m.add_argument("--upload-delay", type=float, default=1.0, help="seconds a block waits before upload (default %(default)s)")
+    m.add_argument("--upload-concurrency", type=int, default=8, help="parallel uploads (default %(default)s)")
+    m.add_argument("--readahead", type=int, default=2, dest="readahead_blocks", help="blocks read ahead on sequential reads (default %(default)s)")
+    m.add_argument("--endpoint-url", default=None, help="S3-compatible or GCS emulator endpoint")
+    m.add_argument("--metrics-addr", default=None, help="HOST:PORT for Prometheus metrics")
+    m.add_argument("--allow-other", action="store_true", help="let other users use the mount")
+    m.add_argument("--read-only", action="store_true")
+    m.add_argument("--takeover", action="store_true", help="take the volume over from a dead holder")
+    m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
+    m.add_argument("--attr-timeout", type=float, default=10.0, help="kernel attribute cache seconds (default %(default)s)")
+    m.add_argument("--debug", action="store_true", help="verbose logging")
+    m.add_argument("-o", dest="fuse_options", action="append", default=[], help="extra FUSE mount option")
+
+    u = sub.add_parser("umount", help="flush every dirty block, then unmount")
+    u.add_argument("mountpoint")
+    u.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+
+    s = sub.add_parser("status", help="cache, staging, upload queue at a glance")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+
+    w = sub.add_parser("warmup", help="fetch files into the local cache")
+    w.add_argument("paths", nargs="+")
+    return parser
+
+
+def _mount_config(args: argparse.Namespace) -> MountConfig:
+    return MountConfig(
+        url=args.url, mountpoint=args.mountpoint, cache_dir=args.cache_dir,
+        cache_size=parse_size(args.cache_size, "--cache-size"),
+        memory_cache_size=parse_size(args.memory_cache_size, "--memory-cache-size"),
+        max_dirty=parse_size(args.max_dirty, "--max-dirty") if args.max_dirty else None,
+        block_size=parse_size(args.block_size, "--block-size") if args.block_size else 4 << 20,
+        durability=args.durability, upload_delay=args.upload_delay,
+        upload_concurrency=args.upload_concurrency, readahead_blocks=args.readahead_blocks,
+        endpoint_url=args.endpoint_url, metrics_addr=args.metrics_addr,
+        allow_other=args.allow_other, read_only=args.read_only, takeover=args.takeover,
+        foreground=args.foreground, attr_timeout=args.attr_timeout, debug=args.debug,
+        fuse_options=args.fuse_options,
+    )
+
+
+def _setup_logging(debug: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("botocore", "s3fs", "aiobotocore", "gcsfs", "urllib3", "fsspec"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    cfg = _mount_config(args)
+    if cfg.foreground:
+        from fusestate.daemon.mount import run_foreground
+
+        _setup_logging(cfg.debug)
+        ready_fd = int(os.environ.pop(READY_FD_ENV)) if READY_FD_ENV in os.environ else None
+        try:
+            run_foreground(cfg, ready_fd)
+        except UserError as exc:
+            if ready_fd is not None:
+                try:
+                    os.write(ready_fd, f"error: {exc}\n".encode())
+                except OSError:
+                    pass
+            raise
+        return 0
+    return _spawn_daemon(cfg, args)
+
+
+def _spawn_daemon(cfg: MountConfig, args: argparse.Namespace) -> int:
+    """Start the daemon in the background; return once the mount answers (or failed)."""
+    from fusestate.daemon.mount import check_mountpoint, prepare_cache_dir
+
+    check_mountpoint(cfg.mountpoint)
+    layout = prepare_cache_dir(cfg.cache_dir)
+    read_fd, write_fd = os.pipe()
+    argv = [sys.executable, "-m", "fusestate"] + _argv_without_background(sys.argv[1:]) + ["--foreground"]
+    env = dict(os.environ, **{READY_FD_ENV: str(write_fd)})
+    with open(layout.log, "ab") as log_file:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                                pass_fds=[write_fd], env=env, start_new_session=True)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        message = pipe.read().decode(errors="replace").strip()
+    if message.startswith("ready"):
+        return 0
+    if message.startswith("error: "):
+        raise UserError(message[len("error: "):])
+    code = proc.wait()
+    raise UserError(f"the daemon exited with status {code} before the mount was ready; see {layout.log}")
+
+
+def _argv_without_background(argv: Sequence[str]) -> list[str]:
+    return [a for a in argv if a not in ("--foreground", "-f")]
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from fusestate.daemon import control
+    from fusestate.daemon.paths import control_socket
+
+    mountpoint = os.path.abspath(args.mountpoint)
+    path = control_socket(mountpoint)
+    if not os.path.exists(path):
+        if os.path.ismount(mountpoint):
+            raise UserError(f"{mountpoint} is not served by a running fusestate daemon")
+        raise UserError(f"{mountpoint} is not a fusestate mount")
+    reply = control.request(path, {"command": "umount"}, timeout=args.timeout)
+    if not reply.get("ok"):
+        raise UserError(reply.get("error", "unmount failed"))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from fusestate.daemon import control
+    from fusestate.daemon.paths import control_socket
+
+    mountpoint = os.path.abspath(args.mountpoint)
+    path = control_socket(mountpoint)
+    if not os.path.exists(path):
+        raise UserError(f"{mountpoint} is not a fusestate mount")
+    reply = control.request(path, {"command": "status"})
+    if not reply.get("ok"):
+        raise UserError(reply.get("error", "status failed"))
+    status = reply["status"]
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    _print_status(status)
+    return 0
+
+
+def _print_status(status: dict) -> None:
+    cache, wb, remote = status["cache"], status["writeback"], status["remote"]
+    rows = [
+        ("volume", f"{status['url']} on {status['mountpoint']} (pid {status['pid']})"),
+        ("files / used", f"{status['files']} / {format_size(status['used_bytes'])}"),
+        ("memory cache", f"{format_size(cache['memory_bytes'])} of {format_size(cache['memory_limit'])}, "
+                         f"{cache['memory_hits']} hits, {cache['memory_misses']} misses"),
+        ("disk cache", f"{format_size(cache['disk_bytes'])} of {format_size(cache['disk_limit'])}, "
+                       f"{cache['disk_hits']} hits, {cache['disk_misses']} misses; "
+                       f"{format_size(cache['cache_dir_free_bytes'])} free on the cache disk"),
+        ("dirty", f"{format_size(wb['dirty_bytes'])} of {format_size(wb['max_dirty'])}"),
+        ("staged", f"{wb['staged_blocks']} blocks, {format_size(wb['staged_bytes'])}, "
+                   f"oldest {wb['oldest_staged_seconds']} s, queue {wb['upload_queue']}"),
+        ("uploaded", f"{wb['uploaded_blocks']} blocks, {format_size(wb['uploaded_bytes'])}, "
+                     f"{wb['dedup_skipped']} skipped by dedup, {wb['upload_failures']} failures"),
+        ("remote", f"{format_size(remote['bytes_in'])} in, {format_size(remote['bytes_out'])} out, "
+                   f"{remote['retries']} retries"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from fusestate.daemon import control
+    from fusestate.daemon.paths import control_socket
+
+    by_mount: dict[str, list[int]] = {}
+    for path in args.paths:
+        if not os.path.exists(path):
+            raise UserError(f"{path} does not exist")
+        mount = _mount_of(os.path.abspath(path))
+        for root, _, files in os.walk(path) if os.path.isdir(path) else [(os.path.dirname(path), [], [os.path.basename(path)])]:
+            for name in files:
+                by_mount.setdefault(mount, []).append(os.stat(os.path.join(root, name)).st_ino)
+    for mount, inodes in by_mount.items():
+        with tqdm(total=len(inodes), unit="file", desc=f"warmup {mount}") as bar:
+            fetched = 0
+            for start in range(0, len(inodes), 64):
+                batch = inodes[start:start + 64]
+                reply = control.request(control_socket(mount), {"command": "warmup", "inodes": batch}, timeout=None)
+                if not reply.get("ok"):
+                    raise UserError(reply.get("error", "warmup failed"))
+                fetched += reply["fetched"]
+                bar.update(len(batch))
+        print(f"{mount}: {len(inodes)} files warm, {fetched} blocks fetched")
+    return 0
+
+
+def _mount_of(path: str) -> str:
+    while not os.path.ismount(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "warmup": cmd_warmup}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"fusestate: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130

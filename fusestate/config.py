@@ -1,0 +1,78 @@
+"""Mount options with their defaults, shared by the CLI, the daemon and the docs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import humanfriendly
+
+from fusestate.errors import UserError
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+DEFAULT_BLOCK_SIZE = 4 * MiB
+DEFAULT_CACHE_DIR = "/var/cache/fusestate"
+DEFAULT_METRICS_PORT = 9567
+
+
+def parse_size(text: str, option: str = "size") -> int:
+    """'20G', '512M', '4MiB' or a byte count; binary units (G = GiB)."""
+    try:
+        return int(humanfriendly.parse_size(text, binary=True))
+    except humanfriendly.InvalidSize:
+        raise UserError(f"bad {option} {text!r}: expected a size such as 512M or 20G") from None
+
+
+def format_size(n: float) -> str:
+    return humanfriendly.format_size(n, binary=True)
+
+
+@dataclass
+class MountConfig:
+    url: str
+    mountpoint: str
+    cache_dir: str = DEFAULT_CACHE_DIR
+    cache_size: int = 20 * GiB
+    memory_cache_size: int = 512 * MiB
+    max_dirty: Optional[int] = None          # default: a quarter of cache_size, at most 2 GiB
+    block_size: int = DEFAULT_BLOCK_SIZE
+    durability: str = "remote"               # remote | local
+    upload_delay: float = 1.0                # seconds a sealed block waits before upload
+    upload_concurrency: int = 8
+    readahead_blocks: int = 2
+    endpoint_url: Optional[str] = None
+    allow_other: bool = False
+    read_only: bool = False
+    takeover: bool = False
+    foreground: bool = False
+    metrics_addr: Optional[str] = None
+    attr_timeout: float = 10.0
+    remote_timeout: float = 30.0
+    remote_retries: int = 6
+    gc_grace: float = 3600.0                 # seconds an unreferenced block is kept
+    debug: bool = False
+    fuse_options: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.mountpoint = os.path.abspath(self.mountpoint)
+        self.cache_dir = os.path.abspath(self.cache_dir)
+        if self.durability not in ("remote", "local"):
+            raise UserError(f"bad --durability {self.durability!r}: expected remote or local")
+        if self.block_size < 64 * 1024 or self.block_size & (self.block_size - 1):
+            raise UserError("--block-size must be a power of two of at least 64K")
+        if self.max_dirty is None:
+            self.max_dirty = min(2 * GiB, max(self.cache_size // 4, 4 * self.block_size))
+        if self.cache_size < self.max_dirty + 4 * self.block_size:
+            raise UserError(
+                f"--cache-size {format_size(self.cache_size)} is too small: it must hold "
+                f"--max-dirty ({format_size(self.max_dirty)}) plus a few blocks"
+            )
+
+    @property
+    def read_cache_size(self) -> int:
+        """Disk read cache budget: what the staging area (max_dirty) leaves of cache_size."""
+        assert self.max_dirty is not None
+        return self.cache_size - self.max_dirty

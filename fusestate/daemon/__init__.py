@@ -1,0 +1,1 @@
+"""The daemon: wiring of all layers, the mount's lifecycle, signals and the control socket."""

@@ -1,0 +1,335 @@
+"""Run one mount: check the inputs, wire the layers, serve FUSE, flush on the way out."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from typing import Any, Optional
+
+import pyfuse3
+import trio
+
+from fusestate.blocks.caches import DiskCache, MemoryCache
+from fusestate.blocks.staging import Staging
+from fusestate.blocks.store import BlockStore
+from fusestate.blocks.uploader import Uploader
+from fusestate.config import MountConfig
+from fusestate.daemon import control, volume
+from fusestate.daemon.paths import CacheLayout, control_socket
+from fusestate.errors import UserError
+from fusestate.fuse.adapter import FuseOperations
+from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.remote import RemoteStore, open_bucket
+from fusestate.vfs import FileSystem
+
+log = logging.getLogger(__name__)
+
+
+def check_mountpoint(path: str) -> None:
+    if not os.path.exists(path):
+        raise UserError(f"mountpoint {path} does not exist")
+    if not os.path.isdir(path):
+        raise UserError(f"mountpoint {path} is not a directory")
+    if os.path.ismount(path) or _mounted_at(path):
+        raise UserError(f"mountpoint {path} is busy: something is already mounted there")
+    if not os.access(path, os.W_OK | os.X_OK) and os.geteuid() != 0:
+        raise UserError(f"mountpoint {path} is not writable by this user")
+
+
+def _mounted_at(path: str) -> bool:
+    real = os.path.realpath(path)
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 1 and fields[1].replace("\\040", " ") == real:
+                return True
+    return False
+
+
+def prepare_cache_dir(path: str) -> CacheLayout:
+    layout = CacheLayout(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".write-test")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(f"cache dir {path} is not usable: {exc.strerror or exc}") from None
+    return layout
+
+
+def lock_cache_dir(layout: CacheLayout) -> int:
+    fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"cache dir {layout.root} is in use by another fusestate daemon") from None
+    return fd
+
+
+class Daemon:
+    """One mounted volume and everything behind it."""
+
+    def __init__(self, cfg: MountConfig, ready_fd: Optional[int] = None) -> None:
+        self.cfg = cfg
+        self.ready_fd = ready_fd
+        self.started_at = time.time()
+        self._finished: Optional[trio.Event] = None  # created inside trio.run
+
+    # --- setup (before trio) ------------------------------------------------------
+    def prepare(self) -> None:
+        cfg = self.cfg
+        check_mountpoint(cfg.mountpoint)
+        self.layout = prepare_cache_dir(cfg.cache_dir)
+        self._lock_fd = lock_cache_dir(self.layout)
+        fs, location = open_bucket(cfg.url, cfg.endpoint_url, cfg.remote_timeout)
+        self.location = location
+        self.remote = RemoteStore(fs, location.root, retries=cfg.remote_retries,
+                                  concurrency=max(16, cfg.upload_concurrency * 2))
+        self.volume = volume.load_or_create(self.remote, cfg.block_size, create=not cfg.read_only)
+        self.meta = self._open_metadata()
+        self.local_io = trio.CapacityLimiter(8)
+        self.memory = MemoryCache(cfg.memory_cache_size)
+        self.disk = DiskCache(self.layout.read_cache, cfg.read_cache_size)
+        self.staging = Staging(self.layout.staging)
+        assert cfg.max_dirty is not None
+        self.uploader = Uploader(self.meta, self.remote, self.staging, self.disk,
+                                 max_dirty=cfg.max_dirty, upload_delay=cfg.upload_delay,
+                                 concurrency=cfg.upload_concurrency, local_io=self.local_io)
+        self.blocks = BlockStore(self.meta, self.remote, self.staging, self.memory, self.disk,
+                                 self.uploader, block_size=self.volume.block_size, local_io=self.local_io)
+        self.fs = FileSystem(self.meta, self.blocks, self.uploader, block_size=self.volume.block_size,
+                             durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
+                             read_only=cfg.read_only)
+        self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
+
+    def _open_metadata(self) -> SQLiteEngine:
+        """Local metadata if this cache dir belongs to the volume, else the newest snapshot."""
+        layout = self.layout
+        known: dict[str, Any] = {}
+        with contextlib.suppress(FileNotFoundError, ValueError), open(layout.volume_file) as f:
+            known = json.load(f)
+        if known.get("volume_id") not in (None, self.volume.volume_id):
+            raise UserError(
+                f"cache dir {layout.root} belongs to another volume ({known.get('url')}); "
+                "use a separate --cache-dir per volume"
+            )
+        if not os.path.exists(layout.metadata):
+            for leftover in (layout.metadata + "-wal", layout.metadata + "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+            restored = volume.restore_metadata(self.remote, layout.metadata)
+            if restored:
+                log.info("restored metadata from %s", restored)
+            # A fresh metadata database cannot vouch for blocks staged by an older one.
+            shutil.rmtree(layout.staging, ignore_errors=True)
+        with open(layout.volume_file, "w") as f:
+            json.dump({"volume_id": self.volume.volume_id, "url": self.cfg.url}, f)
+        return SQLiteEngine(layout.metadata)
+
+    # --- serving ------------------------------------------------------------------
+    def fuse_options(self) -> set[str]:
+        opts = set(pyfuse3.default_options)
+        opts |= {f"fsname=fusestate:{self.location.bucket}", "subtype=fusestate", "default_permissions", "noatime"}
+        if self.cfg.allow_other:
+            opts.add("allow_other")
+        if self.cfg.read_only:
+            opts.add("ro")
+        if self.cfg.debug:
+            opts.add("debug")
+        opts.update(self.cfg.fuse_options)
+        return opts
+
+    async def serve(self) -> None:
+        self._finished = trio.Event()
+        async with trio.open_nursery() as nursery:
+            self.blocks.start(nursery)
+            self.fs.start(nursery)
+            await nursery.start(self.uploader.run)
+            requeued = await self.uploader.recover()
+            if requeued:
+                log.info("crash recovery: %d staged blocks queued for upload", requeued)
+            await nursery.start(control.serve, control_socket(self.cfg.mountpoint), self.handle_control)
+            try:
+                pyfuse3.init(self.ops, self.cfg.mountpoint, self.fuse_options())
+            except RuntimeError as exc:
+                raise UserError(f"cannot mount on {self.cfg.mountpoint}: {exc}") from None
+            nursery.start_soon(self._signals)
+            nursery.start_soon(self._announce_ready)
+            try:
+                await pyfuse3.main(max_tasks=64)
+            finally:
+                pyfuse3.close(unmount=True)
+            log.info("unmounted; flushing dirty data")
+            with trio.CancelScope(shield=True):
+                await self._flush_everything()
+                await self._ship_snapshot()
+                self._finished.set()
+                await trio.sleep(0.2)  # let the umount client read its answer
+            nursery.cancel_scope.cancel()
+
+    async def _announce_ready(self) -> None:
+        await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
+        log.info("mounted %s on %s", self.cfg.url, self.cfg.mountpoint)
+        if self.ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.ready_fd, b"ready\n")
+                os.close(self.ready_fd)
+            self.ready_fd = None
+        notify_systemd("READY=1")
+
+    async def _flush_everything(self) -> None:
+        await self.fs.flush_all()
+        await self.uploader.drain()
+        await self.fs.sync_metadata()
+
+    async def _ship_snapshot(self) -> None:
+        if self.cfg.read_only:
+            return
+        try:
+            key = await self.remote.run(volume.upload_snapshot, self.remote, self.meta)
+            log.info("metadata snapshot %s shipped", key)
+        except Exception as exc:  # noqa: BLE001 - local metadata still has everything
+            log.error("could not ship the metadata snapshot: %s", exc)
+
+    async def _signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("received %s: flushing and unmounting", signal.Signals(signum).name)
+                await self.unmount(force=True)
+
+    async def unmount(self, force: bool = False) -> None:
+        """Flush while still mounted, then unmount (lazily if forced and busy)."""
+        notify_systemd("STOPPING=1")
+        await self._flush_everything()
+        result = await trio.to_thread.run_sync(_fusermount, self.cfg.mountpoint, False)
+        if result is not None and force:
+            log.warning("mountpoint busy (%s); detaching it lazily", result)
+            await trio.to_thread.run_sync(_fusermount, self.cfg.mountpoint, True)
+            pyfuse3.terminate()
+        elif result is not None:
+            raise UserError(f"cannot unmount {self.cfg.mountpoint}: {result}")
+
+    async def handle_control(self, request: dict[str, Any]) -> dict[str, Any]:
+        command = request.get("command")
+        if command == "status":
+            return {"ok": True, "status": self.status()}
+        if command == "umount":
+            await self.unmount()
+            assert self._finished is not None
+            await self._finished.wait()
+            return {"ok": True}
+        if command == "warmup":
+            fetched = await self.warmup([int(i) for i in request.get("inodes", [])])
+            return {"ok": True, "fetched": fetched}
+        return {"ok": False, "error": f"unknown command {command!r}"}
+
+    async def warmup(self, inodes: list[int]) -> int:
+        fetched = 0
+        keys = {k for ino in inodes for k in self.fs.file_keys(ino)}
+        async with trio.open_nursery() as nursery:
+            limiter = trio.CapacityLimiter(8)
+
+            async def one(key: str) -> None:
+                nonlocal fetched
+                async with limiter:
+                    if await self.blocks.ensure_cached(key):
+                        fetched += 1
+
+            for key in keys:
+                nursery.start_soon(one, key)
+        return fetched
+
+    def status(self) -> dict[str, Any]:
+        up = self.uploader
+        usage = shutil.disk_usage(self.cfg.cache_dir)
+        return {
+            "url": self.cfg.url,
+            "mountpoint": self.cfg.mountpoint,
+            "pid": os.getpid(),
+            "uptime_seconds": round(time.time() - self.started_at, 1),
+            "durability": self.cfg.durability,
+            "block_size": self.volume.block_size,
+            "volume_id": self.volume.volume_id,
+            "files": self.meta.count_inodes(),
+            "used_bytes": self.meta.used_bytes(),
+            "open_files": self.fs.open_files,
+            "cache": {
+                "memory_bytes": self.memory.used, "memory_limit": self.memory.limit,
+                "memory_entries": len(self.memory), "memory_hits": self.memory.stats.hits,
+                "memory_misses": self.memory.stats.misses,
+                "disk_bytes": self.disk.used, "disk_limit": self.disk.limit,
+                "disk_hits": self.disk.stats.hits, "disk_misses": self.disk.stats.misses,
+                "disk_corrupt": self.disk.stats.corrupt,
+                "cache_dir_free_bytes": usage.free,
+            },
+            "writeback": {
+                "dirty_bytes": up.dirty_bytes(), "max_dirty": up.max_dirty,
+                "staged_blocks": up.staged_blocks, "staged_bytes": up.staged_bytes,
+                "oldest_staged_seconds": round(up.oldest_staged_age(), 1),
+                "upload_queue": up.queue_length,
+                "uploaded_blocks": up.stats.uploaded_blocks, "uploaded_bytes": up.stats.uploaded_bytes,
+                "dedup_skipped": up.stats.dedup_skipped, "discarded_blocks": up.stats.discarded_blocks,
+                "upload_failures": up.stats.upload_failures,
+                "backpressure_waits": up.stats.backpressure_waits,
+                "backpressure_seconds": round(up.stats.backpressure_seconds, 3),
+            },
+            "remote": {
+                "requests": dict(self.remote.stats.requests), "failures": dict(self.remote.stats.failures),
+                "retries": self.remote.stats.retries,
+                "bytes_in": self.remote.stats.bytes_in, "bytes_out": self.remote.stats.bytes_out,
+                "full_fetches": self.blocks.stats.remote_full_fetches,
+                "range_reads": self.blocks.stats.remote_range_reads,
+                "prefetches": self.blocks.stats.prefetches,
+            },
+        }
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.disk.close()
+        with contextlib.suppress(Exception):
+            self.meta.close()
+
+
+def _fusermount(mountpoint: str, lazy: bool) -> Optional[str]:
+    """Unmount; returns None on success or the tool's complaint."""
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return None
+    text = (proc.stderr or proc.stdout).strip().splitlines()
+    return text[-1] if text else f"fusermount3 exited {proc.returncode}"
+
+
+def notify_systemd(state: str) -> None:
+    """sd_notify without a dependency: one datagram to $NOTIFY_SOCKET."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.connect(address)
+        sock.sendall(state.encode())
+
+
+def run_foreground(cfg: MountConfig, ready_fd: Optional[int] = None) -> None:
+    """Mount and serve until unmounted. Raises UserError for anything the user can fix."""
+    daemon = Daemon(cfg, ready_fd)
+    try:
+        daemon.prepare()
+        trio.run(daemon.serve)
+    finally:
+        if hasattr(daemon, "meta"):
+            daemon.close()
+

@@ -1,0 +1,100 @@
+"""A volume in the bucket: its descriptor, and metadata snapshots for restore.
+
+Layout under the volume's root::
+
+    fusestate.json              format version, block size, volume id
+    blocks/ab/<sha256>          content-addressed blocks, never overwritten
+    meta/snapshot-<ns>.db       metadata snapshots, newest wins
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+from fusestate.errors import UserError
+from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.remote.store import RemoteError, RemoteStore
+
+log = logging.getLogger(__name__)
+
+DESCRIPTOR = "fusestate.json"
+SNAPSHOT_PREFIX = "meta/"
+FORMAT_VERSION = 1
+SNAPSHOTS_KEPT = 3
+
+
+@dataclass(frozen=True)
+class VolumeInfo:
+    volume_id: str
+    block_size: int
+    format: int
+
+
+def load_or_create(remote: RemoteStore, block_size: Optional[int], create: bool) -> VolumeInfo:
+    """Read the volume descriptor; create the volume if the prefix is empty."""
+    try:
+        raw = remote.get(DESCRIPTOR)
+    except FileNotFoundError:
+        raw = None
+    except RemoteError as exc:
+        raise UserError(f"cannot read the volume descriptor: {exc}") from None
+    if raw is not None:
+        try:
+            doc = json.loads(raw)
+            info = VolumeInfo(doc["volume_id"], int(doc["block_size"]), int(doc["format"]))
+        except (ValueError, KeyError) as exc:
+            raise UserError(f"{remote.path(DESCRIPTOR)} is not a fusestate volume descriptor ({exc})") from None
+        if info.format > FORMAT_VERSION:
+            raise UserError(f"volume format {info.format} is newer than this fusestate understands")
+        if block_size is not None and block_size != info.block_size:
+            raise UserError(
+                f"the volume uses {info.block_size}-byte blocks; --block-size {block_size} does not match"
+            )
+        return info
+    if not create:
+        raise UserError(f"no fusestate volume at {remote.root} (mount it read-write once to create it)")
+    info = VolumeInfo(uuid.uuid4().hex, block_size or 4 << 20, FORMAT_VERSION)
+    doc = {"format": info.format, "volume_id": info.volume_id, "block_size": info.block_size,
+           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    remote.put(DESCRIPTOR, json.dumps(doc, indent=2).encode())
+    log.info("created volume %s at %s", info.volume_id, remote.root)
+    return info
+
+
+def snapshot_keys(remote: RemoteStore) -> list[str]:
+    return [k for k in remote.list(SNAPSHOT_PREFIX) if k.endswith(".db")]
+
+
+def restore_metadata(remote: RemoteStore, path: str) -> Optional[str]:
+    """Download the newest metadata snapshot to ``path``; None if the volume has none."""
+    keys = snapshot_keys(remote)
+    if not keys:
+        return None
+    latest = keys[-1]
+    data = remote.get(latest)
+    tmp = path + ".restore"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return latest
+
+
+def upload_snapshot(remote: RemoteStore, meta: SQLiteEngine) -> str:
+    """Ship a consistent copy of the metadata; every block it references is already uploaded."""
+    key = f"{SNAPSHOT_PREFIX}snapshot-{time.time_ns():020d}.db"
+    with tempfile.NamedTemporaryFile(dir=os.path.dirname(meta.path), suffix=".snapshot") as tmp:
+        meta.backup_to(tmp.name)
+        with open(tmp.name, "rb") as f:
+            remote.put(key, f.read())
+    for old in snapshot_keys(remote)[:-SNAPSHOTS_KEPT]:
+        remote.delete(old)
+    return key

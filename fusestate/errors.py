@@ -1,0 +1,12 @@
+"""Errors that reach the user as one clear line instead of a traceback."""
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad URL, missing bucket, busy mountpoint...).
+
+    The CLI prints ``fusestate: <message>`` and exits with ``exit_code``.
+    """
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

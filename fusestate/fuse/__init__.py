@@ -1,0 +1,1 @@
+"""The FUSE adapter: kernel requests translated to vfs calls, nothing more."""

@@ -1,0 +1,234 @@
+"""pyfuse3 operations over the vfs.
+
+Thin on purpose: convert arguments and attributes, map vfs errors to FUSE
+errors, and decide kernel caching (writeback cache on, page cache kept).
+Every request stays on the trio loop; slow work is sent elsewhere by the vfs.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
+
+import pyfuse3
+
+from fusestate.meta.engine import Inode
+from fusestate.vfs import FileSystem, FsError, RequestContext
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+ST_BLKSIZE = 128 * 1024
+
+
+def _translate_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except FsError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except pyfuse3.FUSEError:
+            raise
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _ctx(ctx: Optional[pyfuse3.RequestContext]) -> RequestContext:
+    if ctx is None:
+        return RequestContext()
+    return RequestContext(uid=ctx.uid, gid=ctx.gid, pid=ctx.pid)
+
+
+class FuseOperations(pyfuse3.Operations):
+    # Without the writeback cache every small write is a round trip (RocksDB at 0.07x).
+    enable_writeback_cache = True
+    supports_dot_lookup = True
+
+    def __init__(self, fs: FileSystem, attr_timeout: float = 10.0) -> None:
+        super().__init__()
+        self.fs = fs
+        self.attr_timeout = attr_timeout
+        self.counters: dict[str, int] = {}
+
+    def _attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.id
+        a.generation = 0
+        a.entry_timeout = self.attr_timeout
+        a.attr_timeout = self.attr_timeout
+        a.st_mode = node.mode
+        a.st_nlink = node.nlink
+        a.st_uid = node.uid
+        a.st_gid = node.gid
+        a.st_rdev = node.rdev
+        a.st_size = node.size
+        a.st_blksize = ST_BLKSIZE
+        a.st_blocks = -(-node.size // 512)
+        a.st_atime_ns = node.atime_ns
+        a.st_mtime_ns = node.mtime_ns
+        a.st_ctime_ns = node.ctime_ns
+        return a
+
+    # --- namespace ---------------------------------------------------------
+    @_translate_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        try:
+            return self._attrs(self.fs.lookup(parent_inode, name))
+        except FsError as exc:
+            if exc.errno == errno.ENOENT:
+                a = pyfuse3.EntryAttributes()  # cached negative entry
+                a.st_ino = 0
+                a.entry_timeout = self.attr_timeout
+                return a
+            raise
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        try:
+            self.fs.forget(list(inode_list))
+        except Exception:  # forget must never raise
+            log.exception("forget failed")
+
+    @_translate_errors
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(self.fs.getattr(inode))
+
+    @_translate_errors
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: Optional[int], ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        node = await self.fs.setattr(
+            inode,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return self._attrs(node)
+
+    @_translate_errors
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return self.fs.readlink(inode)
+
+    @_translate_errors
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(self.fs.mknod(parent_inode, name, mode, rdev, _ctx(ctx)))
+
+    @_translate_errors
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(self.fs.mkdir(parent_inode, name, mode, _ctx(ctx)))
+
+    @_translate_errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.fs.unlink(parent_inode, name)
+
+    @_translate_errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.fs.rmdir(parent_inode, name)
+
+    @_translate_errors
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(self.fs.symlink(parent_inode, name, target, _ctx(ctx)))
+
+    @_translate_errors
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    @_translate_errors
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(self.fs.link(inode, new_parent_inode, new_name))
+
+    # --- files -------------------------------------------------------------
+    @_translate_errors
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        fh = await self.fs.open(inode, flags)
+        # All writes pass through this mount's page cache, so it never goes stale;
+        # only a truncating open must drop it.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=not flags & os.O_TRUNC)
+
+    @_translate_errors
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        fh, node = await self.fs.create(parent_inode, name, mode, flags, _ctx(ctx))
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._attrs(node)
+
+    @_translate_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return await self.fs.read(fh, off, size)
+
+    @_translate_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.fs.write(fh, off, buf)
+
+    @_translate_errors
+    async def flush(self, fh: int) -> None:
+        await self.fs.flush(fh)
+
+    @_translate_errors
+    async def release(self, fh: int) -> None:
+        await self.fs.release(fh)
+
+    @_translate_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self.fs.fsync(fh, datasync)
+
+    # --- directories -------------------------------------------------------
+    @_translate_errors
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        self.fs.getattr(inode)
+        return inode
+
+    @_translate_errors
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        for entry, node in self.fs.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, entry.name, self._attrs(node), entry.entry_id):
+                break
+            self.fs.remember_lookup(node.id)
+
+    async def releasedir(self, fh: int) -> None:
+        return None
+
+    @_translate_errors
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self.fs.fsyncdir(fh)
+
+    @_translate_errors
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = self.fs.statfs()
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = s.block_size
+        out.f_frsize = s.block_size
+        out.f_blocks = s.blocks
+        out.f_bfree = s.blocks_free
+        out.f_bavail = s.blocks_free
+        out.f_files = s.files
+        out.f_ffree = s.files_free
+        out.f_favail = s.files_free
+        out.f_namemax = s.name_max
+        return out
+
+    # --- extended attributes: not supported, answered cleanly --------------
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
+        return []
+
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(pyfuse3.ENOATTR)

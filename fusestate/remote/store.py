@@ -1,0 +1,177 @@
+"""One thin wrapper over fsspec: whole and range reads, puts, deletes, listing.
+
+Every call is retried with exponential backoff; the async methods run the
+blocking fsspec call in a worker thread under a concurrency limit, so the trio
+event loop never waits on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, TypeVar
+
+import fsspec
+import tenacity
+import trio
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Errors that retrying cannot fix.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)
+
+
+class RemoteError(IOError):
+    """A remote call failed after the whole retry budget."""
+
+
+@dataclass
+class RemoteStats:
+    """Counters the metrics exporter and tests read."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    retries: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    latency_s: dict[str, float] = field(default_factory=dict)
+
+    def record(self, op: str, seconds: float, ok: bool) -> None:
+        self.requests[op] = self.requests.get(op, 0) + 1
+        self.latency_s[op] = self.latency_s.get(op, 0.0) + seconds
+        if not ok:
+            self.failures[op] = self.failures.get(op, 0) + 1
+
+
+class RemoteStore:
+    """Objects under one root of an fsspec filesystem."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, retries: int = 6,
+                 backoff_initial: float = 0.2, backoff_max: float = 10.0,
+                 concurrency: int = 16) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.stats = RemoteStats()
+        self._is_local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        self._limiter = trio.CapacityLimiter(concurrency)
+        self._retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(retries),
+            wait=tenacity.wait_exponential_jitter(initial=backoff_initial, max=backoff_max),
+            retry=tenacity.retry_if_not_exception_type(_PERMANENT),
+            before_sleep=self._before_retry,
+            reraise=True,
+        )
+        self.on_call: Optional[Callable[[str, str], None]] = None  # fault-injection hook for tests
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    # --- synchronous API (worker threads and offline commands) -----------
+    def _before_retry(self, state: tenacity.RetryCallState) -> None:
+        self.stats.retries += 1
+        exc = state.outcome.exception() if state.outcome else None
+        log.warning("remote call failed (attempt %d), retrying: %s", state.attempt_number, exc)
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        def attempt() -> T:
+            started = time.monotonic()
+            ok = False
+            try:
+                if self.on_call is not None:
+                    self.on_call(op, key)
+                result = fn()
+                ok = True
+                return result
+            finally:
+                self.stats.record(op, time.monotonic() - started, ok)
+
+        try:
+            return self._retrying(attempt)
+        except _PERMANENT:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise RemoteError(f"{op} {key}: {exc}") from exc
+
+    def get(self, key: str) -> bytes:
+        data = self._call("get", key, lambda: self.fs.cat_file(self.path(key)))
+        self.stats.bytes_in += len(data)
+        return data
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        data = self._call("get_range", key, lambda: self.fs.cat_file(self.path(key), start=start, end=end))
+        self.stats.bytes_in += len(data)
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write an object; atomic on every backend (temp file + rename on file://)."""
+        if self._is_local:
+            self._call("put", key, lambda: self._put_local(key, data))
+        else:
+            self._call("put", key, lambda: self.fs.pipe_file(self.path(key), data))
+        self.stats.bytes_out += len(data)
+
+    def _put_local(self, key: str, data: bytes) -> None:
+        target = self.path(key)
+        directory = os.path.dirname(target)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with_suppress_remove(tmp)
+            raise
+
+    def exists(self, key: str) -> bool:
+        return self._call("head", key, lambda: self.fs.exists(self.path(key)))
+
+    def delete(self, key: str) -> None:
+        try:
+            self._call("delete", key, lambda: self.fs.rm_file(self.path(key)))
+        except FileNotFoundError:
+            pass
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys (relative to the root) of every object under ``prefix``."""
+        base = self.path(prefix).rstrip("/")
+        try:
+            found = self._call("list", prefix, lambda: self.fs.find(base))
+        except FileNotFoundError:
+            return []
+        root_len = len(self.root.lstrip("/")) + 1
+        return sorted(p.lstrip("/")[root_len:] for p in found
+                      if not os.path.basename(p).startswith(".tmp-"))
+
+    # --- async API (the event loop) --------------------------------------
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    async def aget(self, key: str) -> bytes:
+        return await self.run(self.get, key)
+
+    async def aget_range(self, key: str, start: int, end: int) -> bytes:
+        return await self.run(self.get_range, key, start, end)
+
+    async def aput(self, key: str, data: bytes) -> None:
+        await self.run(self.put, key, data)
+
+    async def aexists(self, key: str) -> bool:
+        return await self.run(self.exists, key)
+
+    async def adelete(self, key: str) -> None:
+        await self.run(self.delete, key)
+
+
+def with_suppress_remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,83 @@
+"""In-memory state of a regular file that is open or has unsealed data.
+
+A block being written lives in ``dirty`` (a bytearray). When it fills, or on
+flush, it is *sealed*: its final bytes move to ``sealing`` while they are
+hashed and staged, then the block map points at the new object. Generations
+per block index make sure an older seal never overwrites a newer one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import trio
+
+from fusestate.meta.engine import Inode
+
+
+@dataclass
+class Sealing:
+    data: bytes
+    generation: int
+
+
+@dataclass
+class OpenFile:
+    node: Inode
+    keys: dict[int, str]                       # block index -> object key (committed)
+    handles: int = 0
+    dirty: dict[int, bytearray] = field(default_factory=dict)
+    dirty_since: dict[int, float] = field(default_factory=dict)
+    sealing: dict[int, Sealing] = field(default_factory=dict)
+    generations: dict[int, int] = field(default_factory=dict)
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    in_flight: int = 0
+    idle: trio.Event = field(default_factory=trio.Event)
+    error: Optional[str] = None                # a seal that failed; reported by flush/fsync
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    @property
+    def inode(self) -> int:
+        return self.node.id
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.handles or self.dirty or self.sealing or self.in_flight)
+
+    def next_generation(self, index: int) -> int:
+        gen = self.generations.get(index, 0) + 1
+        self.generations[index] = gen
+        return gen
+
+    def is_current(self, index: int, generation: int) -> bool:
+        return self.generations.get(index) == generation
+
+    def seal_started(self) -> None:
+        if self.in_flight == 0:
+            self.idle = trio.Event()
+        self.in_flight += 1
+
+    def seal_finished(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    def mark_dirty(self, index: int, buf: bytearray) -> None:
+        self.dirty[index] = buf
+        self.dirty_since.setdefault(index, time.monotonic())
+
+    def take_dirty(self, index: int) -> bytearray:
+        self.dirty_since.pop(index, None)
+        return self.dirty.pop(index)
+
+    def cached_bytes(self, index: int) -> Optional[bytes | bytearray]:
+        """Uncommitted content of a block, newest first."""
+        buf = self.dirty.get(index)
+        if buf is not None:
+            return buf
+        sealing = self.sealing.get(index)
+        return sealing.data if sealing is not None else None
