@@ -61,7 +61,7 @@ class RemoteStore:
         self._limiter = trio.CapacityLimiter(concurrency)
         self._retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(retries),
-            wait=tenacity.wait_exponential_jitter(initial=backoff_initial, max=backoff_max),
+            wait=tenacity.wait_exponential_jitter(multiplier=backoff_initial, max=backoff_max),
             retry=tenacity.retry_if_not_exception_type(_PERMANENT),
             before_sleep=self._before_retry,
             reraise=True,

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The main job: mount the embedded default bucket and run a RocksDB state workload on it.
+#   BUCKET_URL   bucket to mount (default: a file:// bucket under /var/lib/fusestate)
+#   MOUNTPOINT   where to mount it (default /mnt/fusestate)
+#   NUM          RocksDB keys to write (default 1000000)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+BUCKET_DIR=/var/lib/fusestate/default-bucket
+BUCKET_URL=${BUCKET_URL:-file://$BUCKET_DIR}
+MOUNTPOINT=${MOUNTPOINT:-/mnt/fusestate}
+CACHE_DIR=${CACHE_DIR:-/var/cache/fusestate/default}
+NUM=${NUM:-1000000}
+FS=.venv/bin/fusestate
+
+mkdir -p "$BUCKET_DIR" "$MOUNTPOINT"
+$FS mount "$BUCKET_URL" "$MOUNTPOINT" --cache-dir "$CACHE_DIR" --cache-size 20G
+trap '$FS umount "$MOUNTPOINT" || fusermount3 -u -z "$MOUNTPOINT"' EXIT
+
+DB="$MOUNTPOINT/rocksdb-state"
+rm -rf "$DB" "$MOUNTPOINT/checkpoint"
+echo "== RocksDB state workload on $MOUNTPOINT ($BUCKET_URL)"
+db_bench --db="$DB" --benchmarks=fillrandom,readrandom,overwrite --num="$NUM" \
+    --value_size=256 --disable_wal=1 --compression_type=none 2>&1 | grep -E "^(fillrandom|readrandom|overwrite) "
+echo "== checkpoint (hard links: metadata only)"
+ldb --db="$DB" checkpoint --checkpoint_dir="$MOUNTPOINT/checkpoint"
+ls -l "$MOUNTPOINT/checkpoint" | head -5
+echo "== fusestate status"
+$FS status "$MOUNTPOINT"

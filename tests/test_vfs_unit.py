@@ -1,0 +1,157 @@
+"""The vfs without a mount: POSIX rules and block bookkeeping, driven directly.
+
+Uses an in-memory fsspec bucket so each test runs in milliseconds; the real
+proof that features work lives in the mount tests.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import uuid
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import fsspec
+import pytest
+import trio
+
+from fusestate.blocks.caches import DiskCache, MemoryCache
+from fusestate.blocks.keys import block_key, object_name
+from fusestate.blocks.staging import Staging
+from fusestate.blocks.store import BlockStore
+from fusestate.blocks.uploader import Uploader
+from fusestate.meta.engine import ROOT_INODE
+from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.remote.store import RemoteStore
+from fusestate.vfs import FileSystem, FsError, RequestContext
+
+BS = 64 * 1024
+CTX = RequestContext(uid=0, gid=0)
+
+
+def run_fs(tmp_path: Path, body: Callable[[FileSystem, RemoteStore], Awaitable[None]], **kw) -> None:
+    async def main() -> None:
+        fs_mem = fsspec.filesystem("memory")
+        remote = RemoteStore(fs_mem, f"/vol-{uuid.uuid4().hex}", retries=2, backoff_initial=0.01)
+        meta = SQLiteEngine(str(tmp_path / "meta.db"))
+        io = trio.CapacityLimiter(4)
+        disk = DiskCache(str(tmp_path / "cache"), 64 << 20)
+        staging = Staging(str(tmp_path / "staging"))
+        uploader = Uploader(meta, remote, staging, disk, max_dirty=kw.get("max_dirty", 8 << 20),
+                            upload_delay=kw.get("upload_delay", 0.0), concurrency=2, local_io=io)
+        blocks = BlockStore(meta, remote, staging, MemoryCache(16 << 20), disk, uploader,
+                            block_size=BS, local_io=io)
+        fs = FileSystem(meta, blocks, uploader, block_size=BS)
+        async with trio.open_nursery() as nursery:
+            blocks.start(nursery)
+            fs.start(nursery)
+            await nursery.start(uploader.run)
+            await body(fs, remote)
+            nursery.cancel_scope.cancel()
+        meta.close()
+        disk.close()
+
+    trio.run(main)
+
+
+async def write_file(fs: FileSystem, name: bytes, data: bytes, parent: int = ROOT_INODE) -> int:
+    fh, node = await fs.create(parent, name, 0o644, os.O_WRONLY, CTX)
+    await fs.write(fh, 0, data)
+    await fs.flush(fh)
+    await fs.release(fh)
+    return node.id
+
+
+async def read_file(fs: FileSystem, ino: int) -> bytes:
+    fh = await fs.open(ino, os.O_RDONLY)
+    data = await fs.read(fh, 0, 1 << 30)
+    await fs.release(fh)
+    return data
+
+
+def test_blocks_are_content_addressed_and_deduplicated(tmp_path: Path) -> None:
+    data = os.urandom(3 * BS + 100)
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        a = await write_file(fs, b"a", data)
+        await fs.uploader.drain()
+        uploaded = fs.uploader.stats.uploaded_blocks
+        assert uploaded == 4
+        keys = [block_key(data[i:i + BS]) for i in range(0, len(data), BS)]
+        for key in keys:
+            assert remote.get(object_name(key))  # stored under its own hash
+        b = await write_file(fs, b"b", data)
+        await fs.uploader.drain()
+        assert fs.uploader.stats.uploaded_blocks == uploaded  # a copy uploads nothing
+        assert await read_file(fs, a) == data == await read_file(fs, b)
+        assert fs.meta.get_object(keys[0]).refcount == 2
+
+    run_fs(tmp_path, body)
+
+
+def test_zero_blocks_are_holes_and_truncate_trims(tmp_path: Path) -> None:
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        ino = await write_file(fs, b"z", bytes(2 * BS) + b"tail")
+        assert sorted(fs.meta.block_map(ino)) == [2]  # the zero blocks cost nothing
+        node = await fs.setattr(ino, size=BS + 10)
+        assert node.size == BS + 10
+        assert await read_file(fs, ino) == bytes(BS + 10)
+        await fs.setattr(ino, size=3 * BS)
+        assert await read_file(fs, ino) == bytes(3 * BS)
+
+    run_fs(tmp_path, body)
+
+
+def test_short_lived_file_never_reaches_the_bucket(tmp_path: Path) -> None:
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        ino = await write_file(fs, b"tmp", os.urandom(2 * BS))
+        fs.unlink(ROOT_INODE, b"tmp")
+        fs.forget([(ino, 1)])  # the kernel drops its reference
+        await trio.sleep(0.1)
+        assert fs.uploader.stats.uploaded_blocks == 0
+        assert fs.uploader.stats.discarded_blocks == 2
+        assert remote.list("blocks/") == []
+
+    run_fs(tmp_path, body, upload_delay=5.0)
+
+
+def test_namespace_rules(tmp_path: Path) -> None:
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        d = fs.mkdir(ROOT_INODE, b"d", 0o755, CTX)
+        assert fs.getattr(ROOT_INODE).nlink == 3
+        f = await write_file(fs, b"f", b"x", parent=d.id)
+        with pytest.raises(FsError) as e:
+            fs.rmdir(ROOT_INODE, b"d")
+        assert e.value.errno == errno.ENOTEMPTY
+        fs.link(f, ROOT_INODE, b"hard")
+        assert fs.getattr(f).nlink == 2
+        with pytest.raises(FsError) as e:
+            fs.rename(ROOT_INODE, b"d", d.id, b"inside")
+        assert e.value.errno == errno.EINVAL
+        fs.rename(d.id, b"f", ROOT_INODE, b"hard")  # same inode: nothing happens
+        assert fs.getattr(f).nlink == 2
+        fs.unlink(d.id, b"f")
+        fs.rmdir(ROOT_INODE, b"d")
+        assert fs.getattr(ROOT_INODE).nlink == 2
+        assert stat.S_ISREG(fs.lookup(ROOT_INODE, b"hard").mode)
+
+    run_fs(tmp_path, body)
+
+
+def test_unlinked_open_file_stays_readable(tmp_path: Path) -> None:
+    data = os.urandom(BS + 5)
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        ino = await write_file(fs, b"f", data)
+        fh = await fs.open(ino, os.O_RDONLY)
+        fs.unlink(ROOT_INODE, b"f")
+        assert await fs.read(fh, 0, 1 << 20) == data
+        await fs.release(fh)
+        assert fs.getattr(ino).nlink == 0  # the kernel still holds a reference
+        fs.forget([(ino, 1)])
+        with pytest.raises(FsError):
+            fs.getattr(ino)
+
+    run_fs(tmp_path, body)
