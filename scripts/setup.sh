@@ -19,6 +19,11 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e '.[test]'
+log=$(mktemp)
+if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[test]'; } >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "setup: pip install failed" >&2
+    exit 1
+fi
+rm -f "$log"
 echo "fusestate is installed in $(pwd)/.venv"

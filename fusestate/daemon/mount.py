@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import logging
@@ -211,6 +212,8 @@ class Daemon:
     async def unmount(self, force: bool = False) -> None:
         """Flush while still mounted, then unmount (lazily if forced and busy)."""
         notify_systemd("STOPPING=1")
+        # Pages the kernel still holds for open files come to us now, while we can store them.
+        await trio.to_thread.run_sync(_syncfs, self.cfg.mountpoint)
         await self._flush_everything()
         result = await trio.to_thread.run_sync(_fusermount, self.cfg.mountpoint, False)
         if result is not None and force:
@@ -301,6 +304,20 @@ class Daemon:
             self.meta.close()
 
 
+def _syncfs(mountpoint: str) -> None:
+    """Make the kernel write back its dirty pages of this mount (to this daemon)."""
+    try:
+        fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        log.warning("cannot open %s to sync it: %s", mountpoint, exc)
+        return
+    try:
+        if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
+            log.warning("syncfs of %s failed: %s", mountpoint, os.strerror(ctypes.get_errno()))
+    finally:
+        os.close(fd)
+
+
 def _fusermount(mountpoint: str, lazy: bool) -> Optional[str]:
     """Unmount; returns None on success or the tool's complaint."""
     cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]
@@ -328,7 +345,16 @@ def run_foreground(cfg: MountConfig, ready_fd: Optional[int] = None) -> None:
     daemon = Daemon(cfg, ready_fd)
     try:
         daemon.prepare()
-        trio.run(daemon.serve)
+        try:
+            trio.run(daemon.serve)
+        except BaseExceptionGroup as group:
+            # A UserError raised inside a nursery arrives wrapped; hand it on as itself.
+            matched, rest = group.split(UserError)
+            if matched is None or rest is not None:
+                raise
+            while isinstance(matched, BaseExceptionGroup):
+                matched = matched.exceptions[0]
+            raise matched from None
     finally:
         if hasattr(daemon, "meta"):
             daemon.close()

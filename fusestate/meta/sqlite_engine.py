@@ -9,6 +9,7 @@ touches SQLite.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sqlite3
 import stat
@@ -17,6 +18,7 @@ from collections import OrderedDict
 from typing import Iterator, Optional
 
 from fusestate.meta.engine import ROOT_INODE, DirEntry, Inode, ObjectInfo
+from fusestate.meta.journal import JOURNAL_SCHEMA, Change
 
 SCHEMA_VERSION = 1
 
@@ -35,7 +37,7 @@ CREATE TABLE IF NOT EXISTS entries (
 );
 CREATE INDEX IF NOT EXISTS entries_by_inode ON entries (inode);
 CREATE TABLE IF NOT EXISTS blocks (
-    inode INTEGER NOT NULL, idx INTEGER NOT NULL, key TEXT NOT NULL,
+    inode INTEGER NOT NULL, idx INTEGER NOT NULL, key TEXT NOT NULL, size INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (inode, idx)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS blocks_by_key ON blocks (key);
@@ -59,6 +61,7 @@ class SQLiteEngine:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=OFF")
         self._db.executescript(_SCHEMA)
+        self._db.executescript(JOURNAL_SCHEMA)
         self._depth = 0
         self._cache: OrderedDict[int, Inode] = OrderedDict()
         self._cache_size = inode_cache_size
@@ -113,6 +116,47 @@ class SQLiteEngine:
         with contextlib.suppress(sqlite3.Error):
             self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self._db.close()
+
+    # --- journal ------------------------------------------------------------
+    def journal_last_seq(self) -> int:
+        row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name='journal'").fetchone()
+        return row[0] if row else 0
+
+    def journal_tail(self, after_seq: int, limit: int = 1_000_000) -> list[Change]:
+        rows = self._db.execute(
+            "SELECT seq, tbl, op, rowkey, image FROM journal WHERE seq>? ORDER BY seq LIMIT ?", (after_seq, limit)
+        ).fetchall()
+        return [Change(seq, tbl, op, rowkey, json.loads(image) if image else None)
+                for seq, tbl, op, rowkey, image in rows]
+
+    def journal_pending(self, after_seq: int) -> int:
+        return self._db.execute("SELECT COUNT(*) FROM journal WHERE seq>?", (after_seq,)).fetchone()[0]
+
+    def journal_trim(self, upto_seq: int) -> None:
+        self._db.execute("DELETE FROM journal WHERE seq<=?", (upto_seq,))
+
+    def journal_continue_from(self, seq: int) -> None:
+        """Make the next journal entry follow ``seq`` (after a restore)."""
+        self._db.execute("DELETE FROM sqlite_sequence WHERE name='journal'")
+        self._db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('journal', ?)", (seq,))
+
+    def snapshot_copy(self, path: str) -> int:
+        """A compact, consistent copy of the metadata; returns the journal sequence it covers.
+
+        Uses its own connection, so it can run in a worker thread.
+        """
+        source = sqlite3.connect(self.path)
+        target = sqlite3.connect(path, isolation_level=None)
+        try:
+            source.backup(target)
+            row = target.execute("SELECT seq FROM sqlite_sequence WHERE name='journal'").fetchone()
+            seq = row[0] if row else 0
+            target.execute("DELETE FROM journal")
+            target.execute("VACUUM")
+            return seq
+        finally:
+            target.close()
+            source.close()
 
     # --- settings ---------------------------------------------------------
     def get_setting(self, key: str) -> Optional[str]:
@@ -237,8 +281,8 @@ class SQLiteEngine:
                 return freed
             if key is not None:
                 self._incref(key, size)
-                self._db.execute("INSERT OR REPLACE INTO blocks (inode, idx, key) VALUES (?, ?, ?)",
-                                 (inode, index, key))
+                self._db.execute("INSERT OR REPLACE INTO blocks (inode, idx, key, size) VALUES (?, ?, ?, ?)",
+                                 (inode, index, key, size))
             else:
                 self._db.execute("DELETE FROM blocks WHERE inode=? AND idx=?", (inode, index))
             if old is not None:

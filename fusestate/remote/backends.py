@@ -8,6 +8,8 @@ from typing import Any, Optional
 from urllib.parse import urlparse
 
 import fsspec
+import fsspec.asyn
+import fsspec.exceptions
 
 from fusestate.errors import UserError
 
@@ -78,8 +80,12 @@ def make_filesystem(location: BucketLocation, endpoint_url: Optional[str] = None
     return fsspec.filesystem("gs", **kwargs)
 
 
-def check_bucket(fs: fsspec.AbstractFileSystem, location: BucketLocation) -> None:
-    """Fail with one clear line if the bucket is missing, forbidden or unreachable."""
+def check_bucket(fs: fsspec.AbstractFileSystem, location: BucketLocation, deadline: float = 30.0) -> None:
+    """Fail with one clear line if the bucket is missing, forbidden or unreachable.
+
+    The clients retry on their own (gcsfs backs off for half a minute per request),
+    so the whole check is bounded by ``deadline`` seconds.
+    """
     if location.scheme == "file":
         if not os.path.isdir(location.bucket):
             raise UserError(f"bucket directory {location.bucket} does not exist (create it first)")
@@ -89,7 +95,12 @@ def check_bucket(fs: fsspec.AbstractFileSystem, location: BucketLocation) -> Non
     if location.scheme == "memory":
         return
     try:
-        fs.ls(location.bucket, detail=False)
+        if getattr(fs, "async_impl", False):
+            fsspec.asyn.sync(fs.loop, fs._ls, location.bucket, detail=False, timeout=deadline)
+        else:
+            fs.ls(location.bucket, detail=False)
+    except fsspec.exceptions.FSTimeoutError:
+        raise UserError(f"cannot reach bucket {location.bucket!r}: no answer within {deadline:g} s") from None
     except FileNotFoundError:
         raise UserError(f"bucket {location.bucket!r} does not exist at {location.url}") from None
     except PermissionError as exc:
@@ -108,5 +119,5 @@ def open_bucket(url: str, endpoint_url: Optional[str] = None, timeout: float = 3
     location = parse_url(url)
     fs = make_filesystem(location, endpoint_url, timeout)
     if check:
-        check_bucket(fs, location)
+        check_bucket(fs, location, timeout)
     return fs, location

@@ -173,6 +173,8 @@ class FileSystem:
     # --- namespace ---------------------------------------------------------------
     def lookup(self, parent: int, name: bytes) -> Inode:
         self._dir(parent)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)  # not ENOENT: no such name can exist
         if name == b".":
             ino = parent
         elif name == b"..":
@@ -417,8 +419,9 @@ class FileSystem:
         f = self._file(node)
         try:
             async with f.lock:
-                self._truncate_locked(f, size)
-                if size % self.block_size and size < f.node.size:
+                old_size = f.node.size
+                self._truncate_locked(f, size)  # lowers f.node.size already
+                if size % self.block_size and size < old_size:
                     index = size // self.block_size
                     buf = await self._dirty_block(f, index)
                     del buf[size % self.block_size:]

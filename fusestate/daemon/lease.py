@@ -1,0 +1,132 @@
+"""One writer per volume: a lease with an epoch, kept in the bucket.
+
+Each read-write mount creates ``lease/<epoch>.json`` for a new epoch with a
+create-only write (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, an
+exclusive link on file://), so two nodes can never own the same epoch. The
+holder renews its own file by heartbeat. A mount is refused while another
+holder's lease is fresh, unless ``--takeover`` says that holder is gone.
+A holder that finds a newer epoch has been fenced off and stops writing.
+
+Each lease also records ``starts_after``: the journal sequence the new epoch
+continued from. Journal segments of an older epoch past that point were
+written late by a fenced holder; restore ignores them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from fusestate.errors import UserError
+from fusestate.remote.store import RemoteStore
+
+log = logging.getLogger(__name__)
+
+LEASE_PREFIX = "lease/"
+DEFAULT_TTL = 30.0
+
+
+class LeaseLost(Exception):
+    """A newer epoch exists: another holder took the volume over."""
+
+
+@dataclass
+class LeaseRecord:
+    epoch: int
+    holder: str
+    host: str
+    pid: int
+    starts_after: int
+    expires_at: float
+
+    @property
+    def key(self) -> str:
+        return lease_key(self.epoch)
+
+    def describe(self) -> str:
+        return f"{self.holder} (host {self.host}, pid {self.pid}, epoch {self.epoch})"
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), indent=2).encode()
+
+
+def lease_key(epoch: int) -> str:
+    return f"{LEASE_PREFIX}{epoch:08d}.json"
+
+
+def read_leases(remote: RemoteStore) -> list[LeaseRecord]:
+    """Every lease ever taken on the volume, oldest epoch first."""
+    records = []
+    for key in remote.list(LEASE_PREFIX):
+        if not key.endswith(".json"):
+            continue
+        try:
+            records.append(LeaseRecord(**json.loads(remote.get(key))))
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            log.warning("ignoring unreadable lease %s: %s", key, exc)
+    return sorted(records, key=lambda r: r.epoch)
+
+
+def epoch_starts(remote: RemoteStore) -> dict[int, int]:
+    return {r.epoch: r.starts_after for r in read_leases(remote)}
+
+
+class Lease:
+    def __init__(self, remote: RemoteStore, holder: str, ttl: float = DEFAULT_TTL) -> None:
+        self.remote = remote
+        self.holder = holder
+        self.ttl = ttl
+        self.record: Optional[LeaseRecord] = None
+        self.lost = False
+
+    @staticmethod
+    def make_holder_id() -> str:
+        return f"{socket.gethostname()}:{os.urandom(4).hex()}"
+
+    def current(self) -> Optional[LeaseRecord]:
+        leases = read_leases(self.remote)
+        return leases[-1] if leases else None
+
+    def acquire(self, starts_after: int, takeover: bool, previous: Optional[LeaseRecord]) -> LeaseRecord:
+        """Take a new epoch; refuse while another holder's lease is fresh."""
+        now = time.time()
+        if previous is not None and previous.holder != self.holder and previous.expires_at > now and not takeover:
+            raise UserError(
+                f"volume is held by {previous.describe()}; its lease expires in "
+                f"{previous.expires_at - now:.0f} s. Use --takeover if that holder is gone, "
+                "or --read-only to mount it read-only"
+            )
+        epoch = (previous.epoch if previous else 0) + 1
+        record = LeaseRecord(epoch=epoch, holder=self.holder, host=socket.gethostname(), pid=os.getpid(),
+                             starts_after=starts_after, expires_at=now + self.ttl)
+        if not self.remote.put_if_absent(record.key, record.encode()):
+            raise UserError("another node took the volume at the same moment; try again")
+        if previous is not None and previous.holder != self.holder:
+            log.warning("took the volume over from %s (new epoch %d)", previous.describe(), epoch)
+        self.record = record
+        return record
+
+    def renew(self) -> None:
+        """Heartbeat: extend our lease, or find out we were fenced off."""
+        assert self.record is not None
+        newest = self.current()
+        if newest is not None and newest.epoch > self.record.epoch:
+            self.lost = True
+            raise LeaseLost(f"the volume was taken over by {newest.describe()}")
+        self.record.expires_at = time.time() + self.ttl
+        self.remote.put(self.record.key, self.record.encode())
+
+    def release(self) -> None:
+        """Let the next mount in at once (clean unmount)."""
+        if self.record is None or self.lost:
+            return
+        newest = self.current()
+        if newest is not None and newest.epoch > self.record.epoch:
+            return
+        self.record.expires_at = 0.0
+        self.remote.put(self.record.key, self.record.encode())

@@ -1,0 +1,72 @@
+"""Rebuild a volume's metadata from the bucket: the newest valid snapshot plus the journal after it.
+
+Only metadata moves; blocks stay in the bucket until something reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+from dataclasses import dataclass
+from typing import Optional
+
+from fusestate.meta import journal
+from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.remote.store import RemoteStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    seq: int                  # last journal sequence applied
+    snapshot: Optional[str]
+    segments: int
+    bytes_fetched: int
+
+
+def restore_metadata(remote: RemoteStore, path: str, epochs: dict[int, int]) -> RestoreResult:
+    """Write the volume's latest consistent metadata to ``path`` (replacing it)."""
+    for suffix in ("", "-wal", "-shm", ".restore", ".restore-wal", ".restore-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + suffix)
+    keys = remote.list("meta/")
+    history = journal.History(epochs)
+    base, chain = history.restore_plan(journal.parse_snapshots(keys), journal.parse_segments(keys))
+    tmp = path + ".restore"
+    fetched = 0
+    if base is not None:
+        data = remote.get(base.key)
+        fetched += len(data)
+        with open(tmp, "wb") as f:
+            f.write(data)
+    SQLiteEngine(tmp).close()  # creates the schema (and the root) if there was no snapshot
+    seq = base.seq if base else 0
+    db = sqlite3.connect(tmp, isolation_level=None)
+    try:
+        db.execute("BEGIN")
+        for seg in chain:
+            data = remote.get(seg.key)
+            fetched += len(data)
+            journal.apply_changes(db, journal.decode_segment(data))
+            seq = seg.last
+        journal.rebuild_objects(db)
+        db.execute("DELETE FROM journal")
+        db.execute("DELETE FROM sqlite_sequence WHERE name='journal'")
+        db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('journal', ?)", (seq,))
+        for key, value in (("shipped_seq", seq), ("snapshot_seq", base.seq if base else 0),
+                           ("oldest_snapshot_seq", base.seq if base else 0)):
+            db.execute("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)", (key, str(value)))
+        db.execute("COMMIT")
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        db.close()
+    for suffix in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(tmp + suffix, path + suffix)
+    os.replace(tmp, path)
+    log.info("restored metadata: snapshot %s + %d journal segments up to seq %d (%d bytes)",
+             base.key if base else None, len(chain), seq, fetched)
+    return RestoreResult(seq, base.key if base else None, len(chain), fetched)

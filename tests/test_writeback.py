@@ -1,0 +1,344 @@
+"""Write-back, durability, caches and crash safety, observed through real mounts."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import Bucket, Mount, is_mounted
+
+MiB = 1 << 20
+BLOCK = 4 * MiB
+
+
+# --- helpers -------------------------------------------------------------------------
+
+def rand(size: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def block_keys(data: bytes, block_size: int = BLOCK) -> set[str]:
+    """Object keys of a file written from offset 0: sha256 of each block (the last one short)."""
+    keys = set()
+    for start in range(0, len(data), block_size):
+        chunk = data[start:start + block_size]
+        if chunk.count(0) != len(chunk):
+            keys.add(hashlib.sha256(chunk).hexdigest())
+    return keys
+
+
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(MiB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def write_file(path: Path, data: bytes, fsync: bool = False) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def drop_page_cache() -> None:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def staged_files(m: Mount) -> set[str]:
+    staging = m.cache_dir / "staging"
+    return {n for n in os.listdir(staging) if not n.startswith(".tmp-")} if staging.exists() else set()
+
+
+# --- dedup ---------------------------------------------------------------------------------
+
+def test_copy_inside_the_mount_is_deduplicated(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket).mount()
+    data = rand(64 * MiB, 1)
+    write_file(m.path / "orig", data, fsync=True)
+    wait_for(lambda: m.status()["writeback"]["staged_blocks"] == 0, what="uploads")
+    objects = file_bucket.block_objects()
+    assert block_keys(data) <= objects
+    before = m.status()
+
+    shutil.copyfile(m.path / "orig", m.path / "copy")
+    (m.path / "sub").mkdir()
+    shutil.copyfile(m.path / "orig", m.path / "sub" / "copy2")
+
+    after = m.status()
+    for counter in ("uploaded_blocks", "uploaded_bytes", "staged_blocks", "staged_bytes"):
+        assert after["writeback"][counter] == before["writeback"][counter], counter
+    assert after["remote"]["bytes_out"] == before["remote"]["bytes_out"]
+    m.umount()
+    assert file_bucket.block_objects() == objects
+
+    m.mount()
+    for name in ("orig", "copy", "sub/copy2"):
+        assert digest(m.path / name) == sha(data), name
+    # The copies did not add blocks to the disk cache either (slack for its index database).
+    assert m.status()["cache"]["disk_bytes"] < before["cache"]["disk_bytes"] + MiB
+
+
+# --- fsync and durability ---------------------------------------------------------------------
+
+def test_fsync_remote_uploads_before_returning(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket, extra=["--upload-delay", "30"]).mount()
+    data = rand(13 * MiB + 12345, 2)
+    keys = block_keys(data)
+    fd = os.open(m.path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        assert not keys & file_bucket.block_objects()  # the upload delay holds them back
+        os.fsync(fd)
+        assert keys <= file_bucket.block_objects()     # only fsync can have sent them
+    finally:
+        os.close(fd)
+    st = m.status()["writeback"]
+    assert st["staged_blocks"] == 0
+    assert st["uploaded_blocks"] == len(keys)
+
+
+def test_fsync_local_stages_and_survives_a_crash(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket, extra=["--durability", "local", "--upload-delay", "30"]).mount()
+    data = rand(10 * MiB + 5, 3)
+    keys = block_keys(data)
+    with open(m.path / "f", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        assert not keys & file_bucket.block_objects()
+        assert keys <= staged_files(m)
+    assert not keys & file_bucket.block_objects()
+
+    m.kill()
+    assert not keys & file_bucket.block_objects()
+    m.mount()
+    assert digest(m.path / "f") == sha(data)
+    m.umount()
+    assert keys <= file_bucket.block_objects()
+    assert staged_files(m) == set()
+
+
+def test_short_lived_file_never_reaches_the_bucket(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket, extra=["--upload-delay", "5"]).mount()
+    data = rand(10 * MiB, 4)
+    keys = block_keys(data)
+    started = time.monotonic()
+    write_file(m.path / "tmp", data)
+    os.unlink(m.path / "tmp")
+    assert time.monotonic() - started < 2.5  # well inside the upload delay
+    wait_for(lambda: m.status()["writeback"]["discarded_blocks"] >= len(keys), timeout=4.0,
+             what="the deleted file's blocks to be discarded")
+    st = m.status()["writeback"]
+    assert st["discarded_blocks"] > 0
+    assert st["staged_blocks"] == 0
+    assert st["uploaded_blocks"] == 0
+    m.umount()
+    assert not keys & file_bucket.block_objects()
+    assert staged_files(m) == set()
+
+
+# --- backpressure ---------------------------------------------------------------------------------
+
+def test_backpressure_slows_writers_without_failing_them(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket, extra=["--max-dirty", "16M", "--cache-size", "1G"]).mount()
+    expected = hashlib.sha256()
+    chunk = rand(MiB, 5)
+    with open(m.path / "big", "wb") as f:
+        for i in range(200):
+            piece = bytes([i]) + chunk[1:]  # every block different
+            f.write(piece)
+            expected.update(piece)
+    st = m.status()["writeback"]
+    assert st["max_dirty"] == 16 * MiB
+    assert st["backpressure_waits"] > 0
+    assert st["upload_failures"] == 0
+    m.umount()
+    m.wipe_cache()
+    m.mount()
+    assert digest(m.path / "big") == expected.hexdigest()
+
+
+# --- shutdown -------------------------------------------------------------------------------------
+
+def test_sigterm_flushes_everything(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket, extra=["--upload-delay", "30"]).mount()
+    files = {"a": rand(9 * MiB + 1, 6), "b": rand(100_000, 7), "dir/c": rand(4 * MiB, 8)}
+    (m.path / "dir").mkdir()
+    for name, data in files.items():
+        write_file(m.path / name, data)
+    status = m.status()
+    assert status["writeback"]["staged_blocks"] > 0
+    pid = status["pid"]
+    os.kill(pid, signal.SIGTERM)
+    m._wait_exit(timeout=60)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not is_mounted(m.path)
+
+    m.wipe_cache()
+    m.mount()
+    for name, data in files.items():
+        assert digest(m.path / name) == sha(data), name
+
+
+def test_sigterm_keeps_what_was_written_to_a_file_still_open(make_mount, file_bucket: Bucket) -> None:
+    """An open file makes the mount busy: the daemon detaches it lazily, after taking the
+    pages the kernel still held for that file."""
+    m: Mount = make_mount(file_bucket, extra=["--upload-delay", "30"]).mount()
+    closed = rand(5 * MiB, 12)
+    write_file(m.path / "closed", closed)
+    still_open = rand(300_000, 13)
+    fd = os.open(m.path / "open", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert os.write(fd, still_open) == len(still_open)
+        os.kill(m.pid, signal.SIGTERM)
+        m._wait_exit(timeout=60)
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass  # the mount is gone under it
+    assert not is_mounted(m.path)
+
+    m.wipe_cache()
+    m.mount()
+    assert digest(m.path / "closed") == sha(closed)
+    assert (m.path / "open").read_bytes() == still_open
+
+
+# --- caches ----------------------------------------------------------------------------------------
+
+def test_corrupt_disk_cache_is_detected_and_refetched(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket).mount()
+    data = rand(12 * MiB + 100, 9)
+    write_file(m.path / "f", data)
+    m.umount()  # uploaded blocks move into the disk cache
+
+    values = list((m.cache_dir / "blocks").rglob("*.val"))
+    assert len(values) >= len(block_keys(data))
+    for path in values:
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    m.mount()  # a new daemon: the memory cache is empty
+    drop_page_cache()
+    assert digest(m.path / "f") == sha(data)
+    st = m.status()
+    assert st["cache"]["disk_corrupt"] > 0
+    assert st["remote"]["bytes_in"] >= len(data) // 2
+
+    # The good copies fetched again replaced the corrupt ones.
+    m.umount()
+    m.mount()
+    drop_page_cache()
+    bytes_in = m.status()["remote"]["bytes_in"]  # the volume descriptor
+    assert digest(m.path / "f") == sha(data)
+    st = m.status()
+    assert st["cache"]["disk_corrupt"] == 0
+    assert st["remote"]["bytes_in"] == bytes_in
+
+
+def _fresh_node_with(m: Mount, name: str, data: bytes) -> None:
+    m.mount()
+    write_file(m.path / name, data)
+    m.umount()
+    m.wipe_cache()
+    m.mount()
+
+
+def test_small_cold_read_uses_a_range_read(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket)
+    data = rand(16 * MiB, 10)
+    _fresh_node_with(m, "f", data)
+    offset = 8 * MiB + 3 * 4096
+    fd = os.open(m.path / "f", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        assert os.pread(fd, 4096, offset) == data[offset:offset + 4096]
+    finally:
+        os.close(fd)
+    st = m.status()["remote"]
+    assert st["range_reads"] >= 1
+    assert st["bytes_in"] < 2 * BLOCK  # the range read plus at most the block fetched behind it
+
+
+def test_sequential_read_prefetches(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket)
+    data = rand(32 * MiB, 11)
+    _fresh_node_with(m, "f", data)
+    assert digest(m.path / "f") == sha(data)
+    st = m.status()["remote"]
+    assert st["prefetches"] > 0
+
+
+# --- crash safety -----------------------------------------------------------------------------------
+
+def _write_fsynced_files(m: Mount) -> dict[str, bytes]:
+    (m.path / "d").mkdir()
+    files = {}
+    for i in range(20):
+        name = f"d/f{i:02d}" if i % 2 else f"f{i:02d}"
+        files[name] = rand(i * 300_000 + 1, 100 + i)
+        write_file(m.path / name, files[name], fsync=True)
+    return files
+
+
+def _check_files(m: Mount, files: dict[str, bytes]) -> None:
+    present = sorted(str(p.relative_to(m.path)) for p in m.path.rglob("*") if p.is_file())
+    assert present == sorted(files)
+    for name, data in files.items():
+        assert (m.path / name).read_bytes() == data, name
+
+
+def test_crash_after_fsync_keeps_every_file(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket).mount()
+    files = _write_fsynced_files(m)
+    m.kill()
+    # Every fsync returned only once its data was in the bucket.
+    assert set().union(*(block_keys(d) for d in files.values())) <= file_bucket.block_objects()
+    m.mount()
+    _check_files(m, files)
+    m.umount()
+
+
+@pytest.mark.xfail(
+    reason="metadata comes back only from the snapshot shipped at a clean unmount: after a crash "
+           "that also loses the cache dir, the namespace written since the last unmount is gone "
+           "even though its blocks are in the bucket (needs a metadata journal in the bucket)",
+    raises=AssertionError,
+)
+def test_crash_after_fsync_then_losing_the_cache_dir(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket).mount()
+    files = _write_fsynced_files(m)
+    m.kill()
+    m.wipe_cache()
+    m.mount()
+    _check_files(m, files)
