@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--allow-other", action="store_true", help="let other users use the mount")
     m.add_argument("--read-only", action="store_true")
     m.add_argument("--takeover", action="store_true", help="take the volume over from a dead holder")
+    m.add_argument("--prefetch", action="store_true", help="fetch the whole volume into the cache in the background")
+    m.add_argument("--journal-interval", type=float, default=2.0,
+                   help="seconds between metadata journal shipments; fsync ships at once (default %(default)s)")
+    m.add_argument("--gc-grace", type=float, default=3600.0,
+                   help="seconds an unreferenced block is kept before deletion (default %(default)s)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
     m.add_argument("--attr-timeout", type=float, default=10.0, help="kernel attribute cache seconds (default %(default)s)")
     m.add_argument("--debug", action="store_true", help="verbose logging")
@@ -70,7 +75,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         endpoint_url=args.endpoint_url, metrics_addr=args.metrics_addr,
         allow_other=args.allow_other, read_only=args.read_only, takeover=args.takeover,
         foreground=args.foreground, attr_timeout=args.attr_timeout, debug=args.debug,
-        fuse_options=args.fuse_options,
+        fuse_options=args.fuse_options, prefetch=args.prefetch,
+        journal_interval=args.journal_interval, gc_grace=args.gc_grace,
     )
 
 

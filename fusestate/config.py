@@ -53,6 +53,10 @@ class MountConfig:
     remote_timeout: float = 30.0
     remote_retries: int = 6
     gc_grace: float = 3600.0                 # seconds an unreferenced block is kept
+    gc_interval: float = 300.0               # seconds between garbage collection passes
+    journal_interval: float = 2.0            # seconds between journal shipments (fsync ships at once)
+    lease_ttl: float = 30.0                  # seconds a lease stays valid without a heartbeat
+    prefetch: bool = False                   # fetch the whole volume into the cache after mounting
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
 

@@ -75,7 +75,8 @@ class Uploader:
         self._room = trio.Event()
         self.staged_bytes = 0
         self.memory_dirty_bytes: Callable[[], int] = lambda: 0
-        self._closing = False
+        self._pins: dict[str, int] = {}
+        self.deleting: dict[str, trio.Event] = {}  # blocks the garbage collector is deleting
 
     # --- state ------------------------------------------------------------
     @property
@@ -122,11 +123,24 @@ class Uploader:
     def expedite_all(self) -> None:
         self.expedite(list(self._pending))
 
+    def pin(self, keys: list[str]) -> None:
+        """Blocks a metadata journal segment references: upload them even if freed meanwhile."""
+        for key in keys:
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, keys: list[str]) -> None:
+        for key in keys:
+            left = self._pins.get(key, 0) - 1
+            if left > 0:
+                self._pins[key] = left
+            else:
+                self._pins.pop(key, None)
+
     def discard(self, key: str) -> None:
         """A block no longer referenced before its upload: drop it, it never reaches the bucket."""
         p = self._pending.get(key)
-        if p is None or p.uploading:
-            return  # uploading: the worker notices the freed object when it finishes
+        if p is None or p.uploading or key in self._pins:
+            return  # uploading or pinned: it is uploaded, then left to the garbage collector
         del self._pending[key]
         self.staged_bytes -= p.size
         self.stats.discarded_blocks += 1
@@ -232,7 +246,7 @@ class Uploader:
         p = self._pending[key]
         try:
             info = self.meta.get_object(key)
-            if info is not None and info.refcount <= 0 and not info.uploaded:
+            if info is not None and info.refcount <= 0 and not info.uploaded and key not in self._pins:
                 self.meta.forget_objects([key])  # freed while queued: never upload it
                 self.stats.discarded_blocks += 1
                 info = None
@@ -241,6 +255,8 @@ class Uploader:
                 if data is None:
                     raise UploadFailed(f"staged block {key[:16]} vanished from the staging area")
                 name = object_name(key)
+                if key in self.deleting:  # same bytes written again while being collected
+                    await self.deleting[key].wait()
                 if await self.remote.aexists(name):
                     self.stats.dedup_skipped += 1
                 else:

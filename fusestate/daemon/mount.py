@@ -24,9 +24,13 @@ from fusestate.blocks.store import BlockStore
 from fusestate.blocks.uploader import Uploader
 from fusestate.config import MountConfig
 from fusestate.daemon import control, volume
+from fusestate.daemon.lease import Lease, LeaseLost, read_leases
 from fusestate.daemon.paths import CacheLayout, control_socket
 from fusestate.errors import UserError
 from fusestate.fuse.adapter import FuseOperations
+from fusestate.blocks.keys import object_name
+from fusestate.meta.restore import restore_metadata
+from fusestate.meta.shipper import JournalShipper
 from fusestate.meta.sqlite_engine import SQLiteEngine
 from fusestate.remote import RemoteStore, open_bucket
 from fusestate.vfs import FileSystem
@@ -86,6 +90,9 @@ class Daemon:
         self.ready_fd = ready_fd
         self.started_at = time.time()
         self._finished: Optional[trio.Event] = None  # created inside trio.run
+        self.gc_deleted = 0
+        self.restored = None
+        self.lease: Optional[Lease] = None
 
     # --- setup (before trio) ------------------------------------------------------
     def prepare(self) -> None:
@@ -113,10 +120,18 @@ class Daemon:
                              durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
                              read_only=cfg.read_only)
         self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
+        epoch = self.lease.record.epoch if self.lease and self.lease.record else 0
+        self.shipper = JournalShipper(self.meta, self.remote, self.uploader, epoch,
+                                      interval=cfg.journal_interval)
+        if not cfg.read_only:
+            self.fs.ship_metadata = self.shipper.wait_shipped
 
     def _open_metadata(self) -> SQLiteEngine:
-        """Local metadata if this cache dir belongs to the volume, else the newest snapshot."""
-        layout = self.layout
+        """Local metadata if this node was the volume's last writer, else restore from the bucket.
+
+        Takes the volume's lease (a new epoch) for a read-write mount.
+        """
+        layout, cfg = self.layout, self.cfg
         known: dict[str, Any] = {}
         with contextlib.suppress(FileNotFoundError, ValueError), open(layout.volume_file) as f:
             known = json.load(f)
@@ -125,18 +140,37 @@ class Daemon:
                 f"cache dir {layout.root} belongs to another volume ({known.get('url')}); "
                 "use a separate --cache-dir per volume"
             )
-        if not os.path.exists(layout.metadata):
-            for leftover in (layout.metadata + "-wal", layout.metadata + "-shm"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(leftover)
-            restored = volume.restore_metadata(self.remote, layout.metadata)
-            if restored:
-                log.info("restored metadata from %s", restored)
-            # A fresh metadata database cannot vouch for blocks staged by an older one.
+        leases = read_leases(self.remote)
+        current = leases[-1] if leases else None
+        epochs = {r.epoch: r.starts_after for r in leases}
+        if cfg.read_only:
+            path = os.path.join(layout.root, "meta-readonly.db")
+            self.restored = restore_metadata(self.remote, path, epochs)
+            self.lease = None
+            return SQLiteEngine(path)
+
+        holder = known.get("holder") or Lease.make_holder_id()
+        self.lease = Lease(self.remote, holder, ttl=cfg.lease_ttl)
+        if current is not None and current.holder != holder and current.expires_at > time.time() \
+                and not cfg.takeover:
+            self.lease.acquire(0, False, current)  # raises the clear "held by" error
+        ours = current is not None and known.get("epoch") == current.epoch and current.holder == holder
+        if os.path.exists(layout.metadata) and (ours or (current is None and not leases)):
+            meta = SQLiteEngine(layout.metadata)
+            self.restored = None
+        else:
+            if os.path.exists(layout.metadata):
+                log.warning("local metadata in %s is older than the volume's (epoch %s); restoring from the bucket",
+                            layout.root, current.epoch if current else "?")
+            self.restored = restore_metadata(self.remote, layout.metadata, epochs)
+            # Blocks staged by older local metadata are not part of the restored history.
             shutil.rmtree(layout.staging, ignore_errors=True)
+            meta = SQLiteEngine(layout.metadata)
+        record = self.lease.acquire(int(meta.get_setting("shipped_seq") or 0), cfg.takeover, current)
         with open(layout.volume_file, "w") as f:
-            json.dump({"volume_id": self.volume.volume_id, "url": self.cfg.url}, f)
-        return SQLiteEngine(layout.metadata)
+            json.dump({"volume_id": self.volume.volume_id, "url": cfg.url, "holder": holder,
+                       "epoch": record.epoch}, f)
+        return meta
 
     # --- serving ------------------------------------------------------------------
     def fuse_options(self) -> set[str]:
@@ -160,6 +194,12 @@ class Daemon:
             requeued = await self.uploader.recover()
             if requeued:
                 log.info("crash recovery: %d staged blocks queued for upload", requeued)
+            if not self.cfg.read_only:
+                await nursery.start(self.shipper.run)
+                nursery.start_soon(self._heartbeat)
+                nursery.start_soon(self._collect_garbage_loop)
+            if self.cfg.prefetch:
+                nursery.start_soon(self._prefetch_everything)
             await nursery.start(control.serve, control_socket(self.cfg.mountpoint), self.handle_control)
             try:
                 pyfuse3.init(self.ops, self.cfg.mountpoint, self.fuse_options())
@@ -195,13 +235,75 @@ class Daemon:
         await self.fs.sync_metadata()
 
     async def _ship_snapshot(self) -> None:
-        if self.cfg.read_only:
+        """Final journal segment and snapshot, then let the next holder in at once."""
+        if self.cfg.read_only or self.shipper.stopped:
             return
         try:
-            key = await self.remote.run(volume.upload_snapshot, self.remote, self.meta)
-            log.info("metadata snapshot %s shipped", key)
+            await self.shipper.ship()
+            await self.shipper.snapshot()
+            await self.remote.run(self.lease.release)
         except Exception as exc:  # noqa: BLE001 - local metadata still has everything
-            log.error("could not ship the metadata snapshot: %s", exc)
+            log.error("could not ship the final metadata: %s", exc)
+
+    async def _heartbeat(self) -> None:
+        """Renew the lease; a newer epoch means we were fenced off: stop writing."""
+        assert self.lease is not None
+        while True:
+            await trio.sleep(self.lease.ttl / 3)
+            try:
+                await self.remote.run(self.lease.renew)
+            except LeaseLost as exc:
+                log.error("%s: this mount is now read-only and ships nothing more", exc)
+                self.fs.read_only = True
+                self.shipper.stopped = True
+                return
+            except Exception as exc:  # noqa: BLE001 - keep trying; the lease has slack
+                log.warning("lease renewal failed: %s", exc)
+
+    async def _collect_garbage_loop(self) -> None:
+        while True:
+            await trio.sleep(self.cfg.gc_interval)
+            try:
+                await self.collect_garbage()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("garbage collection failed: %s", exc)
+
+    async def collect_garbage(self) -> int:
+        """Delete uploaded blocks that no kept snapshot or journal can reference any more."""
+        keys = self.meta.collectable_objects(time.time() - self.cfg.gc_grace, self.shipper.oldest_snapshot_seq)
+        if not keys or self.shipper.stopped:
+            return 0
+        self.meta.forget_objects(keys)
+        deleting = self.uploader.deleting
+        for key in keys:
+            deleting[key] = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                for key in keys:
+                    nursery.start_soon(self.remote.adelete, object_name(key))
+        finally:
+            for key in keys:
+                deleting.pop(key).set()
+        self.gc_deleted += len(keys)
+        log.info("garbage collection deleted %d blocks", len(keys))
+        return len(keys)
+
+    async def _prefetch_everything(self) -> None:
+        """--prefetch: fill the disk cache with the whole volume in the background."""
+        keys = [k for k in self.meta.all_object_keys()]
+        limiter = trio.CapacityLimiter(4)
+
+        async def one(key: str) -> None:
+            async with limiter:
+                try:
+                    await self.blocks.ensure_cached(key)
+                except OSError as exc:
+                    log.warning("prefetch of %s failed: %s", key[:16], exc)
+
+        async with trio.open_nursery() as nursery:
+            for key in keys:
+                nursery.start_soon(one, key)
+        log.info("prefetch done: %d blocks", len(keys))
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -232,6 +334,8 @@ class Daemon:
             assert self._finished is not None
             await self._finished.wait()
             return {"ok": True}
+        if command == "gc":
+            return {"ok": True, "deleted": await self.collect_garbage()}
         if command == "warmup":
             fetched = await self.warmup([int(i) for i in request.get("inodes", [])])
             return {"ok": True, "fetched": fetched}
@@ -286,6 +390,21 @@ class Daemon:
                 "upload_failures": up.stats.upload_failures,
                 "backpressure_waits": up.stats.backpressure_waits,
                 "backpressure_seconds": round(up.stats.backpressure_seconds, 3),
+            },
+            "metadata": {
+                "journal_pending": 0 if self.cfg.read_only else self.shipper.pending_entries(),
+                "shipped_seq": self.shipper.shipped_seq,
+                "last_ship_age_seconds": self.shipper.last_ship_age(),
+                "segments_shipped": self.shipper.stats.segments_shipped,
+                "snapshots_shipped": self.shipper.stats.snapshots_shipped,
+                "ship_failures": self.shipper.stats.failures,
+                "restored_bytes": self.restored.bytes_fetched if self.restored else 0,
+                "gc_deleted_blocks": self.gc_deleted,
+            },
+            "lease": {
+                "epoch": self.lease.record.epoch if self.lease and self.lease.record else None,
+                "holder": self.lease.holder if self.lease else None,
+                "state": "read-only" if self.cfg.read_only else ("lost" if self.lease and self.lease.lost else "held"),
             },
             "remote": {
                 "requests": dict(self.remote.stats.requests), "failures": dict(self.remote.stats.failures),

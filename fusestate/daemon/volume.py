@@ -1,33 +1,30 @@
-"""A volume in the bucket: its descriptor, and metadata snapshots for restore.
+"""A volume in the bucket and its descriptor.
 
 Layout under the volume's root::
 
     fusestate.json              format version, block size, volume id
     blocks/ab/<sha256>          content-addressed blocks, never overwritten
-    meta/snapshot-<ns>.db       metadata snapshots, newest wins
+    lease/<epoch>.json          one per read-write mount: holder, heartbeat, fencing
+    meta/journal/...            metadata journal segments (see fusestate.meta.journal)
+    meta/snapshot-...db         compacted metadata snapshots
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Optional
 
 from fusestate.errors import UserError
-from fusestate.meta.sqlite_engine import SQLiteEngine
 from fusestate.remote.store import RemoteError, RemoteStore
 
 log = logging.getLogger(__name__)
 
 DESCRIPTOR = "fusestate.json"
-SNAPSHOT_PREFIX = "meta/"
 FORMAT_VERSION = 1
-SNAPSHOTS_KEPT = 3
 
 
 @dataclass(frozen=True)
@@ -66,35 +63,3 @@ def load_or_create(remote: RemoteStore, block_size: Optional[int], create: bool)
     remote.put(DESCRIPTOR, json.dumps(doc, indent=2).encode())
     log.info("created volume %s at %s", info.volume_id, remote.root)
     return info
-
-
-def snapshot_keys(remote: RemoteStore) -> list[str]:
-    return [k for k in remote.list(SNAPSHOT_PREFIX) if k.endswith(".db")]
-
-
-def restore_metadata(remote: RemoteStore, path: str) -> Optional[str]:
-    """Download the newest metadata snapshot to ``path``; None if the volume has none."""
-    keys = snapshot_keys(remote)
-    if not keys:
-        return None
-    latest = keys[-1]
-    data = remote.get(latest)
-    tmp = path + ".restore"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return latest
-
-
-def upload_snapshot(remote: RemoteStore, meta: SQLiteEngine) -> str:
-    """Ship a consistent copy of the metadata; every block it references is already uploaded."""
-    key = f"{SNAPSHOT_PREFIX}snapshot-{time.time_ns():020d}.db"
-    with tempfile.NamedTemporaryFile(dir=os.path.dirname(meta.path), suffix=".snapshot") as tmp:
-        meta.backup_to(tmp.name)
-        with open(tmp.name, "rb") as f:
-            remote.put(key, f.read())
-    for old in snapshot_keys(remote)[:-SNAPSHOTS_KEPT]:
-        remote.delete(old)
-    return key

@@ -43,7 +43,7 @@ CREATE TABLE IF NOT EXISTS blocks (
 CREATE INDEX IF NOT EXISTS blocks_by_key ON blocks (key);
 CREATE TABLE IF NOT EXISTS objects (
     key TEXT PRIMARY KEY, size INTEGER NOT NULL, refcount INTEGER NOT NULL,
-    uploaded INTEGER NOT NULL DEFAULT 0, unreferenced_since REAL
+    uploaded INTEGER NOT NULL DEFAULT 0, unreferenced_since REAL, unreferenced_seq INTEGER
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
@@ -270,7 +270,8 @@ class SQLiteEngine:
         self._db.execute("UPDATE objects SET refcount=refcount-1 WHERE key=?", (key,))
         row = self._db.execute("SELECT refcount FROM objects WHERE key=?", (key,)).fetchone()
         if row and row[0] <= 0:
-            self._db.execute("UPDATE objects SET unreferenced_since=? WHERE key=?", (time.time(), key))
+            self._db.execute("UPDATE objects SET unreferenced_since=?, unreferenced_seq=? WHERE key=?",
+                             (time.time(), self.journal_last_seq(), key))
             freed.append(key)
 
     def set_block(self, inode: int, index: int, key: Optional[str], size: int) -> list[str]:
@@ -303,6 +304,9 @@ class SQLiteEngine:
         row = self._db.execute("SELECT key, size, refcount, uploaded FROM objects WHERE key=?", (key,)).fetchone()
         return ObjectInfo(row[0], row[1], row[2], bool(row[3])) if row else None
 
+    def all_object_keys(self) -> list[str]:
+        return [r[0] for r in self._db.execute("SELECT key FROM objects WHERE refcount>0")]
+
     def mark_uploaded(self, key: str) -> None:
         self._db.execute("UPDATE objects SET uploaded=1 WHERE key=?", (key,))
 
@@ -310,9 +314,12 @@ class SQLiteEngine:
         rows = self._db.execute("SELECT key, size, refcount, uploaded FROM objects WHERE uploaded=0").fetchall()
         return [ObjectInfo(r[0], r[1], r[2], bool(r[3])) for r in rows]
 
-    def unreferenced_objects(self, older_than: float) -> list[str]:
+    def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]:
+        """Uploaded objects unreferenced since before ``older_than`` by a change at or
+        before ``covered_seq`` (so no restore point still needs them)."""
         return [r[0] for r in self._db.execute(
-            "SELECT key FROM objects WHERE refcount<=0 AND unreferenced_since<=?", (older_than,))]
+            "SELECT key FROM objects WHERE refcount<=0 AND uploaded=1 AND unreferenced_since<=?"
+            " AND unreferenced_seq<=?", (older_than, covered_seq))]
 
     def forget_objects(self, keys: list[str]) -> None:
         with self.transaction():

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Errors that retrying cannot fix.
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)
 
 
 class RemoteError(IOError):
@@ -57,7 +57,9 @@ class RemoteStore:
         self.fs = fs
         self.root = root.rstrip("/")
         self.stats = RemoteStats()
-        self._is_local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        self._is_local = "file" in protocols or "local" in protocols
+        self._is_memory = "memory" in protocols
         self._limiter = trio.CapacityLimiter(concurrency)
         self._retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(retries),
@@ -115,7 +117,24 @@ class RemoteStore:
             self._call("put", key, lambda: self.fs.pipe_file(self.path(key), data))
         self.stats.bytes_out += len(data)
 
-    def _put_local(self, key: str, data: bytes) -> None:
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create an object only if it does not exist (S3 If-None-Match, GCS generation 0,
+        an exclusive link on file://); False if it was already there."""
+        try:
+            if self._is_local:
+                self._call("put", key, lambda: self._put_local(key, data, exclusive=True))
+            elif self._is_memory:
+                if self.fs.exists(self.path(key)):
+                    return False
+                self._call("put", key, lambda: self.fs.pipe_file(self.path(key), data))
+            else:
+                self._call("put", key, lambda: self.fs.pipe_file(self.path(key), data, mode="create"))
+        except FileExistsError:
+            return False
+        self.stats.bytes_out += len(data)
+        return True
+
+    def _put_local(self, key: str, data: bytes, exclusive: bool = False) -> None:
         target = self.path(key)
         directory = os.path.dirname(target)
         os.makedirs(directory, exist_ok=True)
@@ -125,7 +144,11 @@ class RemoteStore:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)
+            if exclusive:
+                os.link(tmp, target)  # fails with FileExistsError if it exists
+                os.unlink(tmp)
+            else:
+                os.replace(tmp, target)
         except BaseException:
             with_suppress_remove(tmp)
             raise

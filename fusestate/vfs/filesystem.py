@@ -14,7 +14,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Awaitable, Callable, Iterator, Optional
 
 import trio
 
@@ -73,6 +73,8 @@ class FileSystem:
         self._next_fh = 1
         self._lookups: dict[int, int] = {}
         self._nursery: Optional[trio.Nursery] = None
+        # Set by the daemon: waits until the metadata journal is in the bucket.
+        self.ship_metadata: Optional[Callable[[], Awaitable[None]]] = None
         uploader.memory_dirty_bytes = self.memory_dirty_bytes
 
     # --- lifecycle -------------------------------------------------------------
@@ -669,7 +671,13 @@ class FileSystem:
         await self.sync_metadata()
 
     async def sync_metadata(self) -> None:
+        """Metadata durable as the durability mode says: local disk, or the bucket too."""
         await trio.to_thread.run_sync(self.meta.sync)
+        if self.durability == "remote" and self.ship_metadata is not None:
+            try:
+                await self.ship_metadata()
+            except OSError as exc:
+                raise FsError(errno.EIO, str(exc)) from exc
 
     async def fsyncdir(self, ino: int) -> None:
         self._dir(ino)
