@@ -1,4 +1,4 @@
-"""The fusestate command line: mount, umount, status, warmup."""
+"""The fusestate command line: mount, umount, status, warmup, fsck, gc."""
 
 from __future__ import annotations
 
@@ -57,6 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="cache, staging, upload queue at a glance")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+
+    c = sub.add_parser("fsck", help="verify a volume in the bucket (exit 1 if damaged)")
+    c.add_argument("url")
+    c.add_argument("--endpoint-url", default=None)
+    c.add_argument("--quick", action="store_true", help="check that blocks exist, without hashing them")
+    c.add_argument("--all-restore-points", action="store_true",
+                   help="also check every restore point of the journal, not only the newest")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+
+    g = sub.add_parser("gc", help="delete blocks no restore point references")
+    g.add_argument("url")
+    g.add_argument("--endpoint-url", default=None)
+    g.add_argument("--grace", type=float, default=3600.0,
+                   help="keep unreferenced blocks younger than this many seconds (default %(default)s)")
+    g.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
+    g.add_argument("--force", action="store_true", help="run even while a daemon holds the volume")
 
     w = sub.add_parser("warmup", help="fetch files into the local cache")
     w.add_argument("paths", nargs="+")
@@ -222,6 +238,40 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from fusestate.maintenance import fsck
+
+    report = fsck(args.url, args.endpoint_url, verify=not args.quick, all_restore_points=args.all_restore_points)
+    if args.json:
+        print(json.dumps({"healthy": report.healthy, "seq": report.seq, "referenced": report.referenced,
+                          "stored": report.stored, "missing": report.missing, "corrupt": report.corrupt,
+                          "unreferenced": report.unreferenced, "restore_points": report.restore_points,
+                          "broken_restore_points": report.broken_restore_points}, indent=2))
+    else:
+        print(f"metadata up to journal sequence {report.seq}: {report.referenced} blocks referenced, "
+              f"{report.stored} blocks in the bucket")
+        for key in report.missing:
+            print(f"MISSING  {key}")
+        for key in report.corrupt:
+            print(f"CORRUPT  {key}")
+        if args.all_restore_points:
+            print(f"{report.restore_points} restore points checked, "
+                  f"{len(report.broken_restore_points)} reference missing blocks")
+        print(f"{len(report.unreferenced)} unreferenced blocks (garbage until `fusestate gc`)")
+        print("volume is healthy" if report.healthy else "volume is DAMAGED")
+    return 0 if report.healthy else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from fusestate.maintenance import gc
+
+    report = gc(args.url, args.endpoint_url, grace=args.grace, dry_run=args.dry_run, force=args.force)
+    verb = "would delete" if args.dry_run else "deleted"
+    print(f"{verb} {len(report.deleted)} unreferenced blocks; kept {report.kept_young} younger than "
+          f"the grace period; {report.referenced} blocks referenced")
+    return 0
+
+
 def _mount_of(path: str) -> str:
     while not os.path.ismount(path):
         parent = os.path.dirname(path)
@@ -231,7 +281,8 @@ def _mount_of(path: str) -> str:
     return path
 
 
-COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "warmup": cmd_warmup}
+COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "warmup": cmd_warmup,
+            "fsck": cmd_fsck, "gc": cmd_gc}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

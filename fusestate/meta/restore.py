@@ -10,7 +10,7 @@ import logging
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from fusestate.meta import journal
 from fusestate.meta.sqlite_engine import SQLiteEngine
@@ -27,8 +27,15 @@ class RestoreResult:
     bytes_fetched: int
 
 
-def restore_metadata(remote: RemoteStore, path: str, epochs: dict[int, int]) -> RestoreResult:
-    """Write the volume's latest consistent metadata to ``path`` (replacing it)."""
+RestorePointCheck = Callable[[sqlite3.Connection, int], None]
+
+
+def restore_metadata(remote: RemoteStore, path: str, epochs: dict[int, int],
+                     check_each: Optional[RestorePointCheck] = None) -> RestoreResult:
+    """Write the volume's latest consistent metadata to ``path`` (replacing it).
+
+    ``check_each(db, seq)`` is called at every restore point on the way (fsck).
+    """
     for suffix in ("", "-wal", "-shm", ".restore", ".restore-wal", ".restore-shm"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path + suffix)
@@ -47,11 +54,15 @@ def restore_metadata(remote: RemoteStore, path: str, epochs: dict[int, int]) -> 
     db = sqlite3.connect(tmp, isolation_level=None)
     try:
         db.execute("BEGIN")
+        if check_each is not None:
+            check_each(db, seq)
         for seg in chain:
             data = remote.get(seg.key)
             fetched += len(data)
             journal.apply_changes(db, journal.decode_segment(data))
             seq = seg.last
+            if check_each is not None:
+                check_each(db, seq)
         journal.rebuild_objects(db)
         db.execute("DELETE FROM journal")
         db.execute("DELETE FROM sqlite_sequence WHERE name='journal'")

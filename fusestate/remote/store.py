@@ -18,6 +18,8 @@ import fsspec
 import tenacity
 import trio
 
+from fusestate.remote.faults import FaultInjector
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -68,7 +70,7 @@ class RemoteStore:
             before_sleep=self._before_retry,
             reraise=True,
         )
-        self.on_call: Optional[Callable[[str, str], None]] = None  # fault-injection hook for tests
+        self.on_call: Optional[Callable[[str, str], None]] = FaultInjector.from_env()  # tests only
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"

@@ -1,0 +1,166 @@
+"""Offline volume checks and cleanup: ``fusestate fsck URL`` and ``fusestate gc URL``.
+
+Both rebuild the volume's metadata from the bucket in a temporary directory,
+exactly as a fresh node would, and compare it with the blocks in the bucket.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sqlite3
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fusestate.blocks.keys import BLOCK_PREFIX, block_key, key_of_object, object_name
+from fusestate.daemon import volume
+from fusestate.daemon.lease import read_leases
+from fusestate.errors import UserError
+from fusestate.meta import journal
+from fusestate.meta.restore import restore_metadata
+from fusestate.remote import RemoteStore, open_bucket
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FsckReport:
+    referenced: int = 0
+    stored: int = 0
+    missing: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    unreferenced: list[str] = field(default_factory=list)
+    restore_points: int = 0
+    broken_restore_points: list[int] = field(default_factory=list)
+    seq: int = 0
+
+    @property
+    def healthy(self) -> bool:
+        return not (self.missing or self.corrupt or self.broken_restore_points)
+
+
+def open_remote(url: str, endpoint_url: Optional[str]) -> RemoteStore:
+    fs, location = open_bucket(url, endpoint_url)
+    remote = RemoteStore(fs, location.root)
+    volume.load_or_create(remote, None, create=False)
+    return remote
+
+
+def _referenced(db: sqlite3.Connection) -> set[str]:
+    return {row[0] for row in db.execute("SELECT DISTINCT key FROM blocks")}
+
+
+def stored_blocks(remote: RemoteStore) -> dict[str, float]:
+    """Every block object in the bucket with its modification time (seconds since the epoch)."""
+    base = remote.path(BLOCK_PREFIX).rstrip("/")
+    try:
+        found = remote.fs.find(base, detail=True)
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for path, info in found.items():
+        name = path.rsplit("/", 1)[-1]
+        if name.startswith(".tmp-"):
+            continue
+        out[key_of_object(name)] = _mtime(info)
+    return out
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    for field_name in ("mtime", "LastModified", "updated", "timeCreated", "created"):
+        value = info.get(field_name)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return 0.0
+
+
+def fsck(url: str, endpoint_url: Optional[str] = None, verify: bool = True,
+         all_restore_points: bool = False) -> FsckReport:
+    remote = open_remote(url, endpoint_url)
+    stored = stored_blocks(remote)
+    report = FsckReport(stored=len(stored))
+    epochs = {r.epoch: r.starts_after for r in read_leases(remote)}
+
+    def check_point(db: sqlite3.Connection, seq: int) -> None:
+        report.restore_points += 1
+        if any(key not in stored for key in _referenced(db)):
+            report.broken_restore_points.append(seq)
+
+    with tempfile.TemporaryDirectory(prefix="fusestate-fsck-") as tmp:
+        path = os.path.join(tmp, "meta.db")
+        result = restore_metadata(remote, path, epochs, check_point if all_restore_points else None)
+        report.seq = result.seq
+        db = sqlite3.connect(path)
+        try:
+            referenced = _referenced(db)
+        finally:
+            db.close()
+    report.referenced = len(referenced)
+    report.missing = sorted(k for k in referenced if k not in stored)
+    report.unreferenced = sorted(k for k in stored if k not in referenced)
+    if verify:
+        present = [k for k in referenced if k in stored]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            for key, ok in zip(present, pool.map(lambda k: block_key(remote.get(object_name(k))) == k, present)):
+                if not ok:
+                    report.corrupt.append(key)
+    return report
+
+
+@dataclass
+class GcReport:
+    deleted: list[str] = field(default_factory=list)
+    kept_young: int = 0
+    referenced: int = 0
+
+
+def gc(url: str, endpoint_url: Optional[str] = None, grace: float = 3600.0,
+       dry_run: bool = False, force: bool = False) -> GcReport:
+    """Delete blocks that no restore point of the volume can reference, once older than ``grace``."""
+    remote = open_remote(url, endpoint_url)
+    leases = read_leases(remote)
+    if leases and leases[-1].expires_at > time.time() and not force:
+        raise UserError(f"the volume is mounted by {leases[-1].describe()}; its daemon collects garbage "
+                        "itself (use --force to run anyway)")
+    epochs = {r.epoch: r.starts_after for r in leases}
+    keys = remote.list("meta/")
+    referenced: set[str] = set()
+    with tempfile.TemporaryDirectory(prefix="fusestate-gc-") as tmp:
+        # Every restore point counts: the current state, each kept snapshot, every journal segment.
+        path = os.path.join(tmp, "meta.db")
+        restore_metadata(remote, path, epochs, lambda db, seq: referenced.update(_referenced(db)))
+        for snap in journal.parse_snapshots(keys):
+            snap_path = os.path.join(tmp, "snap.db")
+            with open(snap_path, "wb") as f:
+                f.write(remote.get(snap.key))
+            db = sqlite3.connect(snap_path)
+            try:
+                referenced |= _referenced(db)
+            finally:
+                db.close()
+            os.unlink(snap_path)
+        for seg in journal.parse_segments(keys):
+            referenced |= {c.block_key() for c in journal.decode_segment(remote.get(seg.key)) if c.block_key()}
+    report = GcReport(referenced=len(referenced))
+    cutoff = time.time() - grace
+    for key, mtime in stored_blocks(remote).items():
+        if key in referenced:
+            continue
+        if mtime > cutoff:
+            report.kept_young += 1
+            continue
+        report.deleted.append(key)
+    if not dry_run:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(lambda k: remote.delete(object_name(k)), report.deleted))
+    return report
