@@ -20,6 +20,7 @@ class TierStats:
     hits: int = 0
     misses: int = 0
     hit_bytes: int = 0
+    miss_bytes: int = 0
     evictions: int = 0
     corrupt: int = 0
 

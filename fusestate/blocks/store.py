@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import trio
 
@@ -56,6 +57,8 @@ class BlockStore:
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: set[str] = set()
+        # Latency hook (metrics): called with the source ("local", "remote", "range") and seconds.
+        self.read_observer: Optional[Callable[[str, float], None]] = None
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -123,11 +126,14 @@ class BlockStore:
         data = self.memory.get(key)
         if data is not None:
             return data[start:end]
+        started = time.perf_counter()
         data = await self._load_local(key)
         if data is not None:
+            self._observe("local", started)
             return data[start:end]
         if key in self._fetching or (end - start) * 4 >= self.block_size:
             data = await self.fetch(key)
+            self._observe("remote", started)
             return data[start:end]
         # Small cold read: answer from a range read, fetch the block in the background.
         self.prefetch([key])
@@ -137,11 +143,17 @@ class BlockStore:
             raise BlockReadError(f"block {key[:16]}: {exc}") from exc
         self.stats.remote_range_reads += 1
         self.stats.remote_bytes += len(chunk)
+        self._observe("range", started)
         return chunk
+
+    def _observe(self, source: str, started: float) -> None:
+        if self.read_observer is not None:
+            self.read_observer(source, time.perf_counter() - started)
 
     async def _load_local(self, key: str) -> Optional[bytes]:
         data = await trio.to_thread.run_sync(self._load_local_sync, key, limiter=self._local_io)
         if data is not None:
+            self.memory.stats.miss_bytes += len(data)
             self.memory.put(key, data)
         return data
 
@@ -162,6 +174,8 @@ class BlockStore:
         done = self._fetching[key] = trio.Event()
         try:
             data = await self._fetch_verified(key)
+            self.memory.stats.miss_bytes += len(data)
+            self.disk.stats.miss_bytes += len(data)
             self.memory.put(key, data)
             await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
             return data
