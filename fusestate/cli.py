@@ -11,7 +11,7 @@ import sys
 from typing import Optional, Sequence
 
 from fusestate import __version__
-from fusestate.config import DEFAULT_CACHE_DIR, MountConfig, format_size, parse_size
+from fusestate.config import DEFAULT_CACHE_DIR, DEFAULT_METRICS_PORT, MountConfig, format_size, parse_size
 from fusestate.errors import UserError
 
 READY_FD_ENV = "FUSESTATE_READY_FD"
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--upload-concurrency", type=int, default=8, help="parallel uploads (default %(default)s)")
     m.add_argument("--readahead", type=int, default=2, dest="readahead_blocks", help="blocks read ahead on sequential reads (default %(default)s)")
     m.add_argument("--endpoint-url", default=None, help="S3-compatible or GCS emulator endpoint")
-    m.add_argument("--metrics-addr", default=None, help="HOST:PORT for Prometheus metrics")
+    m.add_argument("--metrics-addr", default=f"127.0.0.1:{DEFAULT_METRICS_PORT}",
+                   help="HOST:PORT of the Prometheus exporter, or 'off' (default %(default)s)")
     m.add_argument("--allow-other", action="store_true", help="let other users use the mount")
     m.add_argument("--read-only", action="store_true")
     m.add_argument("--takeover", action="store_true", help="take the volume over from a dead holder")

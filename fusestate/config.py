@@ -48,7 +48,7 @@ class MountConfig:
     read_only: bool = False
     takeover: bool = False
     foreground: bool = False
-    metrics_addr: Optional[str] = None
+    metrics_addr: Optional[str] = f"127.0.0.1:{DEFAULT_METRICS_PORT}"  # "off" disables the exporter
     attr_timeout: float = 10.0
     remote_timeout: float = 30.0
     remote_retries: int = 6

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import pyfuse3
 import trio
+from prometheus_client import CollectorRegistry
 
 from fusestate.blocks.caches import DiskCache, MemoryCache
 from fusestate.blocks.staging import Staging
@@ -24,6 +25,7 @@ from fusestate.blocks.store import BlockStore
 from fusestate.blocks.uploader import Uploader
 from fusestate.config import MountConfig
 from fusestate.daemon import control, volume
+from fusestate.daemon.metrics import Histograms, start_exporter
 from fusestate.daemon.lease import Lease, LeaseLost, read_leases
 from fusestate.daemon.paths import CacheLayout, control_socket
 from fusestate.errors import UserError
@@ -93,6 +95,7 @@ class Daemon:
         self.gc_deleted = 0
         self.restored = None
         self.lease: Optional[Lease] = None
+        self._umount_requests = 0  # control requests still inside unmount()
 
     # --- setup (before trio) ------------------------------------------------------
     def prepare(self) -> None:
@@ -125,6 +128,12 @@ class Daemon:
                                       interval=cfg.journal_interval)
         if not cfg.read_only:
             self.fs.ship_metadata = self.shipper.wait_shipped
+        self.registry = CollectorRegistry()
+        histograms = Histograms(self.registry)
+        self.blocks.read_observer = Histograms.observer(histograms.block_read)
+        self.remote.stats.observer = Histograms.observer(histograms.remote)
+        self.ops.op_observer = Histograms.observer(histograms.fuse)
+        self.metrics_addr: Optional[tuple[str, int]] = None
 
     def _open_metadata(self) -> SQLiteEngine:
         """Local metadata if this node was the volume's last writer, else restore from the bucket.
@@ -200,6 +209,8 @@ class Daemon:
                 nursery.start_soon(self._collect_garbage_loop)
             if self.cfg.prefetch:
                 nursery.start_soon(self._prefetch_everything)
+            if self.cfg.metrics_addr and self.cfg.metrics_addr != "off":
+                self.metrics_addr = start_exporter(self, self.cfg.metrics_addr, self.registry)
             await nursery.start(control.serve, control_socket(self.cfg.mountpoint), self.handle_control)
             try:
                 pyfuse3.init(self.ops, self.cfg.mountpoint, self.fuse_options())
@@ -216,6 +227,11 @@ class Daemon:
                 await self._flush_everything()
                 await self._ship_snapshot()
                 self._finished.set()
+                # fusermount returns only once the kernel has dropped the mount's page cache,
+                # which can take longer than our flush: wait for the umount request to return.
+                with trio.move_on_after(30):
+                    while self._umount_requests:
+                        await trio.sleep(0.01)
                 await trio.sleep(0.2)  # let the umount client read its answer
             nursery.cancel_scope.cancel()
 
@@ -330,7 +346,11 @@ class Daemon:
         if command == "status":
             return {"ok": True, "status": self.status()}
         if command == "umount":
-            await self.unmount()
+            self._umount_requests += 1
+            try:
+                await self.unmount()
+            finally:
+                self._umount_requests -= 1
             assert self._finished is not None
             await self._finished.wait()
             return {"ok": True}
@@ -366,6 +386,7 @@ class Daemon:
             "pid": os.getpid(),
             "uptime_seconds": round(time.time() - self.started_at, 1),
             "durability": self.cfg.durability,
+            "metrics_addr": f"{self.metrics_addr[0]}:{self.metrics_addr[1]}" if self.metrics_addr else None,
             "block_size": self.volume.block_size,
             "volume_id": self.volume.volume_id,
             "files": self.meta.count_inodes(),

@@ -11,6 +11,7 @@ import errno
 import functools
 import logging
 import os
+import time
 from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import pyfuse3
@@ -26,17 +27,25 @@ ST_BLKSIZE = 128 * 1024
 
 
 def _translate_errors(fn: F) -> F:
+    """Map vfs errors to FUSE errors, and count and time the operation."""
+    name = fn.__name__
+
     @functools.wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    async def wrapper(self: "FuseOperations", *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
         try:
-            return await fn(*args, **kwargs)
+            return await fn(self, *args, **kwargs)
         except FsError as exc:
             raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
         except pyfuse3.FUSEError:
             raise
         except Exception:
-            log.exception("internal error in %s", fn.__name__)
+            log.exception("internal error in %s", name)
             raise pyfuse3.FUSEError(errno.EIO) from None
+        finally:
+            self.counters[name] = self.counters.get(name, 0) + 1
+            if self.op_observer is not None:
+                self.op_observer(name, time.perf_counter() - started)
 
     return wrapper  # type: ignore[return-value]
 
@@ -57,6 +66,10 @@ class FuseOperations(pyfuse3.Operations):
         self.fs = fs
         self.attr_timeout = attr_timeout
         self.counters: dict[str, int] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+        # Latency hook (metrics): called with the operation name and seconds.
+        self.op_observer: Optional[Callable[[str, float], None]] = None
 
     def _attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -167,11 +180,15 @@ class FuseOperations(pyfuse3.Operations):
 
     @_translate_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return await self.fs.read(fh, off, size)
+        data = await self.fs.read(fh, off, size)
+        self.bytes_read += len(data)
+        return data
 
     @_translate_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return await self.fs.write(fh, off, buf)
+        written = await self.fs.write(fh, off, buf)
+        self.bytes_written += written
+        return written
 
     @_translate_errors
     async def flush(self, fh: int) -> None:
