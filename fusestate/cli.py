@@ -1,4 +1,4 @@
-"""The fusestate command line: mount, umount, status, warmup, fsck, gc."""
+"""The fusestate command line: mount, umount, status, stats, warmup, fsck, gc."""
 
 from __future__ import annotations
 
@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep unreferenced blocks younger than this many seconds (default %(default)s)")
     g.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
     g.add_argument("--force", action="store_true", help="run even while a daemon holds the volume")
+
+    t = sub.add_parser("stats", help="live rates and queues, refreshed like top")
+    t.add_argument("mountpoint")
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default %(default)s)")
+    t.add_argument("--count", type=int, default=0, help="stop after this many refreshes (default: run until Ctrl-C)")
 
     w = sub.add_parser("warmup", help="fetch files into the local cache")
     w.add_argument("paths", nargs="+")
@@ -169,18 +174,60 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _fetch_status(mountpoint: str) -> dict:
     from fusestate.daemon import control
     from fusestate.daemon.paths import control_socket
 
-    mountpoint = os.path.abspath(args.mountpoint)
+    mountpoint = os.path.abspath(mountpoint)
     path = control_socket(mountpoint)
     if not os.path.exists(path):
         raise UserError(f"{mountpoint} is not a fusestate mount")
     reply = control.request(path, {"command": "status"})
     if not reply.get("ok"):
         raise UserError(reply.get("error", "status failed"))
-    status = reply["status"]
+    return reply["status"]
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    import time
+
+    previous, shown = _fetch_status(args.mountpoint), 0
+    clear = "\033[H\033[2J" if sys.stdout.isatty() else ""
+    while not args.count or shown < args.count:
+        time.sleep(args.interval)
+        current = _fetch_status(args.mountpoint)
+        print(clear + _stats_table(previous, current, args.interval), flush=True)
+        previous, shown = current, shown + 1
+    return 0
+
+
+def _stats_table(before: dict, after: dict, seconds: float) -> str:
+    def rate(section: str, key: str) -> float:
+        return (after[section][key] - before[section][key]) / seconds
+
+    cache = after["cache"]
+    hits = cache["memory_hits"] - before["cache"]["memory_hits"] + cache["disk_hits"] - before["cache"]["disk_hits"]
+    misses = cache["disk_misses"] - before["cache"]["disk_misses"]
+    ratio = f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"
+    wb, meta = after["writeback"], after["metadata"]
+    rows = [
+        ("fuse ops/s", f"{rate('fuse', 'operations'):.0f}"),
+        ("read / written", f"{format_size(rate('fuse', 'bytes_read'))}/s / {format_size(rate('fuse', 'bytes_written'))}/s"),
+        ("cache hit ratio", ratio),
+        ("uploaded", f"{format_size(rate('writeback', 'uploaded_bytes'))}/s"),
+        ("bucket in / out", f"{format_size(rate('remote', 'bytes_in'))}/s / {format_size(rate('remote', 'bytes_out'))}/s"),
+        ("dirty", f"{format_size(wb['dirty_bytes'])} of {format_size(wb['max_dirty'])}"),
+        ("staged / queue", f"{wb['staged_blocks']} blocks / {wb['upload_queue']}, oldest {wb['oldest_staged_seconds']} s"),
+        ("journal pending", f"{meta['journal_pending']} entries, shipped seq {meta['shipped_seq']}"),
+        ("backpressure", f"{wb['backpressure_waits']} waits, {wb['backpressure_seconds']} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    head = f"fusestate {after['mountpoint']}  ({after['url']})"
+    return "\n".join([head] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _fetch_status(args.mountpoint)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
         return 0
@@ -283,7 +330,7 @@ def _mount_of(path: str) -> str:
 
 
 COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "warmup": cmd_warmup,
-            "fsck": cmd_fsck, "gc": cmd_gc}
+            "fsck": cmd_fsck, "gc": cmd_gc, "stats": cmd_stats}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -412,6 +412,10 @@ class Daemon:
                 "backpressure_waits": up.stats.backpressure_waits,
                 "backpressure_seconds": round(up.stats.backpressure_seconds, 3),
             },
+            "fuse": {
+                "operations": sum(self.ops.counters.values()),
+                "bytes_read": self.ops.bytes_read, "bytes_written": self.ops.bytes_written,
+            },
             "metadata": {
                 "journal_pending": 0 if self.cfg.read_only else self.shipper.pending_entries(),
                 "shipped_seq": self.shipper.shipped_seq,
