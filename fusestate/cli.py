@@ -138,7 +138,7 @@ def _spawn_daemon(cfg: MountConfig, args: argparse.Namespace) -> int:
     check_mountpoint(cfg.mountpoint)
     layout = prepare_cache_dir(cfg.cache_dir)
     read_fd, write_fd = os.pipe()
-    argv = [sys.executable, "-m", "fusestate"] + _argv_without_background(sys.argv[1:]) + ["--foreground"]
+    argv = [sys.executable, "-P", "-m", "fusestate"] + _argv_without_background(sys.argv[1:]) + ["--foreground"]
     env = dict(os.environ, **{READY_FD_ENV: str(write_fd)})
     with open(layout.log, "ab") as log_file:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
