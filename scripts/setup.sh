@@ -1,18 +1,41 @@
 #!/usr/bin/env bash
 # Install everything fusestate needs on a fresh Debian machine (run as root):
-# FUSE 3, RocksDB's tools, and a virtualenv with fusestate and its test dependencies.
+# FUSE 3, RocksDB's tools, the tools the deployment and metrics tests use (Prometheus,
+# ShellCheck, systemd-analyze), and a virtualenv with fusestate and its test dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Debian's prometheus package starts a server on :9090 and enables it at boot. The tests run
+# their own Prometheus on a free port: stop and disable the packaged one, with or without
+# systemd as the init system.
+stop_packaged_prometheus() {
+    if [ -d /run/systemd/system ]; then
+        systemctl disable --now --quiet prometheus.service >/dev/null 2>&1 || true
+    else
+        if [ -x /etc/init.d/prometheus ]; then
+            /etc/init.d/prometheus stop >/dev/null 2>&1 || true
+        fi
+        update-rc.d prometheus disable >/dev/null 2>&1 || true
+        deb-systemd-helper disable prometheus.service >/dev/null 2>&1 || true
+    fi
+}
+
 need_apt=0
-for cmd in fusermount3 db_bench ldb pkg-config; do
+for cmd in fusermount3 db_bench ldb pkg-config prometheus promtool shellcheck systemd-analyze; do
     command -v "$cmd" >/dev/null 2>&1 || need_apt=1
 done
 [ -e /usr/include/fuse3/fuse_lowlevel.h ] || need_apt=1
 if [ "$need_apt" = 1 ]; then
+    had_prometheus=0
+    case "$(dpkg-query -W -f='${Status}' prometheus 2>/dev/null || true)" in
+        *" installed") had_prometheus=1 ;;
+    esac
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq fuse3 libfuse3-dev pkg-config rocksdb-tools >/dev/null
+    apt-get install -y -qq --no-install-recommends \
+        fuse3 libfuse3-dev pkg-config rocksdb-tools prometheus shellcheck systemd >/dev/null
+    # Only a server this script brought: one installed on purpose is left as it is.
+    [ "$had_prometheus" = 1 ] || stop_packaged_prometheus
 fi
 
 PYTHON=${PYTHON:-python3}

@@ -232,7 +232,10 @@ class Uploader:
                 heapq.heappop(self._heap)
                 p.uploading = True
                 return key
-            self._wakeup = trio.Event()
+            # Idle workers share one event: replacing it while others wait on it would
+            # strand them (a worker waiting on an empty queue would never wake again).
+            if self._wakeup.is_set():
+                self._wakeup = trio.Event()
             timeout = self._heap[0][0] - now if self._heap else float("inf")
             with trio.move_on_after(timeout):
                 await self._wakeup.wait()

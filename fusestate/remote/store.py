@@ -94,6 +94,9 @@ class RemoteStore:
                 result = fn()
                 ok = True
                 return result
+            except (FileNotFoundError, FileExistsError):
+                ok = True  # an answer from the bucket, not a failure
+                raise
             finally:
                 self.stats.record(op, time.monotonic() - started, ok)
 

@@ -559,6 +559,7 @@ class FileSystem:
                     self._seal(f, index)
             now = time.time_ns()
             f.node.mtime_ns = f.node.ctime_ns = now
+            f.attrs_dirty = True
         return len(data)
 
     async def _dirty_block(self, f: OpenFile, index: int) -> bytearray:
@@ -629,7 +630,8 @@ class FileSystem:
             for index in list(f.dirty):
                 self._seal(f, index)
         await f.idle.wait()
-        if self._files.get(f.inode) is f:
+        if f.attrs_dirty and self._files.get(f.inode) is f:
+            f.attrs_dirty = False
             self.meta.update_inode(f.node)
         if f.error is not None:
             error, f.error = f.error, None

@@ -36,6 +36,7 @@ class OpenFile:
     in_flight: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
     error: Optional[str] = None                # a seal that failed; reported by flush/fsync
+    attrs_dirty: bool = False                  # size/mtime changed in memory since last persisted
 
     def __post_init__(self) -> None:
         self.idle.set()

@@ -1,0 +1,533 @@
+"""Metrics: the Prometheus endpoint against docs/metrics.md and `fusestate status --json`,
+the numbers moving with a workload, `fusestate status` and `stats` on the command line,
+and a real Prometheus server scraping a daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ROOT, Bucket, Mount, free_port, fusestate, stop_process
+
+MiB = 1 << 20
+METRICS_DOC = ROOT / "docs" / "metrics.md"
+# A port of the kernel's choosing; the daemon reports it as status()["metrics_addr"].
+MOUNT_FLAGS = ["--metrics-addr", "127.0.0.1:0", "--upload-delay", "0", "--journal-interval", "0.5"]
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+# --- helpers -------------------------------------------------------------------------
+
+def documented_metrics() -> dict[str, str]:
+    """name -> type, from the first two columns of the table in docs/metrics.md."""
+    found = {}
+    for line in METRICS_DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and re.fullmatch(r"`fusestate_[a-z0-9_]+`", cells[0]):
+            found[cells[0].strip("`")] = cells[1]
+    assert len(found) >= 30, f"could not read the metric table of {METRICS_DOC}"
+    return found
+
+
+@dataclass
+class Scrape:
+    """One scrape of /metrics: families by exposed name, samples by (name, labels)."""
+
+    families: dict[str, str]  # exposed name (counters with _total, histograms without suffix) -> type
+    samples: dict[tuple[str, frozenset], float]
+
+    def value(self, name: str, **labels: str) -> float:
+        """The sum of the samples of ``name`` whose labels include ``labels``."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.samples.items() if n == name and want <= ls)
+
+    def has(self, name: str) -> bool:
+        return any(n == name for n, _ in self.samples)
+
+    def label_values(self, name: str, label: str) -> set[str]:
+        return {dict(ls)[label] for n, ls in self.samples if n == name and label in dict(ls)}
+
+
+def parse_exposition(text: str) -> Scrape:
+    families: dict[str, str] = {}
+    samples: dict[tuple[str, frozenset], float] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("fusestate_"):
+            continue
+        # The parser drops a counter's _total from the family name; its samples keep it.
+        exposed = family.name + "_total" if family.type == "counter" else family.name
+        families[exposed] = family.type
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return Scrape(families, samples)
+
+
+def metrics_url(m: Mount) -> str:
+    addr = m.status()["metrics_addr"]
+    assert addr and not addr.endswith(":0"), addr
+    return f"http://{addr}/metrics"
+
+
+def scrape(url: str) -> Scrape:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.status == 200
+        assert reply.headers.get_content_type() == "text/plain"
+        return parse_exposition(reply.read().decode())
+
+
+def base_name(sample_name: str, families: dict[str, str]) -> str:
+    """A sample's metric: a histogram's _bucket, _sum and _count belong to the histogram."""
+    if sample_name in families:
+        return sample_name
+    for suffix in HISTOGRAM_SUFFIXES:
+        base = sample_name[: -len(suffix)]
+        if sample_name.endswith(suffix) and families.get(base) == "histogram":
+            return base
+    return sample_name
+
+
+def drop_page_cache(path: Path) -> None:
+    """Make the next read of ``path`` reach the daemon instead of the kernel's page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_through(path: Path) -> bytes:
+    drop_page_cache(path)
+    return path.read_bytes()
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write and fsync: with the default durability, fsync returns once the blocks are uploaded."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_quiet(m: Mount, timeout: float = 30) -> dict:
+    """Everything written is in the bucket: nothing staged, dirty or pending in the journal."""
+    def quiet() -> Optional[dict]:
+        s = m.status()
+        wb, meta = s["writeback"], s["metadata"]
+        done = wb["staged_blocks"] == 0 and wb["dirty_bytes"] == 0 and meta["journal_pending"] == 0
+        return s if done else None
+
+    return wait_until(quiet, timeout, f"{m.path} to upload and ship everything")
+
+
+def mount_with_metrics(make_mount, bucket: Bucket) -> tuple[Mount, str]:
+    m: Mount = make_mount(bucket, extra=MOUNT_FLAGS).mount()
+    return m, metrics_url(m)
+
+
+# --- 1. the endpoint and the documentation agree ---------------------------------------
+
+def test_every_documented_metric_is_exposed_and_nothing_else(make_mount, file_bucket: Bucket) -> None:
+    documented = documented_metrics()
+    m: Mount = make_mount(file_bucket, extra=MOUNT_FLAGS).mount()
+    data = os.urandom(5 * MiB + 123)
+    (m.path / "dir").mkdir()
+    write_file(m.path / "dir" / "data", data)
+    m.umount()  # a fresh daemon: the next read misses the memory cache
+    m.mount()
+    url = metrics_url(m)
+    assert os.listdir(m.path / "dir") == ["data"]
+    assert read_through(m.path / "dir" / "data") == data
+    wait_quiet(m)
+
+    s = scrape(url)
+    exposed = {base_name(name, s.families) for name, _ in s.samples} | set(s.families)
+    undocumented = sorted(exposed - set(documented))
+    assert not undocumented, f"exposed but not in {METRICS_DOC.name}: {undocumented}"
+    missing = sorted(name for name in documented if name not in s.families)
+    assert not missing, f"documented but not exposed: {missing}"
+    for name, kind in documented.items():
+        assert s.families[name] == kind, f"{name} is a {s.families[name]}, documented as a {kind}"
+        sample = name + "_count" if kind == "histogram" else name
+        assert s.has(sample), f"{name} has no samples after a workload"
+    # Labels stay bounded: the documented label values, no paths or inode numbers.
+    assert s.label_values("fusestate_cache_hits_total", "tier") == {"memory", "disk"}
+    assert s.label_values("fusestate_remote_requests_total", "outcome") == {"ok", "error"}
+    assert s.label_values("fusestate_remote_requests_total", "op") <= {
+        "get", "get_range", "put", "head", "delete", "list"}
+    assert s.label_values("fusestate_block_read_seconds_count", "source") <= {"local", "remote", "range"}
+    m.umount()
+
+
+# --- 2. status --json and the metrics report the same numbers ----------------------------
+
+def compared_numbers(st: dict) -> dict[str, float]:
+    """The numbers `status --json` shares with the metrics, keyed by status path."""
+    cache, wb, remote, meta, fuse = st["cache"], st["writeback"], st["remote"], st["metadata"], st["fuse"]
+    numbers = {
+        "files": st["files"], "used_bytes": st["used_bytes"],
+        "cache.memory_hits": cache["memory_hits"], "cache.memory_misses": cache["memory_misses"],
+        "cache.disk_hits": cache["disk_hits"], "cache.disk_misses": cache["disk_misses"],
+        "cache.disk_corrupt": cache["disk_corrupt"],
+        "cache.memory_bytes": cache["memory_bytes"], "cache.memory_limit": cache["memory_limit"],
+        "cache.memory_entries": cache["memory_entries"],
+        "cache.disk_bytes": cache["disk_bytes"], "cache.disk_limit": cache["disk_limit"],
+        "writeback.uploaded_blocks": wb["uploaded_blocks"], "writeback.uploaded_bytes": wb["uploaded_bytes"],
+        "writeback.staged_blocks": wb["staged_blocks"], "writeback.staged_bytes": wb["staged_bytes"],
+        "writeback.dirty_bytes": wb["dirty_bytes"], "writeback.max_dirty": wb["max_dirty"],
+        "writeback.upload_queue": wb["upload_queue"], "writeback.dedup_skipped": wb["dedup_skipped"],
+        "writeback.discarded_blocks": wb["discarded_blocks"], "writeback.upload_failures": wb["upload_failures"],
+        "writeback.backpressure_waits": wb["backpressure_waits"],
+        "remote.bytes_in": remote["bytes_in"], "remote.bytes_out": remote["bytes_out"],
+        "remote.retries": remote["retries"],
+        "metadata.journal_pending": meta["journal_pending"], "metadata.shipped_seq": meta["shipped_seq"],
+        "metadata.segments_shipped": meta["segments_shipped"],
+        "metadata.snapshots_shipped": meta["snapshots_shipped"], "metadata.ship_failures": meta["ship_failures"],
+        "metadata.gc_deleted_blocks": meta["gc_deleted_blocks"],
+        "lease.epoch": st["lease"]["epoch"] or 0, "lease.held": int(st["lease"]["state"] == "held"),
+        "fuse.operations": fuse["operations"],
+        "fuse.bytes_read": fuse["bytes_read"], "fuse.bytes_written": fuse["bytes_written"],
+    }
+    for op, count in remote["requests"].items():
+        numbers[f"remote.requests.{op}"] = count
+        numbers[f"remote.failures.{op}"] = remote["failures"].get(op, 0)
+    return numbers
+
+
+def metric_numbers(s: Scrape, ops: list[str]) -> dict[str, float]:
+    """The same numbers read from a scrape."""
+    numbers = {
+        "files": s.value("fusestate_files"), "used_bytes": s.value("fusestate_used_bytes"),
+        "cache.memory_hits": s.value("fusestate_cache_hits_total", tier="memory"),
+        "cache.memory_misses": s.value("fusestate_cache_misses_total", tier="memory"),
+        "cache.disk_hits": s.value("fusestate_cache_hits_total", tier="disk"),
+        "cache.disk_misses": s.value("fusestate_cache_misses_total", tier="disk"),
+        "cache.disk_corrupt": s.value("fusestate_cache_corrupt_entries_total", tier="disk"),
+        "cache.memory_bytes": s.value("fusestate_cache_bytes", tier="memory"),
+        "cache.memory_limit": s.value("fusestate_cache_limit_bytes", tier="memory"),
+        "cache.memory_entries": s.value("fusestate_cache_entries", tier="memory"),
+        "cache.disk_bytes": s.value("fusestate_cache_bytes", tier="disk"),
+        "cache.disk_limit": s.value("fusestate_cache_limit_bytes", tier="disk"),
+        "writeback.uploaded_blocks": s.value("fusestate_uploaded_blocks_total"),
+        "writeback.uploaded_bytes": s.value("fusestate_uploaded_bytes_total"),
+        "writeback.staged_blocks": s.value("fusestate_staged_blocks"),
+        "writeback.staged_bytes": s.value("fusestate_staged_bytes"),
+        "writeback.dirty_bytes": s.value("fusestate_dirty_bytes"),
+        "writeback.max_dirty": s.value("fusestate_dirty_limit_bytes"),
+        "writeback.upload_queue": s.value("fusestate_upload_queue_length"),
+        "writeback.dedup_skipped": s.value("fusestate_upload_dedup_skipped_total"),
+        "writeback.discarded_blocks": s.value("fusestate_discarded_blocks_total"),
+        "writeback.upload_failures": s.value("fusestate_upload_failures_total"),
+        "writeback.backpressure_waits": s.value("fusestate_backpressure_waits_total"),
+        "remote.bytes_in": s.value("fusestate_remote_received_bytes_total"),
+        "remote.bytes_out": s.value("fusestate_remote_sent_bytes_total"),
+        "remote.retries": s.value("fusestate_remote_retries_total"),
+        "metadata.journal_pending": s.value("fusestate_journal_entries_pending"),
+        "metadata.shipped_seq": s.value("fusestate_journal_shipped_seq"),
+        "metadata.segments_shipped": s.value("fusestate_journal_segments_shipped_total"),
+        "metadata.snapshots_shipped": s.value("fusestate_snapshots_shipped_total"),
+        "metadata.ship_failures": s.value("fusestate_journal_ship_failures_total"),
+        "metadata.gc_deleted_blocks": s.value("fusestate_gc_deleted_blocks_total"),
+        "lease.epoch": s.value("fusestate_lease_epoch"), "lease.held": s.value("fusestate_lease_held"),
+        "fuse.operations": s.value("fusestate_fuse_operations_total"),
+        "fuse.bytes_read": s.value("fusestate_fuse_read_bytes_total"),
+        "fuse.bytes_written": s.value("fusestate_fuse_written_bytes_total"),
+    }
+    for op in ops:
+        numbers[f"remote.requests.{op}"] = s.value("fusestate_remote_requests_total", op=op)
+        numbers[f"remote.failures.{op}"] = s.value("fusestate_remote_requests_total", op=op, outcome="error")
+    return numbers
+
+
+def test_status_json_matches_the_metrics(make_mount, file_bucket: Bucket) -> None:
+    m, _ = mount_with_metrics(make_mount, file_bucket)
+    cold = os.urandom(6 * MiB + 4321)
+    write_file(m.path / "cold", cold)
+    m.umount()
+    m.wipe_cache()
+    m.mount()
+    url = metrics_url(m)
+    assert read_through(m.path / "cold") == cold  # from the bucket
+    assert read_through(m.path / "cold") == cold  # from the memory cache
+    write_file(m.path / "new", os.urandom(3 * MiB + 99))
+    (m.path / "small").write_bytes(b"x" * 1000)
+    wait_quiet(m)
+
+    # Background work (lease heartbeats, journal ticks) can move a number between the two
+    # reads: compare only when status is the same before and after the scrape.
+    for _ in range(10):
+        before = compared_numbers(m.status())
+        scraped = scrape(url)
+        after = compared_numbers(m.status())
+        if before == after:
+            break
+    else:
+        pytest.fail("the daemon never stood still for a status / scrape / status round")
+    assert metric_numbers(scraped, [k.split(".")[-1] for k in before if k.startswith("remote.requests.")]) == before
+    # The workload is in the numbers being compared, not only zeros on both sides.
+    assert before["writeback.uploaded_blocks"] >= 2 and before["writeback.uploaded_bytes"] >= 3 * MiB
+    assert before["writeback.staged_blocks"] == 0 and before["writeback.dirty_bytes"] == 0
+    assert before["cache.disk_misses"] >= 2 and before["cache.memory_hits"] >= 2
+    assert before["remote.bytes_in"] >= len(cold) and before["remote.bytes_out"] >= 3 * MiB
+    assert before["metadata.shipped_seq"] > 0 and before["lease.epoch"] >= 2 and before["lease.held"] == 1
+    assert before["fuse.bytes_read"] >= 2 * len(cold) and before["fuse.bytes_written"] >= 3 * MiB
+    assert before["files"] == 4  # the root and three files
+    m.umount()
+
+
+# --- 3. a workload moves the metrics the way a user expects -----------------------------
+
+def test_workload_moves_the_metrics(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket, extra=MOUNT_FLAGS).mount()
+    old = os.urandom(5 * MiB + 11)
+    write_file(m.path / "old", old)
+    m.umount()
+    m.mount()  # a new daemon: "old" is in the disk cache, not in memory
+    url = metrics_url(m)
+    start = scrape(url)
+    assert start.value("fusestate_lease_held") == 1
+    assert start.value("fusestate_uploaded_bytes_total") == 0
+    assert start.value("fusestate_cache_hits_total") == 0
+
+    data = os.urandom(9 * MiB + 7)
+    (m.path / "d").mkdir()
+    write_file(m.path / "d" / "f", data)
+    os.stat(m.path / "d" / "f")
+    assert os.listdir(m.path / "d") == ["f"]
+    wait_quiet(m)
+    assert read_through(m.path / "old") == old
+    first = scrape(url)
+    assert read_through(m.path / "old") == old
+    assert read_through(m.path / "d" / "f") == data
+    second = scrape(url)
+
+    def grew(name: str, **labels: str) -> float:
+        return second.value(name, **labels) - start.value(name, **labels)
+
+    def step(name: str, before: Scrape, after: Scrape, **labels: str) -> float:
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    for op in ("lookup", "getattr", "mkdir", "create", "write", "fsync", "flush", "release", "open", "read",
+               "opendir", "readdir"):
+        assert grew("fusestate_fuse_operations_total", op=op) > 0, op
+        assert grew("fusestate_fuse_operation_seconds_count", op=op) > 0, op
+    # The first read of "old" came from the disk cache (two blocks, one of them perhaps by
+    # readahead), the re-read from memory.
+    assert step("fusestate_cache_hits_total", start, first, tier="disk") >= 2
+    assert step("fusestate_cache_hit_bytes_total", start, first, tier="disk") >= len(old)
+    assert step("fusestate_cache_misses_total", start, first, tier="memory") >= 1
+    assert step("fusestate_cache_miss_bytes_total", start, first, tier="memory") >= len(old)
+    assert step("fusestate_block_read_seconds_count", start, first, source="local") >= 1
+    assert step("fusestate_cache_hits_total", first, second, tier="memory") >= 2 + 3
+    assert step("fusestate_cache_hit_bytes_total", first, second, tier="memory") >= len(old) + len(data)
+    assert grew("fusestate_remote_received_bytes_total") == 0  # nothing came from the bucket
+    assert second.value("fusestate_cache_entries", tier="memory") >= 5
+    assert second.value("fusestate_cache_bytes", tier="memory") >= len(old) + len(data)
+    assert grew("fusestate_fuse_written_bytes_total") >= len(data)
+    assert grew("fusestate_fuse_read_bytes_total") >= 2 * len(old) + len(data)
+    # Writes reach the bucket.
+    assert grew("fusestate_uploaded_bytes_total") >= len(data)
+    assert grew("fusestate_uploaded_blocks_total") >= 3
+    assert grew("fusestate_remote_sent_bytes_total") >= len(data)
+    assert grew("fusestate_remote_requests_total", op="put", outcome="ok") >= 3
+    assert grew("fusestate_remote_requests_total", outcome="error") == 0
+    assert grew("fusestate_remote_request_seconds_count", op="put") >= 3
+    assert second.value("fusestate_remote_request_seconds_sum") > 0
+    assert second.value("fusestate_upload_failures_total") == 0
+    assert second.value("fusestate_dirty_bytes") == 0 and second.value("fusestate_staged_blocks") == 0
+    # Metadata reaches the bucket.
+    assert second.value("fusestate_journal_segments_shipped_total") > 0
+    assert second.value("fusestate_journal_entries_shipped_total") > 0
+    assert second.value("fusestate_journal_shipped_seq") > start.value("fusestate_journal_shipped_seq")
+    assert second.value("fusestate_lease_held") == 1
+    assert second.value("fusestate_lease_epoch") > start.value("fusestate_lease_epoch") - 1 >= 1  # 2nd mount
+    assert second.value("fusestate_files") == 4  # the root, old, d and f
+    assert second.value("fusestate_used_bytes") >= len(old) + len(data)
+    # Histograms: counts, a sum, and a +Inf bucket equal to the count.
+    for name in ("fusestate_block_read_seconds", "fusestate_remote_request_seconds",
+                 "fusestate_fuse_operation_seconds"):
+        count = second.value(name + "_count")
+        assert count > 0, name
+        assert second.value(name + "_bucket", le="+Inf") == count, name
+    m.umount()
+
+
+# --- 4. the command line --------------------------------------------------------------------
+
+STATS_ROWS = ["fuse ops/s", "read / written", "cache hit ratio", "uploaded", "bucket in / out", "dirty",
+              "staged / queue", "journal pending", "backpressure"]
+
+
+def test_status_of_a_path_that_is_not_a_mount(tmp_path: Path) -> None:
+    for args in (["status"], ["status", "--json"], ["stats", "--count", "1"]):
+        proc = fusestate(*args, str(tmp_path), check=False)
+        assert proc.returncode != 0, proc
+        assert proc.stdout == ""
+        assert "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert lines == [f"fusestate: {tmp_path} is not a fusestate mount"], proc.stderr
+
+
+def test_stats_prints_tables(make_mount, file_bucket: Bucket) -> None:
+    m, _ = mount_with_metrics(make_mount, file_bucket)
+    write_file(m.path / "f", os.urandom(MiB))
+    proc = fusestate("stats", "--count", "2", "--interval", "0.5", str(m.path), timeout=60)
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert "\033" not in proc.stdout  # no screen clearing when not on a terminal
+    header = f"fusestate {m.path}  ({file_bucket.url})"
+    starts = [i for i, line in enumerate(lines) if line == header]
+    assert len(starts) == 2, proc.stdout
+    tables = [lines[starts[0] + 1:starts[1]], lines[starts[1] + 1:]]
+    for table in tables:
+        assert [re.split(r"\s{2,}", line, maxsplit=1)[0] for line in table] == STATS_ROWS, proc.stdout
+        assert all(len(re.split(r"\s{2,}", line, maxsplit=1)) == 2 for line in table), proc.stdout
+    # The human status output has its rows too.
+    text = fusestate("status", str(m.path)).stdout
+    assert [line.split("  ")[0] for line in text.splitlines()] == [
+        "volume", "files / used", "memory cache", "disk cache", "dirty", "staged", "uploaded", "remote"]
+    m.umount()
+
+
+# --- 5. a real Prometheus scrapes the daemon -----------------------------------------------
+
+@dataclass
+class Prometheus:
+    url: str
+    log: Path
+
+    def query(self, expr: str) -> list[dict]:
+        qs = urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{qs}", timeout=5) as reply:
+            doc = json.load(reply)
+        assert doc["status"] == "success", doc
+        return doc["data"]["result"]
+
+    def value(self, expr: str) -> Optional[float]:
+        """The query's single value, or None while Prometheus has no sample."""
+        result = self.query(expr)
+        if not result:
+            return None
+        assert len(result) == 1, result
+        return float(result[0]["value"][1])
+
+    def diagnosis(self) -> str:
+        """The scrape targets' health and the end of the server's log, for a failure message."""
+        with contextlib.suppress(OSError, ValueError), \
+                urllib.request.urlopen(f"{self.url}/api/v1/targets", timeout=5) as reply:
+            targets = [{k: t.get(k) for k in ("scrapeUrl", "health", "lastError")}
+                       for t in json.load(reply)["data"]["activeTargets"]]
+            return f"targets: {targets}\nlog: {self.log.read_text()[-2000:]}"
+        return f"log: {self.log.read_text()[-2000:]}"
+
+
+@pytest.fixture
+def prometheus_server(tmp_path: Path) -> Iterator[Callable[[str], Prometheus]]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("the prometheus binary is not installed (Debian package prometheus)")
+    procs: list[subprocess.Popen] = []
+
+    def start(target: str) -> Prometheus:
+        root = tmp_path / "prometheus"
+        root.mkdir()
+        config = root / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: fusestate\n    static_configs:\n"
+            f"      - targets: ['{target}']\n")
+        port = free_port()
+        log = root / "prometheus.log"
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen(
+                [binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=root))
+        server = Prometheus(f"http://127.0.0.1:{port}", log)
+
+        def ready() -> bool:
+            if procs[-1].poll() is not None:
+                raise AssertionError(f"prometheus exited {procs[-1].returncode}: {log.read_text()[-2000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{server.url}/-/ready", timeout=2) as r:
+                return r.status == 200
+            return False
+
+        wait_until(ready, 30, "prometheus to be ready")
+        return server
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+@pytest.mark.prometheus
+def test_prometheus_scrapes_the_daemon(make_mount, file_bucket: Bucket, prometheus_server) -> None:
+    m, url = mount_with_metrics(make_mount, file_bucket)
+    prom = prometheus_server(urllib.parse.urlsplit(url).netloc)
+
+    def scraped(expr: str, at_least: float) -> Callable[[], bool]:
+        def check() -> bool:
+            value = prom.value(expr)
+            return value is not None and value >= at_least
+        return check
+
+    try:
+        wait_until(scraped('up{job="fusestate"}', 1), 30, f"prometheus to scrape {url}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{prom.diagnosis()}") from None
+    data = os.urandom(6 * MiB)
+    write_file(m.path / "f", data)
+    wait_quiet(m)
+    assert read_through(m.path / "f") == data
+    assert read_through(m.path / "f") == data
+    now = scrape(url)
+    hits = now.value("fusestate_cache_hits_total", tier="memory")
+    writes = now.value("fusestate_fuse_operations_total", op="write")
+    reads = now.value("fusestate_fuse_operations_total", op="read")
+    assert hits >= 2 and writes > 0 and reads > 0
+
+    expected = {
+        "fusestate_uploaded_bytes_total": len(data),
+        'fusestate_cache_hits_total{tier="memory"}': hits,
+        'fusestate_fuse_operations_total{op="write"}': writes,
+        'fusestate_fuse_operations_total{op="read"}': reads,
+        "fusestate_journal_segments_shipped_total": 1,
+        "fusestate_lease_held": 1,
+    }
+    deadline = time.monotonic() + 30
+    seen: dict[str, Optional[float]] = {}
+    while True:
+        seen = {expr: prom.value(expr) for expr in expected}
+        if all(seen[e] is not None and seen[e] >= v for e, v in expected.items()):
+            break
+        assert time.monotonic() < deadline, \
+            f"prometheus has {seen}, expected at least {expected}\n{prom.diagnosis()}"
+        time.sleep(0.5)
+    # Prometheus saw the counter move, not only its final value.
+    assert prom.value("increase(fusestate_uploaded_bytes_total[1m])") > 0
+    m.umount()
