@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("warmup", help="fetch files into the local cache")
     w.add_argument("paths", nargs="+")
+
+    sp = sub.add_parser("spark-pipeline", help="run the reference Spark streaming job with its state on a mount")
+    from fusestate.spark.pipeline import add_arguments as _spark_pipeline_arguments
+    _spark_pipeline_arguments(sp)
     return parser
 
 
@@ -330,7 +334,14 @@ def _mount_of(path: str) -> str:
 
 
 COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "warmup": cmd_warmup,
-            "fsck": cmd_fsck, "gc": cmd_gc, "stats": cmd_stats}
+            "fsck": cmd_fsck, "gc": cmd_gc, "stats": cmd_stats, "spark-pipeline": lambda a: cmd_spark_pipeline(a)}
+
+
+def cmd_spark_pipeline(args: argparse.Namespace) -> int:
+    from fusestate.spark.pipeline import run as run_spark_pipeline
+
+    run_spark_pipeline(args)
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

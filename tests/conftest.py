@@ -180,15 +180,27 @@ class Mount:
     extra: list[str] = field(default_factory=list)
     pid: Optional[int] = None
 
-    def mount(self, *more: str) -> "Mount":
-        self.path.mkdir(parents=True, exist_ok=True)
+    def mount_args(self, *more: str) -> list[str]:
         args = ["mount", self.bucket.url, str(self.path), "--cache-dir", str(self.cache_dir),
                 "--cache-size", "4G", *self.extra, *more]
         if self.bucket.endpoint:
             args += ["--endpoint-url", self.bucket.endpoint]
-        fusestate(*args)
+        return args
+
+    def mount(self, *more: str, env: Optional[dict] = None) -> "Mount":
+        """Mount and wait until it answers; ``env`` adds variables to the daemon's environment."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fusestate(*self.mount_args(*more), env=dict(os.environ, **env) if env else None)
         self.pid = self.status()["pid"]
         return self
+
+    def try_mount(self, *more: str) -> subprocess.CompletedProcess:
+        """A mount that may be refused: the finished ``fusestate mount`` command, not checked."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        proc = fusestate(*self.mount_args(*more), check=False)
+        if proc.returncode == 0:
+            self.pid = self.status()["pid"]
+        return proc
 
     def status(self) -> dict:
         return json.loads(fusestate("status", "--json", str(self.path)).stdout)

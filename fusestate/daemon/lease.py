@@ -106,7 +106,7 @@ class Lease:
                              starts_after=starts_after, expires_at=now + self.ttl)
         if not self.remote.put_if_absent(record.key, record.encode()):
             raise UserError("another node took the volume at the same moment; try again")
-        if previous is not None and previous.holder != self.holder:
+        if previous is not None and previous.holder != self.holder and previous.expires_at > now:
             log.warning("took the volume over from %s (new epoch %d)", previous.describe(), epoch)
         self.record = record
         return record
@@ -120,6 +120,13 @@ class Lease:
             raise LeaseLost(f"the volume was taken over by {newest.describe()}")
         self.record.expires_at = time.time() + self.ttl
         self.remote.put(self.record.key, self.record.encode())
+
+    def superseded(self) -> bool:
+        """True once a newer epoch exists (one HEAD request): checked before acknowledging an fsync."""
+        assert self.record is not None
+        if not self.lost and self.remote.exists(lease_key(self.record.epoch + 1)):
+            self.lost = True
+        return self.lost
 
     def release(self) -> None:
         """Let the next mount in at once (clean unmount)."""

@@ -205,7 +205,7 @@ def start_exporter(daemon: "Daemon", addr: str, registry: CollectorRegistry) -> 
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
-        log.error("metrics exporter could not listen on %s: %s; running without metrics", addr, exc)
+        log.warning("metrics exporter could not listen on %s: %s; running without metrics", addr, exc)
         return None
     bound = server.server_address[:2]
     log.info("metrics on http://%s:%d/metrics", bound[0], bound[1])

@@ -107,6 +107,9 @@ class Daemon:
         self.location = location
         self.remote = RemoteStore(fs, location.root, retries=cfg.remote_retries,
                                   concurrency=max(16, cfg.upload_concurrency * 2))
+        self.registry = CollectorRegistry()
+        histograms = Histograms(self.registry)
+        self.remote.stats.observer = Histograms.observer(histograms.remote)  # before the first request
         self.volume = volume.load_or_create(self.remote, cfg.block_size, create=not cfg.read_only)
         self.meta = self._open_metadata()
         self.local_io = trio.CapacityLimiter(8)
@@ -128,10 +131,8 @@ class Daemon:
                                       interval=cfg.journal_interval)
         if not cfg.read_only:
             self.fs.ship_metadata = self.shipper.wait_shipped
-        self.registry = CollectorRegistry()
-        histograms = Histograms(self.registry)
+            self.shipper.fenced = self.lease.superseded if self.lease else None
         self.blocks.read_observer = Histograms.observer(histograms.block_read)
-        self.remote.stats.observer = Histograms.observer(histograms.remote)
         self.ops.op_observer = Histograms.observer(histograms.fuse)
         self.metrics_addr: Optional[tuple[str, int]] = None
 

@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import trio
 
@@ -64,6 +64,8 @@ class JournalShipper:
         self._lock = trio.Lock()
         self._error: Optional[str] = None
         self.stopped = False
+        # Set by the daemon: True once another holder took the volume over (fencing).
+        self.fenced: Optional[Callable[[], bool]] = None
 
     # --- state for status/metrics ------------------------------------------------
     def pending_entries(self) -> int:
@@ -138,6 +140,11 @@ class JournalShipper:
                 first = self.shipped_seq + 1
                 data = await trio.to_thread.run_sync(journal.encode_segment, changes)
                 await self.remote.aput(journal.segment_key(self.epoch, first, end), data)
+                if self.fenced is not None and await self.remote.run(self.fenced):
+                    # A newer epoch exists: this segment will be ignored on restore, so
+                    # nothing it carries may be acknowledged as durable.
+                    self.stopped = True
+                    raise ShipFailed("the volume was taken over by another holder; this mount is fenced off")
             finally:
                 self.uploader.unpin(needed)
             self.shipped_seq = end

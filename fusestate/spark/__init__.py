@@ -1,0 +1,1 @@
+"""Spark Structured Streaming with its state on a fusestate mount: configuration and a reference pipeline."""

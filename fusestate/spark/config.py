@@ -1,0 +1,119 @@
+"""Spark configuration for "keep this query's state on this fusestate mount".
+
+One function, :func:`state_conf`, turns a directory (on a fusestate mount, or on local disk for a
+baseline) into the settings a Structured Streaming query needs:
+
+- ``spark.local.dir`` under the directory: the RocksDB state store's working directory (and
+  shuffle files) live there, so RocksDB writes land in fusestate's write-back cache;
+- a checkpoint location under the directory: ``fusestate:///...`` when the Hadoop shim is used
+  (commits and loads become hard links inside the mount), ``file:///...`` otherwise (commits
+  copy the SST files, and content addressing keeps the copy from uploading anything new);
+- the RocksDB state store provider and changelog checkpointing.
+
+A checkpoint location must be visible to the driver and to every executor that may run the
+query's tasks. With one fusestate volume per node that means a single-node query (local mode,
+or one executor host), or every node mounting the same volume, which fusestate allows for one
+writer only. See docs/spark.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+SHIM_DIR = ROOT / "spark" / "shim"
+SHIM_JAR = SHIM_DIR / "build" / "fusestate-hadoop-shim.jar"
+SHIM_SCHEME = "fusestate"
+SHIM_FS_CLASS = "io.fusestate.hadoop.FusestateFileSystem"
+SHIM_AFS_CLASS = "io.fusestate.hadoop.FusestateFs"
+ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+ROCKSDB_PREFIX = "spark.sql.streaming.stateStore.rocksdb."
+
+
+def is_fusestate_mount(path: str | os.PathLike) -> Optional[str]:
+    """The fusestate mountpoint holding ``path``, or None (longest prefix in /proc/self/mounts)."""
+    real = os.path.realpath(path)
+    best, best_type = None, None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mp = parts[1].replace("\\040", " ")
+                if real == mp or mp == "/" or real.startswith(mp.rstrip("/") + "/"):
+                    if best is None or len(mp) >= len(best):
+                        best, best_type = mp, parts[2]
+    except OSError:
+        return None
+    return best if best_type and best_type.startswith("fuse.fusestate") else None
+
+
+def shim_jar(build: bool = True) -> Path:
+    """The shim jar, built with ``spark/shim/build.sh`` when missing (and ``build``)."""
+    if not SHIM_JAR.exists() and build:
+        import subprocess
+        import sys
+
+        subprocess.run(["bash", str(SHIM_DIR / "build.sh")], check=True, capture_output=True,
+                       env=dict(os.environ, PYTHON=sys.executable))
+    if not SHIM_JAR.exists():
+        raise FileNotFoundError(f"{SHIM_JAR} is missing: run spark/shim/build.sh")
+    return SHIM_JAR
+
+
+@dataclass
+class StateLayout:
+    """Where a query's state lives, and the Spark settings that put it there."""
+
+    state_dir: Path
+    local_dir: Path
+    checkpoint_dir: Path
+    checkpoint_uri: str
+    conf: dict[str, str] = field(default_factory=dict)
+    jars: list[str] = field(default_factory=list)
+
+
+def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: bool = False,
+               checkpoint: Optional[str | os.PathLike] = None,
+               changelog: bool = True, min_deltas_for_snapshot: int = 10,
+               maintenance_interval: str = "30s", shuffle_partitions: int = 4) -> StateLayout:
+    """Spark settings that keep a streaming query's state under ``state_dir``.
+
+    ``checkpoint`` overrides the checkpoint directory (default ``<state_dir>/checkpoints/<query>``).
+    ``use_shim`` registers the ``fusestate://`` Hadoop file system (spark/shim) and names the
+    checkpoint with that scheme; it needs the checkpoint and ``spark.local.dir`` on one mount.
+    """
+    state_dir = Path(state_dir).resolve()
+    local_dir = state_dir / "spark-local"
+    checkpoint_dir = Path(checkpoint).resolve() if checkpoint else state_dir / "checkpoints" / query
+    local_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
+    scheme = SHIM_SCHEME if use_shim else "file"
+    uri = f"{scheme}://{checkpoint_dir}"
+    conf = {
+        "spark.local.dir": str(local_dir),
+        "spark.sql.streaming.checkpointLocation": uri,
+        "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
+        ROCKSDB_PREFIX + "changelogCheckpointing.enabled": "true" if changelog else "false",
+        "spark.sql.streaming.stateStore.minDeltasForSnapshot": str(min_deltas_for_snapshot),
+        "spark.sql.streaming.stateStore.maintenanceInterval": maintenance_interval,
+        "spark.sql.shuffle.partitions": str(shuffle_partitions),
+    }
+    jars: list[str] = []
+    if use_shim:
+        jar = str(shim_jar())
+        jars.append(jar)
+        conf.update({
+            # Hadoop resolves file system classes through the JVM's class path, so the jar goes
+            # there as well as on spark.jars.
+            "spark.driver.extraClassPath": jar,
+            "spark.executor.extraClassPath": jar,
+            f"spark.hadoop.fs.{SHIM_SCHEME}.impl": SHIM_FS_CLASS,
+            f"spark.hadoop.fs.AbstractFileSystem.{SHIM_SCHEME}.impl": SHIM_AFS_CLASS,
+            f"spark.hadoop.fs.{SHIM_SCHEME}.impl.disable.cache": "false",
+        })
+    return StateLayout(state_dir, local_dir, checkpoint_dir, uri, conf, jars)

@@ -1,0 +1,333 @@
+"""A PySpark Structured Streaming job with its RocksDB state on a fusestate mount.
+
+The job reads a deterministic, pre-generated event stream (one CSV file per micro-batch),
+drops duplicate events with a watermark, and keeps per-key aggregates whose state holds a
+payload of ``--payload-bytes`` per key: the state grows to about ``keys x payload-bytes``
+(hex text; RocksDB compresses it to roughly half). Each micro-batch's updated rows are
+written by ``foreachBatch`` to ``<output>/batch-<id>`` (overwritten when a batch is re-run
+after a restart), so two runs can be compared batch for batch.
+
+    fusestate spark-pipeline --state-dir /mnt/state/job --output /data/out --batches 8 --keys 20000
+    fusestate spark-pipeline --local --state-dir /var/tmp/job --output /data/out-local ...
+
+It prints one JSON line per completed micro-batch (``{"event": "batch", ...}``) and, at the end,
+a report with records/s, batch durations, the state store's commit and load metrics, and
+fusestate's status (cache, write-back, remote traffic) before and after the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from fusestate.spark.config import is_fusestate_mount, state_conf
+
+EPOCH_MS = 1_700_000_000_000          # event time of the first event
+BATCH_SPAN_MS = 60_000                # event time covered by one input file
+WATERMARK = "30 seconds"
+LATE_MS = 5 * 60_000                  # late events are this much behind: dropped by the watermark
+INPUT_MTIME = 1_700_000_000           # file times, one second apart: the file source's order
+SCHEMA = "event_id LONG, key STRING, ts_ms LONG, value LONG"
+
+
+# --- the event stream ----------------------------------------------------------------------
+
+def events_for_batch(b: int, keys: int, events_per_batch: int) -> list[tuple[int, str, int, int]]:
+    """The events of input file ``b``: a pure function of its arguments.
+
+    Keys are visited round robin, so after ``keys / events_per_batch`` files every key has
+    state. Every tenth event is sent twice; the first event of a file repeats the last one of
+    the previous file (both dropped by deduplication), and one event per file is late by
+    five minutes of event time (dropped by the watermark).
+    """
+    rows: list[tuple[int, str, int, int]] = []
+    base = EPOCH_MS + b * BATCH_SPAN_MS
+    if b > 0:
+        g = b * events_per_batch - 1
+        rows.append((g, f"k{g % keys:09d}", base - BATCH_SPAN_MS + (events_per_batch - 1) * BATCH_SPAN_MS // events_per_batch,
+                     (g * 31 + 7) % 1000))
+    for j in range(events_per_batch):
+        g = b * events_per_batch + j
+        row = (g, f"k{g % keys:09d}", base + j * BATCH_SPAN_MS // events_per_batch, (g * 31 + 7) % 1000)
+        rows.append(row)
+        if j % 10 == 9:
+            rows.append(row)
+    if b > 0:
+        g = 10**12 + b
+        rows.append((g, f"k{g % keys:09d}", base - LATE_MS, 1))
+    return rows
+
+
+def generate_input(input_dir: Path, batches: int, keys: int, events_per_batch: int) -> int:
+    """Write the input files (skipped when they exist for the same parameters); rows written."""
+    input_dir.mkdir(parents=True, exist_ok=True)
+    manifest = input_dir / "_params.json"
+    params = {"batches": batches, "keys": keys, "events_per_batch": events_per_batch, "format": 1}
+    total = 0
+    if manifest.exists() and json.loads(manifest.read_text()) == params:
+        return sum(len(events_for_batch(b, keys, events_per_batch)) for b in range(batches))
+    for old in input_dir.glob("events-*.csv"):
+        old.unlink()
+    for b in range(batches):
+        rows = events_for_batch(b, keys, events_per_batch)
+        total += len(rows)
+        path = input_dir / f"events-{b:06d}.csv"
+        tmp = input_dir / f".tmp-events-{b:06d}.csv"
+        with open(tmp, "w", newline="") as f:
+            csv.writer(f).writerows(rows)
+        os.utime(tmp, (INPUT_MTIME + b, INPUT_MTIME + b))
+        os.rename(tmp, path)
+    manifest.write_text(json.dumps(params))
+    return total
+
+
+# --- the query -----------------------------------------------------------------------------
+
+def build_session(conf: dict[str, str], jars: list[str], driver_memory: str, master: str):
+    os.environ["SPARK_LOCAL_DIRS"] = conf["spark.local.dir"]   # wins over spark.local.dir if set elsewhere
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.master(master).appName("fusestate-state-pipeline")
+               .config("spark.driver.memory", driver_memory)
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+               .config("spark.sql.streaming.numRecentProgressUpdates", "100000")
+               .config("spark.sql.adaptive.enabled", "false"))
+    for k, v in conf.items():
+        if k != "spark.sql.streaming.checkpointLocation":
+            builder = builder.config(k, v)
+    if jars:
+        builder = builder.config("spark.jars", ",".join(jars))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def build_query(spark, input_dir: Path, payload_bytes: int):
+    from pyspark.sql import functions as F
+
+    raw = (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1)
+           .option("header", "false").csv(str(input_dir) + "/events-*.csv"))
+    events = raw.withColumn("ts", F.timestamp_millis("ts_ms"))
+    deduped = events.withWatermark("ts", WATERMARK).dropDuplicates(["event_id", "ts"])
+    pieces = math.ceil(payload_bytes / 64)
+    if pieces:
+        payload = F.substring(F.concat(*[F.sha2(F.concat_ws(":", "key", "value", F.lit(i)), 256)
+                                         for i in range(pieces)]), 1, payload_bytes)
+    else:
+        payload = F.lit("")
+    agg = (deduped.withColumn("payload", payload).groupBy("key")
+           .agg(F.count(F.lit(1)).alias("events"), F.sum("value").alias("value_sum"),
+                F.max("value").alias("value_max"), F.max("payload").alias("payload")))
+    return agg.select("key", "events", "value_sum", "value_max",
+                      F.substring(F.sha2("payload", 256), 1, 16).alias("payload_digest"),
+                      F.length("payload").alias("payload_len"))
+
+
+def _shim_counters(spark) -> Optional[dict]:
+    """How many state store copies the shim turned into hard links (local mode: one JVM)."""
+    try:
+        cls = spark.sparkContext._jvm.io.fusestate.hadoop.FusestateFileSystem
+        return {"linked": int(cls.linkedCount()), "copied": int(cls.copiedCount())}
+    except Exception as exc:  # noqa: BLE001 - a cluster's executors are other JVMs
+        return {"error": str(exc)[:200]}
+
+
+def batch_writer(output: Path):
+    def write(df, batch_id: int) -> None:
+        (df.coalesce(1).write.mode("overwrite").option("header", "true")
+         .csv(f"file://{output}/batch-{batch_id:06d}"))
+    return write
+
+
+# --- reporting -----------------------------------------------------------------------------
+
+def fusestate_status(path: Optional[str]) -> Optional[dict]:
+    if not path:
+        return None
+    exe = Path(sys.executable).parent / "fusestate"
+    proc = subprocess.run([str(exe) if exe.exists() else "fusestate", "status", "--json", path],
+                          capture_output=True, text=True, timeout=60)
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def batch_record(p: dict) -> dict:
+    ops = p.get("stateOperators") or []
+    custom: dict[str, float] = {}
+    for op in ops:
+        for k, v in (op.get("customMetrics") or {}).items():
+            custom[k] = custom.get(k, 0) + v
+    dur = p.get("durationMs") or {}
+    return {
+        "batch": p["batchId"], "timestamp": p["timestamp"], "rows": p.get("numInputRows", 0),
+        "rows_per_second": p.get("processedRowsPerSecond", 0.0),
+        "duration_ms": dur.get("triggerExecution", 0), "commit_ms": dur.get("commitOffsets", 0),
+        "add_batch_ms": dur.get("addBatch", 0),
+        "state_rows": sum(op.get("numRowsTotal", 0) for op in ops),
+        "state_memory_bytes": sum(op.get("memoryUsedBytes", 0) for op in ops),
+        "state_commit_ms": sum(op.get("commitTimeMs", 0) for op in ops),
+        "rocksdb": custom,
+    }
+
+
+def summarize(batches: list[dict]) -> dict:
+    if not batches:
+        return {"batches": 0}
+    rows = sum(b["rows"] for b in batches)
+    wall = sum(b["duration_ms"] for b in batches) / 1000
+    durs = sorted(b["duration_ms"] for b in batches)
+    def metric(name: str) -> list[float]:
+        return [b["rocksdb"].get(name, 0) for b in batches]
+    return {
+        "batches": len(batches), "rows": rows,
+        "records_per_second": round(rows / wall, 1) if wall else None,
+        "batch_ms_median": durs[len(durs) // 2], "batch_ms_max": durs[-1],
+        "state_commit_ms_total": sum(b["state_commit_ms"] for b in batches),
+        "rocksdb_commit_checkpoint_ms_total": sum(metric("rocksdbCommitCheckpointLatency")),
+        "rocksdb_commit_file_sync_ms_total": sum(metric("rocksdbCommitFileSyncLatencyMs")),
+        "rocksdb_commit_flush_ms_total": sum(metric("rocksdbCommitFlushLatency")),
+        "rocksdb_load_ms_total": sum(metric("rocksdbLoadLatencyMs")) if any(metric("rocksdbLoadLatencyMs")) else None,
+        "rocksdb_files_copied": sum(metric("rocksdbFilesCopied")),
+        "rocksdb_bytes_copied": sum(metric("rocksdbBytesCopied")),
+        "state_rows_last": batches[-1]["state_rows"],
+        "rocksdb_sst_bytes_last": batches[-1]["rocksdb"].get("rocksdbTotalSizeOnDisk"),
+    }
+
+
+# --- the command ---------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", required=True,
+                   help="directory for spark.local.dir and the default checkpoint (on a fusestate mount, unless --local)")
+    p.add_argument("--output", required=True, help="directory of the per-batch output (batch-<id>/part-*.csv)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default <state-dir>/checkpoints/<query>)")
+    p.add_argument("--input", default=None, help="input files (default <output>.input); generated when missing")
+    p.add_argument("--batches", type=int, default=8, help="input files, one per micro-batch (default %(default)s)")
+    p.add_argument("--keys", type=int, default=10_000, help="distinct keys in the aggregation state (default %(default)s)")
+    p.add_argument("--payload-bytes", type=int, default=256, help="payload kept in state per key (default %(default)s)")
+    p.add_argument("--events-per-batch", type=int, default=None, help="events per file (default: keys/2, at least 1000)")
+    p.add_argument("--partitions", type=int, default=4, help="shuffle partitions = state stores per operator (default %(default)s)")
+    p.add_argument("--local", action="store_true", help="baseline: state on local disk, no fusestate mount required")
+    p.add_argument("--use-shim", action="store_true", help="checkpoint via the fusestate:// Hadoop file system (hard-link commits)")
+    p.add_argument("--no-changelog", action="store_true", help="turn RocksDB changelog checkpointing off")
+    p.add_argument("--min-deltas-for-snapshot", type=int, default=10)
+    p.add_argument("--driver-memory", default="1g", help="JVM heap (default %(default)s)")
+    p.add_argument("--master", default="local[2]")
+    p.add_argument("--report", default=None, help="also write the final report (JSON) here")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.time()
+    state_dir = Path(args.state_dir).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    mount = is_fusestate_mount(state_dir)
+    if args.local and mount:
+        raise SystemExit(f"spark-pipeline: --local but {state_dir} is on the fusestate mount {mount}")
+    if not args.local and not mount:
+        raise SystemExit(f"spark-pipeline: {state_dir} is not on a fusestate mount (use --local for a local-disk baseline)")
+    if args.use_shim and args.local:
+        raise SystemExit("spark-pipeline: --use-shim needs a fusestate mount, not --local")
+    output = Path(args.output).resolve()
+    input_dir = Path(args.input).resolve() if args.input else output.with_name(output.name + ".input")
+    events_per_batch = args.events_per_batch or max(1000, args.keys // 2)
+    rows = generate_input(input_dir, args.batches, args.keys, events_per_batch)
+    output.mkdir(parents=True, exist_ok=True)
+
+    layout = state_conf(state_dir, query="pipeline", use_shim=args.use_shim, checkpoint=args.checkpoint,
+                        changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
+                        shuffle_partitions=args.partitions)
+    status_before = fusestate_status(mount)
+    spark = build_session(layout.conf, layout.jars, args.driver_memory, args.master)
+    t_session = time.time()
+    batches: list[dict] = []
+    try:
+        query = (build_query(spark, input_dir, args.payload_bytes).writeStream
+                 .outputMode("update").foreachBatch(batch_writer(output))
+                 .option("checkpointLocation", layout.checkpoint_uri)
+                 .queryName("fusestate_state_pipeline").trigger(availableNow=True).start())
+        t_started = time.time()
+        seen = 0
+        while True:
+            active = query.isActive
+            progress = query.recentProgress
+            for p in progress[seen:]:
+                rec = batch_record(p)
+                rec["seen_at"] = round(time.time() - t0, 3)
+                batches.append(rec)
+                print(json.dumps({"event": "batch", **rec}), flush=True)
+            seen = len(progress)
+            if not active:
+                break
+            time.sleep(0.2)
+        query.awaitTermination()
+        if query.exception():
+            raise RuntimeError(str(query.exception()))
+        shim = _shim_counters(spark) if args.use_shim else None
+    finally:
+        spark.stop()
+    t_end = time.time()
+    status_after = fusestate_status(mount)
+    report = {
+        "event": "report", "state_dir": str(state_dir), "mount": mount, "use_shim": args.use_shim,
+        "checkpoint": layout.checkpoint_uri, "keys": args.keys, "payload_bytes": args.payload_bytes,
+        "batches_in_input": args.batches, "input_rows": rows,
+        "session_start_s": round(t_session - t0, 3), "query_start_s": round(t_started - t0, 3),
+        "first_batch_done_s": batches[0]["seen_at"] if batches else None,
+        "total_s": round(t_end - t0, 3),
+        "summary": summarize(batches), "shim": shim, "batches": batches,
+        "fusestate_before": status_before, "fusestate_after": status_after,
+    }
+    if args.report:
+        Path(args.report).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report), flush=True)
+    return report
+
+
+def read_output(output: str | os.PathLike) -> dict[int, list[tuple[str, ...]]]:
+    """The output of a run: batch id -> its rows, sorted (for row-for-row comparisons)."""
+    result: dict[int, list[tuple[str, ...]]] = {}
+    for d in sorted(Path(output).glob("batch-*")):
+        rows: list[tuple[str, ...]] = []
+        for part in sorted(d.glob("part-*.csv")):
+            with open(part, newline="") as f:
+                r = csv.reader(f)
+                next(r, None)
+                rows.extend(tuple(x) for x in r)
+        result[int(d.name.split("-")[1])] = sorted(rows)
+    return result
+
+
+def final_view(output: str | os.PathLike) -> dict[str, tuple[str, ...]]:
+    """The aggregates as of the last batch: key -> its row in the newest batch that updated it.
+
+    Equal for any two runs over the same input, wherever their batch boundaries fell: a query
+    killed between planning a batch in its source log and recording it in its offset log plans
+    the files of both in one batch when it restarts, as Spark does.
+    """
+    view: dict[str, tuple[str, ...]] = {}
+    for _, rows in sorted(read_output(output).items()):
+        for row in rows:
+            view[row[0]] = row
+    return view
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="fusestate spark-pipeline", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
