@@ -38,6 +38,13 @@ if [ "$need_apt" = 1 ]; then
     [ "$had_prometheus" = 1 ] || stop_packaged_prometheus
 fi
 
+# A JDK for PySpark and for building the Spark Hadoop shim (spark/shim).
+if ! command -v javac >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends openjdk-17-jdk-headless >/dev/null
+fi
+
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
@@ -49,4 +56,9 @@ if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[
     exit 1
 fi
 rm -f "$log"
+# The fusestate:// Hadoop file system for Spark (a no-op when the jar is up to date).
+if ! PYTHON=.venv/bin/python bash spark/shim/build.sh >/dev/null; then
+    echo "setup: building spark/shim failed" >&2
+    exit 1
+fi
 echo "fusestate is installed in $(pwd)/.venv"

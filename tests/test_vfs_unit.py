@@ -155,3 +155,31 @@ def test_unlinked_open_file_stays_readable(tmp_path: Path) -> None:
             fs.getattr(ino)
 
     run_fs(tmp_path, body)
+
+
+def test_identical_blocks_sealed_at_once_all_reach_the_bucket(tmp_path: Path) -> None:
+    """Many files with the same bytes, written, deleted and rewritten concurrently (RocksDB
+    instances creating identical files): no staged block may vanish before its upload."""
+    data = os.urandom(2 * BS)
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        async def churn(i: int) -> None:
+            for round_ in range(5):
+                name = f"f{i}-{round_}".encode()
+                ino = await write_file(fs, name, data)
+                if round_ % 2:
+                    fs.unlink(ROOT_INODE, name)
+                    fs.forget([(ino, 1)])
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(churn, i)
+        await fs.uploader.drain()
+        assert fs.uploader.stats.upload_failures == 0
+        ino = fs.lookup(ROOT_INODE, b"f3-4").id
+        assert await read_file(fs, ino) == data
+        for key in (block_key(data[:BS]), block_key(data[BS:])):
+            assert remote.get(object_name(key))
+
+    run_fs(tmp_path, body, upload_delay=0.0)

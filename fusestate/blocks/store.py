@@ -56,7 +56,7 @@ class BlockStore:
         self._fetching: dict[str, trio.Event] = {}
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._nursery: Optional[trio.Nursery] = None
-        self._staging_inflight: set[str] = set()
+        self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
         # Latency hook (metrics): called with the source ("local", "remote", "range") and seconds.
         self.read_observer: Optional[Callable[[str, float], None]] = None
 
@@ -74,13 +74,19 @@ class BlockStore:
         if key is None:
             return None
         self.memory.put(key, data)
-        if self.meta.get_object(key) is not None or key in self._staging_inflight:
+        while self.meta.get_object(key) is None:
+            writing = self._staging_inflight.get(key)
+            if writing is None:
+                break
+            await writing.wait()  # the same bytes are being staged: wait, then look again
+        else:
             return key  # dedup: the volume has these bytes already
-        self._staging_inflight.add(key)
+        done = self._staging_inflight[key] = trio.Event()
         try:
             await self._write_staging(key, data)
         finally:
-            self._staging_inflight.discard(key)
+            del self._staging_inflight[key]
+            done.set()
         return key
 
     async def _write_staging(self, key: str, data: bytes) -> None:

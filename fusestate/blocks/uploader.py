@@ -141,15 +141,12 @@ class Uploader:
         p = self._pending.get(key)
         if p is None or p.uploading or key in self._pins:
             return  # uploading or pinned: it is uploaded, then left to the garbage collector
-        del self._pending[key]
-        self.staged_bytes -= p.size
         self.stats.discarded_blocks += 1
         self.meta.forget_objects([key])
-        p.done.set()
         # Unlink on the loop (one short syscall) so a re-seal of the same bytes
         # cannot race with the removal of the old file.
         self.staging.remove(key)
-        self._room_changed()
+        self._finish(key, p)
 
     # --- waiting -----------------------------------------------------------
     async def wait_uploaded(self, keys: list[str]) -> None:
@@ -249,11 +246,16 @@ class Uploader:
         p = self._pending[key]
         try:
             info = self.meta.get_object(key)
-            if info is not None and info.refcount <= 0 and not info.uploaded and key not in self._pins:
-                self.meta.forget_objects([key])  # freed while queued: never upload it
+            if info is None or (info.refcount <= 0 and not info.uploaded and key not in self._pins):
+                # Freed while queued: never upload it. Forget and unlink without awaiting,
+                # so the same bytes sealed again right now start from a clean slate.
+                if info is not None:
+                    self.meta.forget_objects([key])
+                    self.staging.remove(key)
                 self.stats.discarded_blocks += 1
-                info = None
-            if info is not None and not info.uploaded:
+                self._finish(key, p)
+                return
+            if not info.uploaded:
                 data = await trio.to_thread.run_sync(self.staging.read, key, limiter=self._local_io)
                 if data is None:
                     raise UploadFailed(f"staged block {key[:16]} vanished from the staging area")
@@ -267,7 +269,9 @@ class Uploader:
                     self.stats.uploaded_blocks += 1
                     self.stats.uploaded_bytes += len(data)
                 self.meta.mark_uploaded(key)
-                info = self.meta.get_object(key)
+            # Uploaded: the row stays (referenced, or waiting for the collector), so a
+            # new seal of these bytes needs no staging file and this removal cannot race it.
+            info = self.meta.get_object(key)
             if info is not None and info.refcount > 0:
                 await trio.to_thread.run_sync(self._move_to_cache, key, limiter=self._local_io)
             else:
@@ -282,6 +286,9 @@ class Uploader:
             p.ready_at = time.monotonic() + RETRY_FAILED_AFTER
             self._push(key, p.ready_at)
             return
+        self._finish(key, p)
+
+    def _finish(self, key: str, p: _Pending) -> None:
         del self._pending[key]
         self.staged_bytes -= p.size
         p.done.set()

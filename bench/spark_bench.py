@@ -1,0 +1,177 @@
+"""Spark state pipeline benchmark: local disk vs fusestate.
+
+Three setups run the same pipeline (fusestate/spark/pipeline.py) over the same input:
+
+- ``local``: state and checkpoint on local disk, changelog checkpointing on (the baseline);
+- ``fusestate``: state and ``file://`` checkpoint on a fusestate mount (file:// bucket);
+- ``fusestate+shim``: the same with the ``fusestate://`` checkpoint (hard-link commits and loads).
+
+For each: records/s and state commit latency over ``--batches`` micro-batches. Then the restart:
+after the first run, for fusestate the daemon is killed and its cache dir wiped (a fresh node,
+mounted with ``--takeover``), and the query is restarted from its checkpoint for one more
+micro-batch. We report the time from the restart to
+the end of that first batch, the state store load latency, and the bytes the fresh node fetched.
+For local disk, the restart loads from the local checkpoint (no network at all: a lower bound).
+
+    .venv/bin/python bench/spark_bench.py --keys 200000 --payload-bytes 1024     # ~200 MB of state
+    .venv/bin/python bench/spark_bench.py --keys 20000 --payload-bytes 512       # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FUSESTATE = str(Path(sys.executable).parent / "fusestate")
+
+
+def fs(*args: str) -> str:
+    return subprocess.run([FUSESTATE, *args], check=True, capture_output=True, text=True).stdout
+
+
+def pipeline(state_dir: Path, output: Path, input_dir: Path, batches: int, common: list[str], *extra: str) -> dict:
+    t0 = time.time()
+    proc = subprocess.run([FUSESTATE, "spark-pipeline", "--state-dir", str(state_dir), "--output", str(output),
+                           "--input", str(input_dir), "--batches", str(batches), *common, *extra],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-5000:])
+        raise SystemExit(f"pipeline failed ({proc.returncode})")
+    report = next(json.loads(line) for line in reversed(proc.stdout.splitlines()) if line.startswith('{"event": "report"'))
+    report["wall_s"] = round(time.time() - t0, 2)
+    return report
+
+
+def du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def steady(report: dict) -> dict:
+    """Numbers over the batches after the first (the first one pays JVM warm-up)."""
+    bs = report["batches"][1:] or report["batches"]
+    rows = sum(b["rows"] for b in bs)
+    secs = sum(b["duration_ms"] for b in bs) / 1000
+    commits = sorted(b["state_commit_ms"] for b in bs)
+    return {"records_per_second": round(rows / secs, 1) if secs else None,
+            "batch_ms_median": sorted(b["duration_ms"] for b in bs)[len(bs) // 2],
+            "state_commit_ms_median": commits[len(commits) // 2], "state_commit_ms_max": commits[-1],
+            "rocksdb_bytes_copied": sum(b["rocksdb"].get("rocksdbBytesCopied", 0) for b in report["batches"])}
+
+
+def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -> dict:
+    d = work / name
+    d.mkdir()
+    out = d / "out"
+    extra = [] if name != "local" else ["--local"]
+    if name == "fusestate+shim":
+        extra.append("--use-shim")
+    if args.no_changelog and name != "local":
+        extra.append("--no-changelog")
+    mnt = cache = None
+    if name != "local":
+        bucket, mnt, cache = d / "bucket", d / "mnt", d / "cache"
+        bucket.mkdir()
+        mnt.mkdir()
+        fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
+           "--metrics-addr", "off")
+    state = (mnt / "job") if mnt else d / "state"
+    try:
+        first = pipeline(state, out, input_dir, args.batches, common, *extra)
+        result = {"first_run": {"wall_s": first["wall_s"], **steady(first),
+                                "state_rows": first["summary"]["state_rows_last"]}}
+        ckpt = (mnt or d / "state") / ("job" if mnt else "") / "checkpoints" / "pipeline"
+        result["checkpoint_bytes"] = du(ckpt)
+        if mnt:
+            st = json.loads(fs("status", "--json", str(mnt)))
+            result["first_run"]["fusestate"] = {k: st["writeback"][k] for k in ("uploaded_bytes", "uploaded_blocks")}
+            result["first_run"]["fusestate"]["fuse_bytes_written"] = st["fuse"]["bytes_written"]
+            # Lose the node: kill the daemon, wipe its cache, take the volume over on a "fresh node".
+            pid = st["pid"]
+            fs("umount", str(mnt)) if args.clean_umount else os.kill(pid, 9)
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                try:
+                    os.kill(pid, 0)
+                    time.sleep(0.1)
+                except ProcessLookupError:
+                    break
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+            shutil.rmtree(cache)
+            t = time.time()
+            fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
+               "--metrics-addr", "off", "--takeover")
+            result["fresh_mount_s"] = round(time.time() - t, 2)
+        t = time.time()
+        again = pipeline(state, out, input_dir, args.batches + 1, common, *extra)
+        b = again["batches"][0] if again["batches"] else {}
+        result["restart"] = {
+            "to_first_batch_done_s": again["first_batch_done_s"],
+            "jvm_and_session_s": again["session_start_s"],
+            "query_start_to_first_batch_done_s": round(again["first_batch_done_s"] - again["query_start_s"], 2)
+            if again["first_batch_done_s"] else None,
+            "first_batch_ms": b.get("duration_ms"),
+            "rocksdb_load_ms": b.get("rocksdb", {}).get("rocksdbLoadLatencyMs"),
+            "rocksdb_load_from_snapshot_ms": b.get("rocksdb", {}).get("rocksdbLoadFromSnapshotLatencyMs"),
+            "shim": again.get("shim"),
+        }
+        if mnt:
+            st = json.loads(fs("status", "--json", str(mnt)))
+            result["restart"]["fetched_bytes"] = st["remote"]["bytes_in"]
+            result["restart"]["restored_metadata_bytes"] = st["metadata"]["restored_bytes"]
+        return result
+    finally:
+        if mnt:
+            subprocess.run([FUSESTATE, "umount", str(mnt)], capture_output=True)
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--keys", type=int, default=200_000)
+    p.add_argument("--payload-bytes", type=int, default=1024)
+    p.add_argument("--batches", type=int, default=6)
+    p.add_argument("--events-per-batch", type=int, default=None)
+    p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--driver-memory", default="2g")
+    p.add_argument("--cache-size", default="20G")
+    p.add_argument("--setups", default="local,fusestate,fusestate+shim")
+    p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")
+    p.add_argument("--clean-umount", action="store_true", help="unmount cleanly instead of killing the daemon")
+    p.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
+    args = p.parse_args()
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="spark-bench-", dir="/var/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    common = ["--keys", str(args.keys), "--payload-bytes", str(args.payload_bytes), "--partitions", str(args.partitions),
+              "--driver-memory", args.driver_memory]
+    if args.events_per_batch:
+        common += ["--events-per-batch", str(args.events_per_batch)]
+    input_dir = work / "input"
+    results = {"params": vars(args), "raw_state_bytes": args.keys * args.payload_bytes, "setups": {}}
+    try:
+        for name in args.setups.split(","):
+            print(f"== {name}", file=sys.stderr, flush=True)
+            results["setups"][name] = run_setup(name, work, input_dir, args, common)
+            print(json.dumps(results["setups"][name]), file=sys.stderr, flush=True)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    out_dir = ROOT / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"spark-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
+    print(f"written to {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
