@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: mount the embedded default bucket and run a RocksDB state workload on it.
+# The main job: mount the embedded default bucket, run a RocksDB state workload and the
+# PySpark state pipeline (RocksDB state store, fusestate:// checkpoint) on it.
 #   BUCKET_URL   bucket to mount (default: a file:// bucket under /var/lib/fusestate)
 #   MOUNTPOINT   where to mount it (default /mnt/fusestate)
 #   NUM          RocksDB keys to write (default 1000000)
@@ -16,7 +17,15 @@ FS=.venv/bin/fusestate
 
 mkdir -p "$BUCKET_DIR" "$MOUNTPOINT"
 $FS mount "$BUCKET_URL" "$MOUNTPOINT" --cache-dir "$CACHE_DIR" --cache-size 20G
-trap '$FS umount "$MOUNTPOINT" || fusermount3 -u -z "$MOUNTPOINT"' EXIT
+unmount() {
+    # The Spark JVM may take a moment to let go of its files.
+    for _ in $(seq 10); do
+        $FS umount "$MOUNTPOINT" 2>/dev/null && return 0
+        sleep 1
+    done
+    $FS umount "$MOUNTPOINT" || fusermount3 -u -z "$MOUNTPOINT"
+}
+trap unmount EXIT
 
 DB="$MOUNTPOINT/rocksdb-state"
 rm -rf "$DB" "$MOUNTPOINT/checkpoint"
@@ -26,5 +35,9 @@ db_bench --db="$DB" --benchmarks=fillrandom,readrandom,overwrite --num="$NUM" \
 echo "== checkpoint (hard links: metadata only)"
 ldb --db="$DB" checkpoint --checkpoint_dir="$MOUNTPOINT/checkpoint"
 ls -l "$MOUNTPOINT/checkpoint" | head -5
+echo "== PySpark state pipeline (RocksDB state store on the mount, hard-link commits)"
+rm -rf "$MOUNTPOINT/spark-job" /tmp/fusestate-main-job-output /tmp/fusestate-main-job-output.input
+$FS spark-pipeline --state-dir "$MOUNTPOINT/spark-job" --output /tmp/fusestate-main-job-output \
+    --batches "${BATCHES:-6}" --keys "${KEYS:-20000}" --use-shim
 echo "== fusestate status"
 $FS status "$MOUNTPOINT"

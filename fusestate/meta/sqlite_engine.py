@@ -61,6 +61,7 @@ class SQLiteEngine:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=OFF")
         self._db.executescript(_SCHEMA)
+        self._migrate()
         self._db.executescript(JOURNAL_SCHEMA)
         self._depth = 0
         self._cache: OrderedDict[int, Inode] = OrderedDict()
@@ -74,6 +75,16 @@ class SQLiteEngine:
                 " VALUES (?, ?, 0, 0, 0, 2, ?, ?, ?)",
                 (ROOT_INODE, stat.S_IFDIR | 0o755, now, now, now),
             )
+
+    def _migrate(self) -> None:
+        """Bring a database written by an older release up to this schema."""
+        added = {"blocks": [("size", "INTEGER NOT NULL DEFAULT 0")],
+                 "objects": [("unreferenced_seq", "INTEGER")]}
+        for table, columns in added.items():
+            present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, decl in columns:
+                if name not in present:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
     # --- transactions -----------------------------------------------------
     @contextlib.contextmanager

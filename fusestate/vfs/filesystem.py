@@ -601,20 +601,20 @@ class FileSystem:
         try:
             try:
                 key = await self.blocks.seal(data) if data else None
-            except OSError as exc:
-                log.error("could not stage block %d of inode %d: %s", index, f.inode, exc)
+                # No await from here on: the commit is atomic with respect to other tasks.
+                if not f.is_current(index, generation) or self._files.get(f.inode) is not f:
+                    self.blocks.abandon(key)  # superseded by a newer write or truncate
+                    return
+                with self.meta.transaction():
+                    freed = self.meta.set_block(f.inode, index, key, len(data))
+                    self.meta.update_inode(f.node)
+            except Exception as exc:  # noqa: BLE001 - never take the daemon down; fsync reports it
+                log.exception("could not store block %d of inode %d", index, f.inode)
                 f.error = str(exc)
                 if f.is_current(index, generation) and index not in f.dirty:
                     f.mark_dirty(index, bytearray(data))  # keep it; a later flush retries
                     f.sealing.pop(index, None)
                 return
-            # No await from here on: the commit is atomic with respect to other tasks.
-            if not f.is_current(index, generation) or self._files.get(f.inode) is not f:
-                self.blocks.abandon(key)  # superseded by a newer write or truncate
-                return
-            with self.meta.transaction():
-                freed = self.meta.set_block(f.inode, index, key, len(data))
-                self.meta.update_inode(f.node)
             if key is None:
                 f.keys.pop(index, None)
             else:
