@@ -255,6 +255,7 @@ class Uploader:
                 self.stats.discarded_blocks += 1
                 self._finish(key, p)
                 return
+            data: Optional[bytes] = None
             if not info.uploaded:
                 data = await trio.to_thread.run_sync(self.staging.read, key, limiter=self._local_io)
                 if data is None:
@@ -273,7 +274,7 @@ class Uploader:
             # new seal of these bytes needs no staging file and this removal cannot race it.
             info = self.meta.get_object(key)
             if info is not None and info.refcount > 0:
-                await trio.to_thread.run_sync(self._move_to_cache, key, limiter=self._local_io)
+                await trio.to_thread.run_sync(self._move_to_cache, key, data, limiter=self._local_io)
             else:
                 await trio.to_thread.run_sync(self.staging.remove, key, limiter=self._local_io)
         except (RemoteError, UploadFailed, OSError) as exc:
@@ -294,10 +295,13 @@ class Uploader:
         p.done.set()
         self._room_changed()
 
-    def _move_to_cache(self, key: str) -> None:
-        path = self.staging.path(key)
+    def _move_to_cache(self, key: str, data: Optional[bytes]) -> None:
+        """Keep an uploaded block in the disk read cache (from memory when we have it)."""
         try:
-            self.disk_cache.put_file(key, path)
+            if data is not None:
+                self.disk_cache.put(key, data)
+            else:
+                self.disk_cache.put_file(key, self.staging.path(key))
         except FileNotFoundError:
             return
         except OSError as exc:  # a full cache disk must not fail the upload

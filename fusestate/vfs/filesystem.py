@@ -588,7 +588,7 @@ class FileSystem:
         """Freeze a dirty block and store it in the background."""
         buf = f.take_dirty(index)
         valid = max(0, min(self.block_size, f.node.size - index * self.block_size))
-        data = bytes(buf[:valid])
+        data = bytes(buf) if len(buf) == valid else bytes(buf[:valid])  # one copy, not two
         if len(data) < valid:
             data += bytes(valid - len(data))
         generation = f.next_generation(index)
