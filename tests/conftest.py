@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -261,3 +262,44 @@ def make_mount(tmp_path: Path) -> Iterator:
 def mnt(make_mount, file_bucket: Bucket) -> Mount:
     """A mounted file:// volume with default options."""
     return make_mount(file_bucket).mount()
+
+
+# --- helpers shared by the test files ------------------------------------------------
+
+BLOCK_SIZE = 4 << 20
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def digest(path: Path) -> str:
+    """sha256 of a file's content, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def block_keys(data: bytes, block_size: int = BLOCK_SIZE) -> set[str]:
+    """Object keys of a file written from offset 0: sha256 of each block (the last one short)."""
+    keys = set()
+    for start in range(0, len(data), block_size):
+        chunk = data[start:start + block_size]
+        if chunk.count(0) != len(chunk):
+            keys.add(sha(chunk))
+    return keys
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """A refused command: non-zero exit, one clear line on stderr, no traceback."""
+    assert proc.returncode != 0, proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert line.startswith("fusestate: "), line
+    for fragment in fragments:
+        assert fragment in line, line
+    return line

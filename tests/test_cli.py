@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Bucket, Mount, free_port, fusestate, is_mounted, make_gcs_bucket
+from conftest import Bucket, Mount, assert_one_line_error, free_port, fusestate, is_mounted, make_gcs_bucket
 
 MiB = 1 << 20
 
@@ -47,18 +47,6 @@ def assert_nothing_left(root: Path, timeout: float = 10.0) -> None:
         time.sleep(0.1)
     assert mounts_under(root) == []
     assert daemons_under(root) == []
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
-    assert proc.returncode != 0, proc
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    line = lines[0]
-    assert line.startswith("fusestate: "), line
-    for fragment in fragments:
-        assert fragment in line, line
-    return line
 
 
 def mount_cmd(url: str, mountpoint: Path, cache: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -8,7 +8,6 @@ What a user checks is what these tests check: the files they fsynced, what
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
@@ -18,11 +17,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 
-from conftest import Bucket, Mount, fusestate, is_mounted, new_bucket
+from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, is_mounted, new_bucket, sha
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -35,26 +34,10 @@ def rand(size: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
-def digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(MiB):
-            h.update(chunk)
-    return h.hexdigest()
 
 
-def block_keys(data: bytes, block_size: int = BLOCK) -> set[str]:
-    """Object keys of a file written from offset 0: sha256 of each block (the last one short)."""
-    keys = set()
-    for start in range(0, len(data), block_size):
-        chunk = data[start:start + block_size]
-        if chunk.count(0) != len(chunk):
-            keys.add(sha(chunk))
-    return keys
 
 
 def write_file(path: Path, data: bytes, fsync: bool = False) -> None:
@@ -103,13 +86,7 @@ def delete_block(bucket: Bucket, key: str) -> None:
 
 def assert_refused_naming(proc: subprocess.CompletedProcess, mount: Mount, holder: str) -> str:
     """A second read-write mount is refused: non-zero exit, one line that names the holder."""
-    assert proc.returncode != 0, proc
-    assert "Traceback" not in proc.stderr, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    line = lines[0]
-    assert line.startswith("fusestate: "), line
-    assert holder in line and "--takeover" in line, line
+    line = assert_one_line_error(proc, holder, "--takeover")
     assert not is_mounted(mount.path)
     return line
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import Bucket, Mount, is_mounted
+from conftest import Bucket, Mount, block_keys, digest, is_mounted, sha
 
 MiB = 1 << 20
 BLOCK = 4 * MiB
@@ -25,26 +25,10 @@ def rand(size: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-def block_keys(data: bytes, block_size: int = BLOCK) -> set[str]:
-    """Object keys of a file written from offset 0: sha256 of each block (the last one short)."""
-    keys = set()
-    for start in range(0, len(data), block_size):
-        chunk = data[start:start + block_size]
-        if chunk.count(0) != len(chunk):
-            keys.add(hashlib.sha256(chunk).hexdigest())
-    return keys
 
 
-def digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(MiB):
-            h.update(chunk)
-    return h.hexdigest()
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
