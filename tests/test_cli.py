@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Bucket, Mount, assert_one_line_error, free_port, fusestate, is_mounted, make_gcs_bucket
+from conftest import Bucket, Mount, assert_one_line_error, free_port, fusestate, is_mounted
 
 MiB = 1 << 20
 
