@@ -333,15 +333,15 @@ def _mount_of(path: str) -> str:
     return path
 
 
-COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "warmup": cmd_warmup,
-            "fsck": cmd_fsck, "gc": cmd_gc, "stats": cmd_stats, "spark-pipeline": lambda a: cmd_spark_pipeline(a)}
-
-
 def cmd_spark_pipeline(args: argparse.Namespace) -> int:
     from fusestate.spark.pipeline import run as run_spark_pipeline
 
     run_spark_pipeline(args)
     return 0
+
+
+COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "warmup": cmd_warmup,
+            "fsck": cmd_fsck, "gc": cmd_gc, "stats": cmd_stats, "spark-pipeline": cmd_spark_pipeline}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

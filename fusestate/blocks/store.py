@@ -35,7 +35,6 @@ class BlockReadError(IOError):
 class ReadStats:
     remote_full_fetches: int = 0
     remote_range_reads: int = 0
-    remote_bytes: int = 0
     prefetches: int = 0
 
 
@@ -148,7 +147,6 @@ class BlockStore:
         except (RemoteError, FileNotFoundError) as exc:
             raise BlockReadError(f"block {key[:16]}: {exc}") from exc
         self.stats.remote_range_reads += 1
-        self.stats.remote_bytes += len(chunk)
         self._observe("range", started)
         return chunk
 
@@ -199,7 +197,6 @@ class BlockStore:
             except RemoteError as exc:
                 raise BlockReadError(str(exc)) from exc
             self.stats.remote_full_fetches += 1
-            self.stats.remote_bytes += len(data)
             if await trio.to_thread.run_sync(block_key, data, limiter=self._local_io) == key:
                 return data
             log.error("block %s from the bucket failed its hash check; fetching again", key[:16])

@@ -41,14 +41,12 @@ class RemoteStats:
     retries: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
-    latency_s: dict[str, float] = field(default_factory=dict)
     observer: Optional[Callable[[str, float], None]] = None  # latency hook (metrics)
 
     def record(self, op: str, seconds: float, ok: bool) -> None:
         if self.observer is not None:
             self.observer(op, seconds)
         self.requests[op] = self.requests.get(op, 0) + 1
-        self.latency_s[op] = self.latency_s.get(op, 0.0) + seconds
         if not ok:
             self.failures[op] = self.failures.get(op, 0) + 1
 
