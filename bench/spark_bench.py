@@ -146,6 +146,7 @@ def main() -> int:
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")
     p.add_argument("--clean-umount", action="store_true", help="unmount cleanly instead of killing the daemon")
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
+    p.add_argument("--output", default=None, help="JSON result path (default bench/results/spark-<time>.json)")
     args = p.parse_args()
 
     work = Path(args.work or tempfile.mkdtemp(prefix="spark-bench-", dir="/var/tmp"))
@@ -164,9 +165,8 @@ def main() -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"spark-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = Path(args.output) if args.output else ROOT / "bench" / "results" / f"spark-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
     print(f"written to {path}", file=sys.stderr)
