@@ -11,6 +11,8 @@ import contextlib
 import os
 import tempfile
 
+from fusestate.localio import write_all
+
 
 class Staging:
     """Blocking file operations; call them from worker threads."""
@@ -26,7 +28,7 @@ class Staging:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                write_all(f, data)
                 if fsync:
                     f.flush()
                     os.fsync(f.fileno())

@@ -255,26 +255,25 @@ class Uploader:
                 self.stats.discarded_blocks += 1
                 self._finish(key, p)
                 return
-            data: Optional[bytes] = None
             if not info.uploaded:
-                data = await trio.to_thread.run_sync(self.staging.read, key, limiter=self._local_io)
-                if data is None:
-                    raise UploadFailed(f"staged block {key[:16]} vanished from the staging area")
                 name = object_name(key)
                 if key in self.deleting:  # same bytes written again while being collected
                     await self.deleting[key].wait()
                 if await self.remote.aexists(name):
                     self.stats.dedup_skipped += 1
                 else:
-                    await self.remote.aput(name, data)
+                    try:
+                        await self.remote.aput_file(name, self.staging.path(key))
+                    except FileNotFoundError:
+                        raise UploadFailed(f"staged block {key[:16]} vanished from the staging area") from None
                     self.stats.uploaded_blocks += 1
-                    self.stats.uploaded_bytes += len(data)
+                    self.stats.uploaded_bytes += p.size
                 self.meta.mark_uploaded(key)
             # Uploaded: the row stays (referenced, or waiting for the collector), so a
             # new seal of these bytes needs no staging file and this removal cannot race it.
             info = self.meta.get_object(key)
             if info is not None and info.refcount > 0:
-                await trio.to_thread.run_sync(self._move_to_cache, key, data, limiter=self._local_io)
+                await trio.to_thread.run_sync(self._move_to_cache, key, limiter=self._local_io)
             else:
                 await trio.to_thread.run_sync(self.staging.remove, key, limiter=self._local_io)
         except (RemoteError, UploadFailed, OSError) as exc:
@@ -295,13 +294,10 @@ class Uploader:
         p.done.set()
         self._room_changed()
 
-    def _move_to_cache(self, key: str, data: Optional[bytes]) -> None:
-        """Keep an uploaded block in the disk read cache (from memory when we have it)."""
+    def _move_to_cache(self, key: str) -> None:
+        """Keep an uploaded block in the disk read cache: its staging file becomes the entry."""
         try:
-            if data is not None:
-                self.disk_cache.put(key, data)
-            else:
-                self.disk_cache.put_file(key, self.staging.path(key))
+            self.disk_cache.adopt(key, self.staging.path(key))
         except FileNotFoundError:
             return
         except OSError as exc:  # a full cache disk must not fail the upload
