@@ -110,7 +110,8 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
                "--metrics-addr", "off", "--takeover")
             result["fresh_mount_s"] = round(time.time() - t, 2)
         t = time.time()
-        again = pipeline(state, out, input_dir, args.batches + 1, common, *extra)
+        restart_extra = ["--last-batch-events", str(args.restart_events)] if args.restart_events else []
+        again = pipeline(state, out, input_dir, args.batches + 1, common, *extra, *restart_extra)
         b = again["batches"][0] if again["batches"] else {}
         result["restart"] = {
             "to_first_batch_done_s": again["first_batch_done_s"],
@@ -144,6 +145,10 @@ def main() -> int:
     p.add_argument("--cache-size", default="20G")
     p.add_argument("--setups", default="local,fusestate,fusestate+shim")
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")
+    p.add_argument("--restart-events", type=int, default=None,
+                   help="events in the batch after the restart (default: a full batch)")
+    p.add_argument("--state-compression", default=None,
+                   help="state store RocksDB compression, e.g. none (default: Spark's lz4)")
     p.add_argument("--clean-umount", action="store_true", help="unmount cleanly instead of killing the daemon")
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/spark-<time>.json)")
@@ -155,6 +160,8 @@ def main() -> int:
               "--driver-memory", args.driver_memory]
     if args.events_per_batch:
         common += ["--events-per-batch", str(args.events_per_batch)]
+    if args.state_compression:
+        common += ["--state-compression", args.state_compression]
     input_dir = work / "input"
     results = {"params": vars(args), "raw_state_bytes": args.keys * args.payload_bytes, "setups": {}}
     try:

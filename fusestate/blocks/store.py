@@ -2,8 +2,9 @@
 
 Reads are served from memory, then the staging area or the disk cache, then the
 bucket. A small read of a block that is nowhere local is answered with a range
-read while the whole block is fetched in the background; larger reads fetch
-the whole block, verify its hash and keep it in both caches.
+read; the second small read of the same block also fetches the whole block in
+the background. Larger reads fetch the whole block, verify its hash and keep it
+in both caches.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -24,6 +26,8 @@ from fusestate.meta.engine import MetadataEngine
 from fusestate.remote.store import RemoteError, RemoteStore
 
 log = logging.getLogger(__name__)
+
+RANGE_READ_MEMORY = 16384  # cold blocks remembered as read once by a range read
 
 
 class BlockReadError(IOError):
@@ -53,6 +57,7 @@ class BlockStore:
         self.stats = ReadStats()
         self._local_io = local_io
         self._fetching: dict[str, trio.Event] = {}
+        self._range_read_blocks: OrderedDict[str, None] = OrderedDict()  # cold blocks read once
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
@@ -140,8 +145,15 @@ class BlockStore:
             data = await self.fetch(key)
             self._observe("remote", started)
             return data[start:end]
-        # Small cold read: answer from a range read, fetch the block in the background.
-        self.prefetch([key])
+        # Small cold read: answer from a range read. Only a block read a second time is
+        # fetched whole in the background: scattered point lookups (RocksDB on a fresh node)
+        # then cost what they read, not 4 MiB each.
+        if key in self._range_read_blocks:
+            self.prefetch([key])
+        else:
+            self._range_read_blocks[key] = None
+            if len(self._range_read_blocks) > RANGE_READ_MEMORY:
+                self._range_read_blocks.popitem(last=False)
         try:
             chunk = await self.remote.aget_range(object_name(key), start, end)
         except (RemoteError, FileNotFoundError) as exc:

@@ -80,7 +80,8 @@ class StateLayout:
 def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: bool = False,
                checkpoint: Optional[str | os.PathLike] = None,
                changelog: bool = True, min_deltas_for_snapshot: int = 10,
-               maintenance_interval: str = "30s", shuffle_partitions: int = 4) -> StateLayout:
+               maintenance_interval: str = "30s", shuffle_partitions: int = 4,
+               compression: Optional[str] = None) -> StateLayout:
     """Spark settings that keep a streaming query's state under ``state_dir``.
 
     ``checkpoint`` overrides the checkpoint directory (default ``<state_dir>/checkpoints/<query>``).
@@ -103,6 +104,8 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
         "spark.sql.streaming.stateStore.maintenanceInterval": maintenance_interval,
         "spark.sql.shuffle.partitions": str(shuffle_partitions),
     }
+    if compression:
+        conf[ROCKSDB_PREFIX + "compression"] = compression
     jars: list[str] = []
     if use_shim:
         jar = str(shim_jar())

@@ -40,52 +40,80 @@ SCHEMA = "event_id LONG, key STRING, ts_ms LONG, value LONG"
 
 # --- the event stream ----------------------------------------------------------------------
 
-def events_for_batch(b: int, keys: int, events_per_batch: int) -> list[tuple[int, str, int, int]]:
+KEY_STRIDE = 2_654_435_761             # a prime: event g updates key (g * KEY_STRIDE) % keys
+
+
+def key_of(g: int, keys: int) -> str:
+    """The key of global event ``g``: a permutation of the key space, so that consecutive
+    events (and a small batch) hit keys scattered over the whole state, as real traffic does."""
+    return f"k{(g * KEY_STRIDE) % keys:09d}"
+
+
+def events_for_batch(b: int, keys: int, events_per_batch: int,
+                     count: Optional[int] = None) -> list[tuple[int, str, int, int]]:
     """The events of input file ``b``: a pure function of its arguments.
 
-    Keys are visited round robin, so after ``keys / events_per_batch`` files every key has
-    state. Every tenth event is sent twice; the first event of a file repeats the last one of
-    the previous file (both dropped by deduplication), and one event per file is late by
-    five minutes of event time (dropped by the watermark).
+    File ``b`` holds events ``b * events_per_batch`` onwards (``count`` of them, default
+    ``events_per_batch``). Every key is visited once per ``keys`` events, so after
+    ``keys / events_per_batch`` files every key has state. Every tenth event is sent twice;
+    the first event of a file repeats the last one of the previous file (both dropped by
+    deduplication), and one event per file is late by five minutes of event time (dropped by
+    the watermark).
     """
+    count = events_per_batch if count is None else count
     rows: list[tuple[int, str, int, int]] = []
     base = EPOCH_MS + b * BATCH_SPAN_MS
     if b > 0:
         g = b * events_per_batch - 1
-        rows.append((g, f"k{g % keys:09d}", base - BATCH_SPAN_MS + (events_per_batch - 1) * BATCH_SPAN_MS // events_per_batch,
+        rows.append((g, key_of(g, keys), base - BATCH_SPAN_MS + (events_per_batch - 1) * BATCH_SPAN_MS // events_per_batch,
                      (g * 31 + 7) % 1000))
-    for j in range(events_per_batch):
+    for j in range(count):
         g = b * events_per_batch + j
-        row = (g, f"k{g % keys:09d}", base + j * BATCH_SPAN_MS // events_per_batch, (g * 31 + 7) % 1000)
+        row = (g, key_of(g, keys), base + j * BATCH_SPAN_MS // count, (g * 31 + 7) % 1000)
         rows.append(row)
         if j % 10 == 9:
             rows.append(row)
     if b > 0:
         g = 10**12 + b
-        rows.append((g, f"k{g % keys:09d}", base - LATE_MS, 1))
+        rows.append((g, key_of(g, keys), base - LATE_MS, 1))
     return rows
 
 
-def generate_input(input_dir: Path, batches: int, keys: int, events_per_batch: int) -> int:
-    """Write the input files (skipped when they exist for the same parameters); rows written."""
+def generate_input(input_dir: Path, batches: int, keys: int, events_per_batch: int,
+                   last_batch_events: Optional[int] = None) -> int:
+    """Write the input files that are missing or were made with other parameters; rows in all.
+
+    ``last_batch_events`` makes the last file smaller (a restart after a big state was built).
+    Files already there for the same parameters are kept, so a restarted run does not pay
+    for the generation again.
+    """
     input_dir.mkdir(parents=True, exist_ok=True)
     manifest = input_dir / "_params.json"
-    params = {"batches": batches, "keys": keys, "events_per_batch": events_per_batch, "format": 1}
+    shape = {"keys": keys, "events_per_batch": events_per_batch, "format": 2}
+    known: dict[str, int] = {}
+    if manifest.exists():
+        old = json.loads(manifest.read_text())
+        if {k: old.get(k) for k in shape} == shape:
+            known = old.get("files", {})
     total = 0
-    if manifest.exists() and json.loads(manifest.read_text()) == params:
-        return sum(len(events_for_batch(b, keys, events_per_batch)) for b in range(batches))
-    for old in input_dir.glob("events-*.csv"):
-        old.unlink()
     for b in range(batches):
-        rows = events_for_batch(b, keys, events_per_batch)
-        total += len(rows)
-        path = input_dir / f"events-{b:06d}.csv"
-        tmp = input_dir / f".tmp-events-{b:06d}.csv"
+        count = last_batch_events if (last_batch_events and b == batches - 1) else events_per_batch
+        total += count + count // 10 + (2 if b > 0 else 0)  # len(events_for_batch(...))
+        name = f"events-{b:06d}.csv"
+        path = input_dir / name
+        if known.get(name) == count and path.exists():
+            continue
+        rows = events_for_batch(b, keys, events_per_batch, count)
+        tmp = input_dir / f".tmp-{name}"
         with open(tmp, "w", newline="") as f:
             csv.writer(f).writerows(rows)
         os.utime(tmp, (INPUT_MTIME + b, INPUT_MTIME + b))
         os.rename(tmp, path)
-    manifest.write_text(json.dumps(params))
+        known[name] = count
+    for stale in input_dir.glob("events-*.csv"):
+        if stale.name not in known:
+            stale.unlink()
+    manifest.write_text(json.dumps({**shape, "files": known}))
     return total
 
 
@@ -217,6 +245,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keys", type=int, default=10_000, help="distinct keys in the aggregation state (default %(default)s)")
     p.add_argument("--payload-bytes", type=int, default=256, help="payload kept in state per key (default %(default)s)")
     p.add_argument("--events-per-batch", type=int, default=None, help="events per file (default: keys/2, at least 1000)")
+    p.add_argument("--last-batch-events", type=int, default=None,
+                   help="events in the last file only (e.g. a small batch after a restart)")
+    p.add_argument("--state-compression", default=None,
+                   help="RocksDB compression of the state store (Spark's default: lz4; 'none' keeps "
+                        "the on-disk state as large as the raw state)")
     p.add_argument("--partitions", type=int, default=4, help="shuffle partitions = state stores per operator (default %(default)s)")
     p.add_argument("--local", action="store_true", help="baseline: state on local disk, no fusestate mount required")
     p.add_argument("--use-shim", action="store_true", help="checkpoint via the fusestate:// Hadoop file system (hard-link commits)")
@@ -241,12 +274,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     output = Path(args.output).resolve()
     input_dir = Path(args.input).resolve() if args.input else output.with_name(output.name + ".input")
     events_per_batch = args.events_per_batch or max(1000, args.keys // 2)
-    rows = generate_input(input_dir, args.batches, args.keys, events_per_batch)
+    rows = generate_input(input_dir, args.batches, args.keys, events_per_batch, args.last_batch_events)
     output.mkdir(parents=True, exist_ok=True)
 
     layout = state_conf(state_dir, query="pipeline", use_shim=args.use_shim, checkpoint=args.checkpoint,
                         changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
-                        shuffle_partitions=args.partitions)
+                        shuffle_partitions=args.partitions, compression=args.state_compression)
     status_before = fusestate_status(mount)
     spark = build_session(layout.conf, layout.jars, args.driver_memory, args.master)
     t_session = time.time()
