@@ -183,3 +183,30 @@ def test_identical_blocks_sealed_at_once_all_reach_the_bucket(tmp_path: Path) ->
             assert remote.get(object_name(key))
 
     run_fs(tmp_path, body, upload_delay=0.0)
+
+
+def test_disk_cache_survives_eviction_racing_inserts(tmp_path: Path) -> None:
+    """Eviction deletes emptied directories while other threads insert: no insert may fail
+    (a failing insert behind a background fetch once stopped the daemon)."""
+    import concurrent.futures
+
+    cache = DiskCache(str(tmp_path / "cache"), limit_bytes=64 * 1024)
+    staged = tmp_path / "staged"
+    staged.mkdir()
+
+    def insert(i: int) -> None:
+        data = os.urandom(8192)
+        if i % 2:
+            cache.put(block_key(data), data)
+        else:
+            path = staged / f"s{i}"
+            path.write_bytes(data)
+            cache.adopt(block_key(data), str(path))
+            path.unlink()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(insert, range(2000)))
+    assert cache.used <= 64 * 1024 + 64 * 1024  # bounded (diskcache culls after insert)
+    assert cache.stats.evictions > 1000
+    for key in list(cache._cache.iterkeys())[:20]:
+        assert cache.get(key) is not None

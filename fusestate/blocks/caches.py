@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
@@ -84,27 +85,41 @@ class _BlockDisk(diskcache.Disk):
     """
 
     def store(self, value, read, key=UNKNOWN):  # type: ignore[no-untyped-def]
+        create: Callable[[str], None]
         if type(value) is bytes and len(value) >= self.min_file_size:
-            filename, full_path = self._new_file(key, value)
-            with open(full_path, "xb") as f:
-                write_all(f, value)
-            return len(value), MODE_BINARY, filename, None
-        if not isinstance(value, _Adopt):
+            def create(path: str) -> None:
+                with open(path, "xb") as f:
+                    write_all(f, value)
+        elif isinstance(value, _Adopt):
+            def create(path: str) -> None:
+                os.link(value.path, path)
+        else:
             return super().store(value, read, key=key)
-        filename, full_path = self._new_file(key, value)
+        filename, full_path = self.filename(key, value)
         try:
-            os.link(value.path, full_path)
+            self._create(full_path, create)
         except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            if not isinstance(value, _Adopt) or exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK,
+                                                                   errno.ENOTSUP):
                 raise
             with open(value.path, "rb") as f:  # another filesystem: copy after all
                 return super().store(f, True, key=key)
         return os.path.getsize(full_path), MODE_BINARY, filename, None
 
-    def _new_file(self, key: object, value: object) -> tuple[str, str]:
-        filename, full_path = self.filename(key, value)
-        os.makedirs(os.path.dirname(full_path), exist_ok=True)
-        return filename, full_path
+    @staticmethod
+    def _create(full_path: str, create: Callable[[str], None]) -> None:
+        """diskcache removes directories it empties on eviction, possibly between our
+        mkdir and our create: try again, as diskcache's own writer does."""
+        directory = os.path.dirname(full_path)
+        for attempt in range(10):
+            with contextlib.suppress(OSError):
+                os.makedirs(directory)
+            try:
+                create(full_path)
+                return
+            except FileNotFoundError:
+                if attempt == 9:
+                    raise
 
 
 class DiskCache:

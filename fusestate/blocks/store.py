@@ -193,7 +193,10 @@ class BlockStore:
             self.memory.stats.miss_bytes += len(data)
             self.disk.stats.miss_bytes += len(data)
             self.memory.put(key, data)
-            await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
+            try:
+                await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
+            except OSError as exc:  # a full or failing cache disk must not fail the read
+                log.warning("could not keep block %s in the disk cache: %s", key[:16], exc)
             return data
         finally:
             del self._fetching[key]
@@ -233,7 +236,7 @@ class BlockStore:
             self.stats.prefetches += 1
             try:
                 await self.fetch(key)
-            except BlockReadError as exc:
+            except Exception as exc:  # noqa: BLE001 - a background fetch must never stop the daemon
                 log.warning("prefetch of block %s failed: %s", key[:16], exc)
 
     async def ensure_cached(self, key: str) -> bool:
