@@ -1,0 +1,144 @@
+"""bench/run: run named benchmark scenarios, write their JSON results, regenerate docs/benchmarks.md.
+
+    bench/run --list                      # the scenarios
+    bench/run --quick                     # every scenario, small sizes (under 15 minutes on 2 cores)
+    bench/run                             # every scenario, full sizes
+    bench/run --scenario rocksdb --scenario files --repeats 3
+    bench/run --report-only               # regenerate the report from docs/bench-data/
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from bench import machine
+from bench.common import DATA_DIR, RESULTS_DIR, Context, error_text, log, result_doc, scrub, write_result
+from bench.scenarios import SCENARIOS
+from bench.systems import ALL, detach_all_under
+
+DEFAULT_REPEATS = {"tiny": 1, "quick": 2, "full": 3}
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_const", dest="size", const="quick",
+                      help="small sizes and time budgets: the whole run in under 15 minutes")
+    size.add_argument("--tiny", action="store_const", dest="size", const="tiny",
+                      help="smallest sizes, for testing the harness (implies --no-report)")
+    p.add_argument("--scenario", action="append", default=[], metavar="NAME",
+                   help="run only this scenario (repeatable, or comma-separated)")
+    p.add_argument("--systems", default=None,
+                   help=f"only these systems, comma-separated (of {','.join(ALL)}; local is the baseline)")
+    p.add_argument("--repeats", type=int, default=None, help="repetitions per system (default 2 quick, 3 full)")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: regenerate docs/benchmarks.md from --results (default docs/bench-data)")
+    p.add_argument("--no-report", action="store_true", help="write results, do not touch docs/")
+    p.add_argument("--results", type=Path, default=None,
+                   help="results directory (default bench/results; docs/bench-data with --report-only)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="scratch space for databases, buckets, mounts (default a fresh dir under /var/tmp)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch space")
+    p.add_argument("--no-budget", action="store_true", help="ignore the per-scenario time budgets of --quick")
+    args = p.parse_args(argv)
+    args.size = args.size or "full"
+    args.scenario = [s for item in args.scenario for s in item.split(",") if s]
+    unknown = [s for s in args.scenario if s not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario(s) {', '.join(unknown)}; --list shows them")
+    return args
+
+
+def list_scenarios() -> None:
+    for name, mod in SCENARIOS.items():
+        budget = mod.BUDGET.get("quick")
+        print(f"{name:<11} {mod.SUMMARY}" + (f"  [quick: ≤{budget / 60:.1f} min]" if budget else ""))
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_scenarios(args: argparse.Namespace) -> list[Path]:
+    names = args.scenario or list(SCENARIOS)
+    results_dir = args.results or RESULTS_DIR
+    base = args.workdir or Path(tempfile.mkdtemp(prefix="fusestate-bench-", dir="/var/tmp"))
+    base.mkdir(parents=True, exist_ok=True)
+    systems = [s for s in args.systems.split(",") if s] if args.systems else None
+    repeats = args.repeats or DEFAULT_REPEATS[args.size]
+    info = machine.describe()
+    written: list[Path] = []
+    log(f"work dir {base}; size {args.size}; {repeats} repetition(s); scenarios {', '.join(names)}")
+    log(f"machine: {machine.summary_line(info)}")
+    try:
+        for name in names:
+            mod = SCENARIOS[name]
+            budget = None if args.no_budget else mod.BUDGET.get(args.size)
+            work = base / name
+            ctx = Context(work=work, size=args.size, repeats=repeats, systems=systems, budget_seconds=budget)
+            started = dt.datetime.now()
+            log(f"== {name}: {mod.SUMMARY}")
+            try:
+                body = mod.run(ctx)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one broken scenario must not lose the others
+                log(f"  {name} failed: {error_text(exc)}")
+                body = {"error": error_text(exc), "systems": [], "summary": []}
+            finally:
+                detach_all_under(work)
+                if not args.keep:
+                    shutil.rmtree(work, ignore_errors=True)
+            doc = scrub(result_doc(name, ctx, started, info, **body), base)
+            path = write_result(doc, results_dir)
+            written.append(path)
+            if "error" not in body:
+                print(f"\n{mod.TITLE} ({doc['duration_seconds']:.0f} s)\n{mod.table(doc)}\n", flush=True)
+            log(f"  {name}: {doc['duration_seconds']:.0f} s, results {path}")
+    finally:
+        detach_all_under(base)
+        if not args.keep and args.workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    return written
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        list_scenarios()
+        return 0
+    signal.signal(signal.SIGTERM, _terminate)
+    from bench import report
+
+    if args.report_only:
+        source = args.results or DATA_DIR
+        out = report.generate(source, copy_to=None if source.resolve() == DATA_DIR.resolve() else DATA_DIR)
+        log(f"report written to {out}")
+        return 0
+    t = time.monotonic()
+    run_scenarios(args)
+    log(f"all scenarios done in {time.monotonic() - t:.0f} s")
+    if args.no_report or args.size == "tiny":
+        return 0
+    out = report.generate(args.results or RESULTS_DIR, copy_to=DATA_DIR,
+                          only=args.scenario or None)
+    log(f"report written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log("interrupted")
+        sys.exit(130)

@@ -1,0 +1,15 @@
+"""The named scenarios, in the order ``bench/run`` runs them.
+
+Each module has NAME, TITLE, SUMMARY, BUDGET (seconds per size, or None), ``run(ctx) -> dict``
+(the result body: params, systems, summary rows, raw runs), ``table(doc) -> str`` (the
+short table printed after the run), ``render(doc, img_dir, img_rel) -> str`` (its section of
+docs/benchmarks.md) and ``goals(doc) -> list`` (the issue's goals it measures).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from bench.scenarios import bigstate, checkpoint, files, restore, rocksdb, spark
+
+SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (rocksdb, files, bigstate, checkpoint, restore, spark)}

@@ -1,0 +1,236 @@
+"""Scenario 1: RocksDB's db_bench on local disk, on fusestate (file:// and S3) and on the FUSE peers.
+
+One db_bench process per run writes a fresh database and runs
+fillseq, fillrandom, readrandom, overwrite, readwhilewriting on it (warm caches), with the
+WAL off (as Spark's state store writes) and on. Then the system's caches are made cold
+(fusestate: unmount, wipe the cache dir, mount; rclone: the same with its VFS cache; s3fs:
+remount; local disk: the database's pages are dropped from the page cache) and a second
+db_bench reads the existing database (``readrandom`` cold). Systems run interleaved
+within each repetition, so load drift hits them alike.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize, text_table
+from bench.db_bench_ratio import LINE
+from bench.render import bars_from_rows, goal_row, md_table, percentile_lines, ratio_table
+from bench.systems import ALL, System, open_systems
+
+NAME = "rocksdb"
+TITLE = "RocksDB (db_bench)"
+SUMMARY = "db_bench fillseq/fillrandom/readrandom/overwrite/readwhilewriting, WAL off and on, warm and cold cache"
+BUDGET = {"tiny": None, "quick": 290.0, "full": None}
+BENCHMARKS = ["fillseq", "fillrandom", "readrandom", "overwrite", "readwhilewriting"]
+VARIANTS = ["wal-off", "wal-on"]
+METRICS = [Metric(b, "ops/s") for b in BENCHMARKS] + [Metric("readrandom_cold", "ops/s", label="readrandom, cold cache")]
+SIZES: dict[str, dict[str, Any]] = {
+    # Small sizes get a smaller memtable, so that flushes and compactions still happen.
+    "tiny": {"num": 20_000, "cold_reads": 5_000, "run_timeout": 120, "extra": ["--write_buffer_size=4194304"]},
+    "quick": {"num": 60_000, "cold_reads": 15_000, "run_timeout": 90,
+              "extra": ["--write_buffer_size=8388608", "--reads=30000"]},
+    "full": {"num": 1_000_000, "cold_reads": 200_000, "run_timeout": 1800, "extra": []},
+}
+COLD_VARIANT = "wal-off"  # the read path does not depend on the WAL: one cold pass is enough
+PERCENTILES = re.compile(r"P([\d.]+):\s*([\d.]+)")
+
+
+def db_bench_cmd(db: Path, benchmarks: list[str], num: int, wal_off: bool, existing: bool,
+                 extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    return ["db_bench", f"--db={db}", f"--benchmarks={','.join(benchmarks)}", f"--num={num}",
+            "--value_size=400", "--key_size=16", "--threads=1", f"--use_existing_db={int(existing)}",
+            "--seed=1", f"--disable_wal={int(wal_off)}", "--histogram=1", *extra]
+
+
+def parse_db_bench(stdout: str) -> dict[str, dict[str, Any]]:
+    """ops/s, micros/op and latency percentiles (µs) per benchmark from db_bench's stdout."""
+    out: dict[str, dict[str, Any]] = {}
+    current: Optional[str] = None
+    for raw in stdout.splitlines():
+        line = raw.strip()
+        m = LINE.match(line)
+        if m:
+            current = m["name"]
+            out[current] = {"ops_per_sec": int(m["ops"]), "micros_per_op": float(m["micros"])}
+        elif current and line.startswith("Percentiles:"):
+            out[current]["percentiles"] = {k: float(v) for k, v in PERCENTILES.findall(line)}
+        elif current and line.startswith("Min:") and "Max:" in line:
+            out[current]["max_us"] = float(line.rsplit("Max:", 1)[1].split()[0])
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before.get(k, 0), 3) for k in after}
+
+
+def warm_run(s: System, db: Path, wal_off: bool, p: dict[str, Any]) -> dict[str, Any]:
+    shutil.rmtree(db, ignore_errors=True)
+    before = s.counters()
+    load = os.getloadavg()[0]
+    t = time.monotonic()
+    proc = run_cmd(db_bench_cmd(db, BENCHMARKS, p["num"], wal_off, False, p["extra"]), timeout=p["run_timeout"])
+    wall = time.monotonic() - t
+    parsed = parse_db_bench(proc.stdout)
+    missing = [b for b in BENCHMARKS if b not in parsed]
+    if missing:
+        raise RunError(f"db_bench printed no result for {','.join(missing)}")
+    settle = s.settle()
+    return {"wall_seconds": round(wall, 2), "settle_seconds": round(settle, 2), "loadavg_1m": round(load, 2),
+            "benchmarks": parsed, "counters": _delta(s.counters(), before)}
+
+
+def cold_run(s: System, db: Path, wal_off: bool, p: dict[str, Any]) -> dict[str, Any]:
+    s.make_cold([db])
+    before = s.counters()
+    extra = (*p["extra"], f"--reads={p['cold_reads']}")
+    proc = run_cmd(db_bench_cmd(db, ["readrandom"], p["num"], wal_off, True, extra), timeout=p["run_timeout"])
+    parsed = parse_db_bench(proc.stdout)
+    if "readrandom" not in parsed:
+        raise RunError("db_bench printed no readrandom result")
+    return {"benchmarks": parsed, "counters": _delta(s.counters(), before)}
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    p = dict(ctx.pick(SIZES))
+    names = ctx.wanted(ALL)
+    runs: list[dict[str, Any]] = []
+    failed: dict[tuple[str, str], str] = {}
+    with open_systems(names, ctx.work) as systems:
+        for repeat in ctx.repetitions():
+            for variant in VARIANTS:
+                for name, s in systems.items():
+                    runs.append(_one(s, repeat, variant, p, failed))
+        info = {n: s.info() for n, s in systems.items()}
+    rows = [row for v in VARIANTS
+            for row in summarize(runs, METRICS if v == COLD_VARIANT else METRICS[:-1], names, [v])]
+    return {"params": {**p, "benchmarks": BENCHMARKS, "value_size": 400, "key_size": 16,
+                       "command": db_bench_cmd(Path("<dir>/db"), BENCHMARKS, p["num"], True, False, p["extra"])},
+            "systems": names, "system_info": info, "summary": rows, "latency": _latency(runs, names), "runs": runs}
+
+
+def _one(s: System, repeat: int, variant: str, p: dict[str, Any], failed: dict[tuple[str, str], str]) -> dict[str, Any]:
+    """One warm run (and, WAL off, one cold read) of one system; a failure becomes the run's error."""
+    key = (s.name, variant)
+    if s.error or key in failed:
+        return record(s.name, repeat, variant, error=s.error or f"skipped: {failed[key]}")
+    wal_off = variant == "wal-off"
+    db = s.path / f"db-{variant}"
+    metrics: dict[str, float] = {}
+    extra: dict[str, Any] = {}
+    error = None
+    try:
+        warm = warm_run(s, db, wal_off, p)
+        metrics.update({b: v["ops_per_sec"] for b, v in warm["benchmarks"].items()})
+        extra["warm"] = warm
+    except Exception as exc:  # noqa: BLE001 - recorded as the run's error
+        error = error_text(exc)
+        failed[key] = error
+        _revive(s, extra)
+    if error is None and variant == COLD_VARIANT:
+        try:
+            cold = cold_run(s, db, wal_off, p)
+            metrics["readrandom_cold"] = cold["benchmarks"]["readrandom"]["ops_per_sec"]
+            extra["cold"] = cold
+        except Exception as exc:  # noqa: BLE001 - recorded as the cold cell's error
+            error = f"cold read: {error_text(exc)}"
+            _revive(s, extra)
+    shutil.rmtree(db, ignore_errors=True)
+    try:
+        s.settle()
+    except Exception as exc:  # noqa: BLE001
+        log(f"  {s.name}: settle failed: {exc}")
+    ops = " ".join(f"{k}={v:,.0f}" for k, v in metrics.items())
+    log(f"  rocksdb {variant} r{repeat + 1} {s.name:<15} {ops}{'  ERROR ' + error if error else ''}")
+    return record(s.name, repeat, variant, metrics, error, **extra)
+
+
+def _revive(s: System, extra: dict[str, Any]) -> None:
+    """After a failure, keep the system's log tail and make sure it is mounted again for the next runs."""
+    diag = s.diagnosis()
+    if diag:
+        extra["diagnosis"] = diag
+    if s.usable():
+        return
+    try:
+        s.revive()
+    except Exception as exc:  # noqa: BLE001
+        s.error = f"unusable after a failure: {error_text(exc)}"
+
+
+def _latency(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Median latency percentiles (µs) per variant, benchmark and system."""
+    out: dict[str, Any] = {}
+    for variant in VARIANTS:
+        for bench in BENCHMARKS:
+            for name in names:
+                pcts = [r["warm"]["benchmarks"][bench].get("percentiles", {}) for r in runs
+                        if r["system"] == name and r["variant"] == variant and "warm" in r]
+                pcts = [x for x in pcts if x]
+                if pcts:
+                    keys = set.intersection(*(set(x) for x in pcts))
+                    out.setdefault(variant, {}).setdefault(bench, {})[name] = {
+                        k: statistics.median(x[k] for x in pcts) for k in sorted(keys, key=float)}
+    return out
+
+
+def table(doc: dict[str, Any]) -> str:
+    return text_table(doc["summary"], doc["systems"])
+
+
+def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
+    names = doc["systems"]
+    p = doc["params"]
+    parts = [f"`db_bench` {p['num']:,} keys of 16 + 400 bytes, one process per run on a fresh database "
+             f"(`{' '.join(p['command'][2:])}`; at most {p['run_timeout']} s per run), WAL off (`--disable_wal=1`, as Spark writes) and on. "
+             f"*Cold cache*: caches dropped, then `readrandom` on the existing database "
+             f"(`--reads={p['cold_reads']:,}`; WAL off only: the read path does not depend on the WAL). "
+             f"Median ops/s of {doc['repeats']} repetition(s), ratio against local disk in brackets."]
+    for variant in VARIANTS:
+        rows = [r for r in doc["summary"] if r["variant"] == variant]
+        if not rows:
+            continue
+        parts.append(f"**WAL {variant.split('-')[1]}**\n\n" + ratio_table(rows, names, show_variant=False))
+        img = bars_from_rows(img_dir / f"rocksdb-{variant}.png", rows, names, ylabel="ops/s",
+                             title=f"db_bench, WAL {variant.split('-')[1]}: median ops/s (x = failed)")
+        parts.append(f"![db_bench {variant}]({img_rel}/{img.name})")
+    lat = doc.get("latency", {}).get("wal-off", {})
+    for bench in ("readrandom", "fillrandom"):
+        if lat.get(bench):
+            img = percentile_lines(img_dir / f"rocksdb-latency-{bench}.png", lat[bench], ylabel="µs per op",
+                                   title=f"db_bench {bench} latency percentiles, WAL off")
+            parts.append(f"![{bench} latency]({img_rel}/{img.name})")
+    fus = [n for n in names if n.startswith("fusestate")]
+    uploads = []
+    for n in fus:
+        ups = [r["warm"]["counters"].get("uploaded_bytes") for r in doc["runs"]
+               if r["system"] == n and "warm" in r and r["variant"] == "wal-off"]
+        ups = [u for u in ups if u is not None]
+        if ups:
+            uploads.append([n, f"{statistics.median(ups) / (1 << 20):,.0f} MiB"])
+    if uploads:
+        parts.append("Bytes fusestate uploaded per WAL-off run (all five benchmarks, compactions included):\n\n"
+                     + md_table(["system", "uploaded per run"], uploads))
+    return "\n\n".join(parts)
+
+
+def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for bench in ("fillrandom", "readrandom"):
+        row = next((r for r in doc["summary"] if r["variant"] == "wal-off" and r["metric"] == bench), None)
+        if row is None:
+            continue
+        for name in ("fusestate-file", "fusestate-s3"):
+            if name not in row["systems"]:
+                continue
+            ratio = row["ratio"].get(name)
+            measured = f"{ratio:.2f}" if ratio is not None else f"error: {row['systems'][name].get('error')}"
+            out.append(goal_row(f"db_bench {bench}, WAL off, warm cache, {name} / {BASELINE} ≥ 0.9", measured,
+                                ratio is not None and ratio >= 0.9))
+    return out

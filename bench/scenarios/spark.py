@@ -1,0 +1,120 @@
+"""Scenario 6: the Spark state pipeline, local disk vs fusestate, through bench/spark_bench.py.
+
+spark_bench.py runs its setups one after the other in one call (local disk, fusestate
+with a ``file://`` checkpoint, fusestate with the ``fusestate://`` shim), so repeated calls
+interleave them. Each call reports records/s and state commit latency over the batches
+after the first, and the restart: for fusestate after killing the daemon and wiping its
+cache (a fresh node), the time from the restart to the first completed batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, summarize, text_table
+from bench.render import bars_from_rows, ratio_table
+
+NAME = "spark"
+TITLE = "Spark state pipeline"
+SUMMARY = "Spark Structured Streaming on the RocksDB state store: records/s, commit latency, restart to first batch"
+BUDGET = {"tiny": None, "quick": 150.0, "full": None}
+SETUPS = ["local", "fusestate", "fusestate+shim"]
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"keys": 2_000, "payload_bytes": 256, "batches": 2, "timeout": 600},
+    "quick": {"keys": 20_000, "payload_bytes": 512, "batches": 3, "timeout": 600},
+    "full": {"keys": 200_000, "payload_bytes": 1024, "batches": 6, "timeout": 3600},
+}
+METRICS = [
+    Metric("records_per_s", "records/s", label="records/s (after the first batch)"),
+    Metric("batch_ms_median", "ms", higher_is_better=False, label="median batch time"),
+    Metric("commit_ms_median", "ms", higher_is_better=False, label="median state commit"),
+    Metric("commit_ms_max", "ms", higher_is_better=False, label="slowest state commit"),
+    Metric("restart_s", "s", higher_is_better=False, label="restart to first batch done"),
+    Metric("restart_fetched_bytes", "B", higher_is_better=False, label="bytes fetched by the restart"),
+]
+SHIM = ROOT / "spark" / "shim" / "build" / "fusestate-hadoop-shim.jar"
+
+
+def ensure_shim() -> None:
+    """spark_bench's shim setup needs the fusestate:// jar (scripts/setup.sh builds it too)."""
+    if not SHIM.exists():
+        log("  building spark/shim")
+        run_cmd(["bash", str(ROOT / "spark" / "shim" / "build.sh")], timeout=600,
+                env=dict(os.environ, PYTHON=str(BIN / "python")), cwd=ROOT)
+
+
+def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
+    first, restart = setup.get("first_run", {}), setup.get("restart", {})
+    out = {"records_per_s": first.get("records_per_second"), "batch_ms_median": first.get("batch_ms_median"),
+           "commit_ms_median": first.get("state_commit_ms_median"), "commit_ms_max": first.get("state_commit_ms_max"),
+           "restart_s": restart.get("to_first_batch_done_s"), "restart_fetched_bytes": restart.get("fetched_bytes")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    p = dict(ctx.pick(SIZES))
+    setups = [s for s in SETUPS if not ctx.systems or s in ctx.systems
+              or (s.startswith("fusestate") and "fusestate-file" in ctx.systems)]
+    runs: list[dict[str, Any]] = []
+    raw: list[dict[str, Any]] = []
+    env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(ctx.work / "run"))
+    (ctx.work / "run").mkdir(parents=True, exist_ok=True)
+    try:
+        ensure_shim()
+    except Exception as exc:  # noqa: BLE001
+        return {"params": p, "systems": setups, "summary": summarize(
+            [record(s, 0, error=f"shim: {error_text(exc)}") for s in setups], METRICS, setups, [""]), "runs": []}
+    for repeat in ctx.repetitions():
+        out = ctx.work / f"spark-{repeat}.json"
+        cmd = [str(BIN / "python"), str(ROOT / "bench" / "spark_bench.py"), "--keys", str(p["keys"]),
+               "--payload-bytes", str(p["payload_bytes"]), "--batches", str(p["batches"]),
+               "--setups", ",".join(setups), "--work", str(ctx.work / f"w{repeat}"), "--output", str(out)]
+        try:
+            run_cmd(cmd, timeout=p["timeout"], env=env, cwd=ROOT)
+            doc = json.loads(out.read_text())
+        except Exception as exc:  # noqa: BLE001 - the whole call failed: every setup gets the error
+            runs.extend(record(s, repeat, error=error_text(exc)) for s in setups)
+            log(f"  spark r{repeat + 1}: ERROR {error_text(exc)}")
+            continue
+        raw.append(doc)
+        for s in setups:
+            if s in doc.get("setups", {}):
+                m = metrics_of(doc["setups"][s])
+                runs.append(record(s, repeat, metrics=m, raw=doc["setups"][s]))
+                log(f"  spark r{repeat + 1} {s:<15} " + " ".join(f"{k}={v:,.1f}" for k, v in m.items()))
+            else:
+                runs.append(record(s, repeat, error="no result from spark_bench"))
+    return {"params": {**p, "setups": setups}, "systems": setups, "summary": summarize(runs, METRICS, setups, [""]),
+            "runs": runs, "raw_state_bytes": p["keys"] * p["payload_bytes"]}
+
+
+def table(doc: dict[str, Any]) -> str:
+    return text_table(doc["summary"], doc["systems"])
+
+
+def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
+    p, names, rows = doc["params"], doc["systems"], doc["summary"]
+    parts = [f"`bench/spark_bench.py --keys {p['keys']:,} --payload-bytes {p['payload_bytes']} --batches "
+             f"{p['batches']}` (per-key aggregation and deduplication on the RocksDB state store, 4 partitions). "
+             f"*local*: state and checkpoint on local disk, changelog checkpointing; *fusestate*: on a `file://` "
+             f"mount; *fusestate+shim*: with the `fusestate://` checkpoint. Restart: for fusestate after killing "
+             f"the daemon and wiping its cache dir. Median of {doc['repeats']} repetition(s); ratio against local "
+             f"disk in brackets.", ratio_table(rows, names, show_variant=False)]
+    by = {r["metric"]: r for r in rows}
+    if "records_per_s" in by:
+        img = bars_from_rows(img_dir / "spark-throughput.png", [by["records_per_s"]], names, ylabel="records/s",
+                             title="Spark state pipeline: records/s (x = failed)")
+        parts.append(f"![spark throughput]({img_rel}/{img.name})")
+    lat = [by[m] for m in ("commit_ms_median", "commit_ms_max", "batch_ms_median") if m in by]
+    if lat:
+        img = bars_from_rows(img_dir / "spark-latency.png", lat, names, ylabel="ms",
+                             title="Spark state pipeline: batch and commit latency")
+        parts.append(f"![spark latency]({img_rel}/{img.name})")
+    return "\n\n".join(parts)
+
+
+def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return []

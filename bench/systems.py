@@ -1,0 +1,536 @@
+"""The systems a scenario compares, each a directory to run a benchmark in.
+
+``local`` is a plain directory on local disk (the baseline). ``fusestate-file`` and
+``fusestate-s3`` are fusestate mounts of a ``file://`` bucket and of a bucket on a moto S3
+server; ``rclone`` (``--vfs-cache-mode full``) and ``s3fs`` (s3fs-fuse) are the peers, mounted
+on the same moto endpoint. Every mountpoint is unique under the run's work dir, and
+:func:`open_systems` unmounts all of them on the way out, lazily if a clean unmount fails.
+A system that cannot start (peer not installed, mount refused) is kept with its ``error``:
+the scenario records that error in each of its cells instead of leaving a gap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from bench.common import BIN, FUSESTATE, RunError, log, run_cmd
+
+ALL = ["local", "fusestate-file", "fusestate-s3", "rclone", "s3fs"]
+S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3"}
+SETTLE_TIMEOUT = 300.0
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+# --- helpers -------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise RunError(f"nothing answers on 127.0.0.1:{port} after {timeout:.0f} s")
+
+
+def is_mounted(path: Path) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == real for line in f)
+
+
+def mounts_under(root: Path) -> list[str]:
+    real = os.path.realpath(root).rstrip("/") + "/"
+    with open("/proc/self/mounts") as f:
+        return [p for p in (line.split()[1] for line in f) if p.startswith(real)]
+
+
+def detach_all_under(root: Path) -> None:
+    """Last resort at the end of a run: lazily unmount whatever is still mounted under ``root``."""
+    for mnt in sorted(mounts_under(root), key=len, reverse=True):
+        log(f"  detaching leftover mount {mnt}")
+        subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+
+
+def lazy_unmount(path: Path) -> None:
+    if is_mounted(path):
+        subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
+
+
+def wait_mounted(path: Path, proc: Optional[subprocess.Popen], log_file: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if is_mounted(path):
+            return
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    tail = log_file.read_text(errors="replace").strip().splitlines()[-2:] if log_file.exists() else []
+    raise RunError(f"mount did not appear at {path}: {' | '.join(tail)[:300]}")
+
+
+def log_tail(path: Path, lines: int = 12) -> Optional[str]:
+    """The last warnings, errors and traceback lines of a log (INFO lines left out)."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    keep = [ln for ln in text if " INFO " not in ln and " NOTICE" not in ln and "[INF]" not in ln]
+    return "\n".join(keep[-lines:]) or None
+
+
+def s3_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment of S3 clients: test credentials; no CA bundle (the endpoint is plain http,
+    and rclone refuses to start with AWS_CA_BUNDLE set)."""
+    env = {k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}
+    env.update(CREDENTIALS)
+    env.update(extra or {})
+    return env
+
+
+def drop_page_cache(paths: list[Path]) -> int:
+    """Evict these files from the kernel page cache (per file, so nobody else's cache is touched)."""
+    files = []
+    for p in paths:
+        files.extend([p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()])
+    os.sync()
+    for f in files:
+        with contextlib.suppress(OSError):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return len(files)
+
+
+# --- moto ----------------------------------------------------------------------------------
+class Moto:
+    """A moto S3 server on 127.0.0.1 and a free port, for the S3-backed systems of one scenario."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "Moto":
+        self.work.mkdir(parents=True, exist_ok=True)
+        with open(self.work / "moto.log", "w") as out:
+            self.proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_port(self.port)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                            aws_secret_access_key="testing", region_name="us-east-1")
+
+    def create_bucket(self, prefix: str) -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def bucket_bytes(self, bucket: str) -> int:
+        """Bytes stored in a bucket (for peers, whose uploads we cannot count otherwise)."""
+        total = 0
+        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            total += sum(o["Size"] for o in page.get("Contents", []))
+        return total
+
+    def fsspec(self):
+        import fsspec
+
+        return fsspec.filesystem("s3", key="testing", secret="testing", skip_instance_cache=True,
+                                 client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"})
+
+
+# --- systems -------------------------------------------------------------------------------
+class System:
+    """A directory to benchmark in, and how to settle it between runs and to make its cache cold."""
+
+    kind = "base"
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self.root = root
+        self.path = root / "data"
+        self.error: Optional[str] = None
+        self.bucket: Optional[str] = None
+
+    def start(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def stop(self) -> None:
+        pass
+
+    def settle(self, timeout: float = SETTLE_TIMEOUT) -> float:
+        """Wait until background uploads are done and the disk is synced; returns seconds waited.
+        Uploads that do not finish within ``timeout`` are an error (of the run that left them)."""
+        t = time.monotonic()
+        os.sync()
+        return time.monotonic() - t
+
+    def make_cold(self, paths: list[Path]) -> None:
+        """Drop every cache of these files, as a fresh node would see them."""
+        drop_page_cache(paths)
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+    def revive(self) -> None:
+        """After a failure: make sure the directory answers again (remount a dead mount)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def usable(self) -> bool:
+        try:
+            os.listdir(self.path)
+            return True
+        except OSError:
+            return False
+
+    def diagnosis(self) -> Optional[str]:
+        """The end of the system's own log, kept with a failed run (None if there is nothing to say)."""
+        return None
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": str(self.path), "error": self.error}
+
+
+class LocalSystem(System):
+    kind = "local disk"
+
+
+class FusestateSystem(System):
+    kind = "fusestate"
+
+    def __init__(self, name: str, root: Path, url: str, *, endpoint: Optional[str] = None,
+                 cache_size: str = "8G", extra: Optional[list[str]] = None) -> None:
+        super().__init__(name, root)
+        self.url = url
+        self.endpoint = endpoint
+        self.mnt = root / "mnt"
+        self.path = self.mnt
+        self.cache = root / "cache"
+        self.args = ["--cache-size", cache_size, "--metrics-addr", "off", *(extra or [])]
+        if endpoint:
+            self.args += ["--endpoint-url", endpoint]
+        self.env = s3_env({"FUSESTATE_RUNTIME_DIR": str(root.parent / "run")})
+        Path(self.env["FUSESTATE_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True)
+
+    def cli(self, *argv: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        return run_cmd([FUSESTATE, *argv], timeout=timeout, env=self.env, check=check)
+
+    def start(self) -> None:
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        self.cli("mount", self.url, str(self.mnt), "--cache-dir", str(self.cache), *self.args, timeout=120)
+
+    def status(self) -> dict[str, Any]:
+        """``fusestate status``: straight from the control socket when we can (a CLI process per
+        sample would cost the benchmark CPU), else through the CLI."""
+        try:
+            from fusestate.daemon import control
+
+            digest = hashlib.sha256(os.path.realpath(self.mnt).encode()).hexdigest()[:20]
+            sock = os.path.join(self.env["FUSESTATE_RUNTIME_DIR"], f"{digest}.sock")
+            reply = control.request(sock, {"command": "status"})
+            if reply.get("ok"):
+                return reply["status"]
+        except Exception:  # noqa: BLE001 - fall back to the CLI, which says what is wrong
+            pass
+        return json.loads(self.cli("status", "--json", str(self.mnt), timeout=60).stdout)
+
+    def settle(self, timeout: float = SETTLE_TIMEOUT) -> float:
+        t = time.monotonic()
+        while True:
+            wb = self.status()["writeback"]
+            if wb["staged_blocks"] == 0 and wb["dirty_bytes"] == 0:
+                break
+            if time.monotonic() - t > timeout:
+                raise RunError(f"uploads still pending after {timeout:.0f} s "
+                               f"({wb['staged_blocks']} blocks staged, {wb['upload_failures']} upload failures)")
+            time.sleep(0.25)
+        os.sync()
+        return time.monotonic() - t
+
+    def make_cold(self, paths: list[Path]) -> None:
+        """Unmount (which flushes everything), wipe the cache dir, mount again."""
+        self.stop()
+        shutil.rmtree(self.cache, ignore_errors=True)
+        self.start()
+
+    def stop(self) -> None:
+        if not is_mounted(self.mnt):
+            return
+        try:
+            self.cli("umount", str(self.mnt), "--timeout", "600", timeout=660)
+        except RunError as exc:
+            log(f"  {self.name}: clean unmount failed ({exc}); detaching lazily")
+        lazy_unmount(self.mnt)
+
+    def usable(self) -> bool:
+        return is_mounted(self.mnt) and super().usable()
+
+    def revive(self) -> None:
+        """A daemon that died leaves a dead mount (or none) and its lease: detach, take the volume over."""
+        lazy_unmount(self.mnt)
+        self.cli("mount", self.url, str(self.mnt), "--cache-dir", str(self.cache), *self.args, "--takeover",
+                 timeout=120)
+
+    def diagnosis(self) -> Optional[str]:
+        return log_tail(self.cache / "fusestate.log")
+
+    def counters(self) -> dict[str, float]:
+        st = self.status()
+        wb, cache, remote = st["writeback"], st["cache"], st["remote"]
+        return {"uploaded_bytes": wb["uploaded_bytes"], "uploaded_blocks": wb["uploaded_blocks"],
+                "dedup_skipped": wb["dedup_skipped"], "backpressure_waits": wb["backpressure_waits"],
+                "backpressure_seconds": wb["backpressure_seconds"], "bytes_in": remote["bytes_in"],
+                "bytes_out": remote["bytes_out"], "memory_hits": cache["memory_hits"],
+                "memory_misses": cache["memory_misses"], "disk_hits": cache["disk_hits"],
+                "disk_misses": cache["disk_misses"], "range_reads": remote["range_reads"],
+                "full_fetches": remote["full_fetches"]}
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "url": self.url, "mount_args": self.args}
+
+
+class PeerSystem(System):
+    """A FUSE peer run as a foreground process we own (so we can always stop it)."""
+
+    binary = ""
+
+    def __init__(self, name: str, root: Path, moto: Moto) -> None:
+        super().__init__(name, root)
+        self.moto = moto
+        self.mnt = root / "mnt"
+        self.path = self.mnt
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_file = root / f"{name}.log"
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        if shutil.which(self.binary) is None:
+            raise RunError(f"{self.binary} not installed")
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        if self.bucket is None:
+            self.bucket = self.moto.create_bucket(self.name)
+        cmd, env = self.command()
+        with open(self.log_file, "a") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        wait_mounted(self.mnt, self.proc, self.log_file)
+
+    def stop(self) -> None:
+        if is_mounted(self.mnt):
+            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
+        lazy_unmount(self.mnt)
+
+    def make_cold(self, paths: list[Path]) -> None:
+        self.settle()
+        self.stop()
+        self.wipe_cache()
+        self.start()
+
+    def usable(self) -> bool:
+        return is_mounted(self.mnt) and super().usable()
+
+    def revive(self) -> None:
+        self.stop()
+        self.start()
+
+    def diagnosis(self) -> Optional[str]:
+        return log_tail(self.log_file)
+
+    def wipe_cache(self) -> None:
+        pass
+
+    def version(self) -> str:
+        return ""
+
+    def info(self) -> dict[str, Any]:
+        cmd, _ = self.command() if self.bucket else ([], {})
+        return {**super().info(), "bucket": self.bucket, "command": cmd}
+
+
+class RcloneSystem(PeerSystem):
+    kind = "rclone mount --vfs-cache-mode full"
+    binary = "rclone"
+
+    def __init__(self, name: str, root: Path, moto: Moto) -> None:
+        super().__init__(name, root, moto)
+        self.cache = root / "cache"
+        self.rc_port = free_port()
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        env = s3_env({"RCLONE_CONFIG_MOTO_TYPE": "s3", "RCLONE_CONFIG_MOTO_PROVIDER": "Other",
+                      "RCLONE_CONFIG_MOTO_ENDPOINT": self.moto.endpoint,
+                      "RCLONE_CONFIG_MOTO_ACCESS_KEY_ID": "testing",
+                      "RCLONE_CONFIG_MOTO_SECRET_ACCESS_KEY": "testing",
+                      "RCLONE_CONFIG_MOTO_REGION": "us-east-1",
+                      "RCLONE_CONFIG": str(self.root / "rclone.conf")})
+        # --s3-no-head: after a multipart upload rclone HEADs the object with versionId=null,
+        # which moto answers with 400 on an unversioned bucket, and the upload is retried forever.
+        cmd = ["rclone", "mount", f"moto:{self.bucket}", str(self.mnt), "--vfs-cache-mode", "full",
+               "--cache-dir", str(self.cache), "--s3-no-head", "--rc", "--rc-addr", f"127.0.0.1:{self.rc_port}",
+               "--rc-no-auth", "--log-level", "NOTICE"]
+        return cmd, env
+
+    def _vfs_stats(self) -> dict[str, Any]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.rc_port}/vfs/stats", data=b"{}",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def settle(self, timeout: float = SETTLE_TIMEOUT) -> float:
+        """Wait for rclone's write-back queue (it uploads a file some seconds after its close);
+        an upload that fails (rclone retries it for ever) is an error."""
+        t = time.monotonic()
+        log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
+        while True:
+            try:
+                dc = self._vfs_stats()["diskCache"]
+            except (OSError, ValueError, KeyError):
+                break
+            if dc.get("uploadsInProgress", 0) == 0 and dc.get("uploadsQueued", 0) == 0:
+                break
+            failed = self._new_errors(log_start)
+            if failed:
+                raise RunError(f"rclone upload failed: {failed}")
+            if time.monotonic() - t > timeout:
+                raise RunError(f"rclone uploads still pending after {timeout:.0f} s")
+            time.sleep(0.25)
+        os.sync()
+        return time.monotonic() - t
+
+    def _new_errors(self, offset: int) -> Optional[str]:
+        try:
+            with open(self.log_file, errors="replace") as f:
+                f.seek(offset)
+                lines = [ln.strip() for ln in f if "failed to upload" in ln]
+        except OSError:
+            return None
+        return lines[-1][:300] if lines else None
+
+    def wipe_cache(self) -> None:
+        shutil.rmtree(self.cache, ignore_errors=True)
+
+
+class S3fsSystem(PeerSystem):
+    kind = "s3fs-fuse"
+    binary = "s3fs"
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        passwd = self.root / "passwd-s3fs"
+        if not passwd.exists():
+            passwd.write_text("testing:testing\n")
+            passwd.chmod(0o600)
+        opts = f"url={self.moto.endpoint},use_path_request_style,passwd_file={passwd}"
+        return ["s3fs", self.bucket or "", str(self.mnt), "-f", "-o", opts], s3_env()
+
+
+def make_system(name: str, work: Path, moto: Optional[Moto], *, cache_size: str = "8G",
+                fusestate_extra: Optional[list[str]] = None) -> System:
+    root = work / name
+    if name == "local":
+        return LocalSystem(name, root)
+    if name == "fusestate-file":
+        (root / "bucket").mkdir(parents=True, exist_ok=True)
+        return FusestateSystem(name, root, f"file://{root / 'bucket'}", cache_size=cache_size, extra=fusestate_extra)
+    if moto is None:
+        raise ValueError(f"{name} needs a moto server")
+    if name == "fusestate-s3":
+        bucket = moto.create_bucket("fusestate")
+        sys_ = FusestateSystem(name, root, f"s3://{bucket}/volume", endpoint=moto.endpoint,
+                               cache_size=cache_size, extra=fusestate_extra)
+        sys_.bucket = bucket
+        return sys_
+    if name == "rclone":
+        return RcloneSystem(name, root, moto)
+    if name == "s3fs":
+        return S3fsSystem(name, root, moto)
+    raise ValueError(f"unknown system {name!r}")
+
+
+@contextlib.contextmanager
+def moto_if_needed(names: list[str], work: Path) -> Iterator[Optional[Moto]]:
+    if not S3_BACKED.intersection(names):
+        yield None
+        return
+    with Moto(work / "moto") as moto:
+        yield moto
+
+
+@contextlib.contextmanager
+def open_systems(names: list[str], work: Path, *, cache_size: str = "8G",
+                 fusestate_extra: Optional[list[str]] = None,
+                 moto: Optional[Moto] = None) -> Iterator[dict[str, System]]:
+    """Start every system (a moto server first if one is S3-backed and none is given); stop them
+    all on the way out. A system that fails to start stays in the dict with ``error`` set.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    systems: dict[str, System] = {}
+    with (contextlib.nullcontext(moto) if moto else moto_if_needed(names, work)) as moto:
+        try:
+            for name in names:
+                try:
+                    s = make_system(name, work, moto, cache_size=cache_size, fusestate_extra=fusestate_extra)
+                except Exception as exc:  # noqa: BLE001 - a system that cannot exist is a result
+                    s = System(name, work / name)
+                    s.error = str(exc)
+                else:
+                    try:
+                        s.start()
+                    except Exception as exc:  # noqa: BLE001
+                        s.error = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)
+                        log(f"  {name}: cannot start: {s.error}")
+                systems[name] = s
+            yield systems
+        finally:
+            for s in reversed(list(systems.values())):
+                try:
+                    s.stop()
+                except Exception as exc:  # noqa: BLE001 - keep stopping the others
+                    log(f"  {s.name}: stop failed: {exc}")
+            detach_all_under(work)

@@ -1,0 +1,102 @@
+"""The benchmark harness (bench/): its CLI, its report, and one tiny scenario end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, is_mounted
+
+sys.path.insert(0, str(ROOT))
+
+from bench import report  # noqa: E402
+from bench.common import FORMAT, Metric, load_results, record, summarize  # noqa: E402
+
+RUN = ROOT / "bench" / "run"
+
+
+def fixture_doc(scenario: str, started: str, fill_ops: float = 200.0) -> dict:
+    """A small result as a scenario writes it: two systems, two repetitions, one failed peer."""
+    runs = [record("local", r, "wal-off", {"fillrandom": 1000.0 + r, "readrandom": 500.0}) for r in range(2)]
+    runs += [record("fusestate-file", r, "wal-off", {"fillrandom": fill_ops, "readrandom": 450.0}) for r in range(2)]
+    runs += [record("rclone", 0, "wal-off", error="link: Input/output error")]
+    metrics = [Metric("fillrandom", "ops/s"), Metric("readrandom", "ops/s")]
+    systems = ["local", "fusestate-file", "rclone"]
+    return {"format": FORMAT, "scenario": scenario, "size": "quick", "repeats": 2, "started": started,
+            "duration_seconds": 12.0, "machine": {"cores": 2, "memory_bytes": 1 << 34, "kernel": "6.1",
+                                                  "versions": {"fusestate_git": "abc"}, "loadavg": [0.1, 0.2, 0.3]},
+            "params": {"num": 1000, "cold_reads": 10, "run_timeout": 60,
+                       "command": ["db_bench", "--db=x", "--benchmarks=fillrandom,readrandom"]},
+            "systems": systems, "system_info": {}, "latency": {},
+            "summary": summarize(runs, metrics, systems, ["wal-off"]), "runs": runs}
+
+
+def test_summary_medians_ratios_and_errors() -> None:
+    rows = fixture_doc("rocksdb", "2026-01-01T00:00:00")["summary"]
+    fill = next(r for r in rows if r["metric"] == "fillrandom")
+    assert fill["systems"]["local"]["median"] == 1000.5
+    assert fill["ratio"]["fusestate-file"] == round(200 / 1000.5, 3)
+    assert fill["systems"]["rclone"]["median"] is None
+    assert "Input/output error" in fill["systems"]["rclone"]["error"]
+
+
+def test_report_renders_ratio_table_and_plots(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "rocksdb-old.json").write_text(json.dumps(fixture_doc("rocksdb", "2026-01-01T00:00:00", 1.0)))
+    (data / "rocksdb-new.json").write_text(json.dumps(fixture_doc("rocksdb", "2026-01-02T00:00:00")))
+    (data / "unrelated.json").write_text(json.dumps({"results": []}))  # another script's output: skipped
+    assert set(load_results(data)) == {"rocksdb"}
+    out, img = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "img"
+    out.parent.mkdir()
+    out.write_text(f"# Benchmarks\n\n{report.INTRO_BEGIN}\nKEEP THIS ANALYSIS\n{report.INTRO_END}\n\nold body\n")
+    report.generate(data, copy_to=None, out_md=out, img_dir=img)
+    text = out.read_text()
+    assert "KEEP THIS ANALYSIS" in text and "old body" not in text
+    assert "| metric | unit | local | fusestate-file | rclone |" in text
+    assert "(0.20)" in text  # the newest result's ratio, not the older one's
+    assert "error: link: Input/output error" in text
+    assert "## Goals" in text and "db_bench fillrandom" in text
+    assert (img / "rocksdb-wal-off.png").stat().st_size > 1000
+    assert "](img/rocksdb-wal-off.png)" in text
+
+
+def test_report_copies_its_data(tmp_path: Path) -> None:
+    results, data = tmp_path / "results", tmp_path / "data"
+    results.mkdir()
+    data.mkdir()
+    (data / "rocksdb-20260101-000000.json").write_text(json.dumps(fixture_doc("rocksdb", "2026-01-01T00:00:00")))
+    (results / "rocksdb-20260102-000000.json").write_text(json.dumps(fixture_doc("rocksdb", "2026-01-02T00:00:00")))
+    report.generate(results, copy_to=data, out_md=tmp_path / "b.md", img_dir=tmp_path / "img")
+    assert [p.name for p in data.glob("*.json")] == ["rocksdb-20260102-000000.json"]
+
+
+def test_run_list() -> None:
+    proc = subprocess.run([str(RUN), "--list"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    assert names == ["rocksdb", "files", "bigstate", "checkpoint", "restore", "spark"]
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
+def test_files_scenario_tiny(tmp_path: Path) -> None:
+    results, work = tmp_path / "results", tmp_path / "work"
+    env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(tmp_path / "run"))
+    proc = subprocess.run([str(RUN), "--tiny", "--scenario", "files", "--systems", "local,fusestate-file",
+                           "--results", str(results), "--workdir", str(work), "--no-report"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path, doc), = load_results(results).values()
+    assert doc["scenario"] == "files" and doc["systems"] == ["local", "fusestate-file"]
+    assert doc["machine"]["cores"] and doc["machine"]["versions"]["fio"]
+    for row in doc["summary"]:
+        for name in ("local", "fusestate-file"):
+            cell = row["systems"][name]
+            assert cell["median"] is not None and cell["median"] > 0, (row["metric"], name, cell)
+    assert not any(is_mounted(p) for p in work.rglob("mnt"))
