@@ -75,6 +75,11 @@ class SQLiteEngine:
                 " VALUES (?, ?, 0, 0, 0, 2, ?, ?, ?)",
                 (ROOT_INODE, stat.S_IFDIR | 0o755, now, now, now),
             )
+        # statfs and every metrics scrape read these: keep them as counters, not table scans.
+        self._inodes: int = self._db.execute("SELECT COUNT(*) FROM inodes").fetchone()[0]
+        self._used: int = self._db.execute(
+            "SELECT COALESCE(SUM(size), 0) FROM objects WHERE refcount > 0").fetchone()[0]
+        self._counters_at_begin = (self._inodes, self._used)
 
     def _migrate(self) -> None:
         """Bring a database written by an older release up to this schema."""
@@ -92,6 +97,7 @@ class SQLiteEngine:
         """Group several changes into one atomic commit (nestable)."""
         if self._depth == 0:
             self._db.execute("BEGIN IMMEDIATE")
+            self._counters_at_begin = (self._inodes, self._used)
         self._depth += 1
         try:
             yield
@@ -100,6 +106,7 @@ class SQLiteEngine:
             if self._depth == 0:
                 self._db.execute("ROLLBACK")
                 self._cache.clear()
+                self._inodes, self._used = self._counters_at_begin
             raise
         else:
             self._depth -= 1
@@ -205,6 +212,7 @@ class SQLiteEngine:
             (mode, uid, gid, size, now, now, now, rdev, symlink_target),
         )
         node = Inode(cur.lastrowid, mode, uid, gid, size, 0, now, now, now, rdev, symlink_target)
+        self._inodes += 1
         self._remember(node)
         return node
 
@@ -220,7 +228,7 @@ class SQLiteEngine:
     def delete_inode(self, inode: int) -> list[str]:
         with self.transaction():
             freed = self.truncate_blocks(inode, 0)
-            self._db.execute("DELETE FROM inodes WHERE id=?", (inode,))
+            self._inodes -= self._db.execute("DELETE FROM inodes WHERE id=?", (inode,)).rowcount
         self._cache.pop(inode, None)
         return freed
 
@@ -228,10 +236,10 @@ class SQLiteEngine:
         return [r[0] for r in self._db.execute("SELECT id FROM inodes WHERE nlink=0")]
 
     def count_inodes(self) -> int:
-        return self._db.execute("SELECT COUNT(*) FROM inodes").fetchone()[0]
+        return self._inodes
 
     def used_bytes(self) -> int:
-        return self._db.execute("SELECT COALESCE(SUM(size), 0) FROM objects WHERE refcount > 0").fetchone()[0]
+        return self._used
 
     # --- entries ----------------------------------------------------------
     def lookup(self, parent: int, name: bytes) -> Optional[int]:
@@ -271,15 +279,21 @@ class SQLiteEngine:
         return row[0] if row else None
 
     def _incref(self, key: str, size: int) -> None:
-        self._db.execute(
+        refcount, stored_size = self._db.execute(
             "INSERT INTO objects (key, size, refcount) VALUES (?, ?, 1)"
-            " ON CONFLICT(key) DO UPDATE SET refcount=refcount+1, unreferenced_since=NULL",
+            " ON CONFLICT(key) DO UPDATE SET refcount=refcount+1, unreferenced_since=NULL"
+            " RETURNING refcount, size",
             (key, size),
-        )
+        ).fetchall()[0]
+        if refcount == 1:
+            self._used += stored_size
 
     def _decref(self, key: str, freed: list[str]) -> None:
-        self._db.execute("UPDATE objects SET refcount=refcount-1 WHERE key=?", (key,))
-        row = self._db.execute("SELECT refcount FROM objects WHERE key=?", (key,)).fetchone()
+        rows = self._db.execute("UPDATE objects SET refcount=refcount-1 WHERE key=? RETURNING refcount, size",
+                                (key,)).fetchall()
+        row = rows[0] if rows else None
+        if row and row[0] == 0:
+            self._used -= row[1]
         if row and row[0] <= 0:
             self._db.execute("UPDATE objects SET unreferenced_since=?, unreferenced_seq=? WHERE key=?",
                              (time.time(), self.journal_last_seq(), key))
