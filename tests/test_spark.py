@@ -242,3 +242,22 @@ def test_shim_fresh_node_load_links_state(make_mount, file_bucket: Bucket, tmp_p
 
 def _latest_state_bytes(job: Path) -> int:
     return sum(p.stat().st_size for p in _checkpoint_ssts(job).values())
+
+
+def test_input_stream_is_generated_once_and_follows_the_batch_count(tmp_path: Path) -> None:
+    """A restart with a small last batch rewrites only that file; a run with fewer batches
+    must not see files left by a longer one (they would change its state)."""
+    from fusestate.spark.pipeline import events_for_batch, generate_input
+
+    d = tmp_path / "input"
+    rows = generate_input(d, 2, 1000, 300)
+    assert rows == sum(len(events_for_batch(b, 1000, 300)) for b in range(2))
+    first = (d / "events-000000.csv").stat().st_mtime_ns, (d / "events-000000.csv").stat().st_ino
+    generate_input(d, 3, 1000, 300, last_batch_events=20)
+    assert (d / "events-000000.csv").stat().st_ino == first[1]  # kept, not rewritten
+    assert len((d / "events-000002.csv").read_text().splitlines()) == len(events_for_batch(2, 1000, 300, 20))
+    generate_input(d, 2, 1000, 300)
+    assert sorted(p.name for p in d.glob("events-*.csv")) == ["events-000000.csv", "events-000001.csv"]
+    # Consecutive events hit keys spread over the key space, each key once per 1000 events.
+    key_of_event = {row[0]: row[1] for b in range(4) for row in events_for_batch(b, 1000, 250)}
+    assert len({key_of_event[g] for g in range(1000)}) == 1000 and key_of_event[1] != "k000000001"

@@ -110,9 +110,11 @@ def generate_input(input_dir: Path, batches: int, keys: int, events_per_batch: i
         os.utime(tmp, (INPUT_MTIME + b, INPUT_MTIME + b))
         os.rename(tmp, path)
         known[name] = count
-    for stale in input_dir.glob("events-*.csv"):
-        if stale.name not in known:
+    wanted = {f"events-{b:06d}.csv" for b in range(batches)}
+    for stale in input_dir.glob("events-*.csv"):  # from a run with more batches: not this stream
+        if stale.name not in wanted:
             stale.unlink()
+    known = {name: count for name, count in known.items() if name in wanted}
     manifest.write_text(json.dumps({**shape, "files": known}))
     return total
 
