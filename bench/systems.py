@@ -40,6 +40,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait for a process told to stop; kill it if it does not within ``timeout``."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_port(port: int, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -141,11 +150,7 @@ class Moto:
     def __exit__(self, *exc: Any) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, timeout=10)
 
     def client(self):
         import boto3
@@ -359,11 +364,7 @@ class PeerSystem(System):
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+                stop_process(self.proc, timeout=10)
             self.proc = None
         lazy_unmount(self.mnt)
 
