@@ -261,3 +261,20 @@ def test_input_stream_is_generated_once_and_follows_the_batch_count(tmp_path: Pa
     # Consecutive events hit keys spread over the key space, each key once per 1000 events.
     key_of_event = {row[0]: row[1] for b in range(4) for row in events_for_batch(b, 1000, 250)}
     assert len({key_of_event[g] for g in range(1000)}) == 1000 and key_of_event[1] != "k000000001"
+
+
+def test_summary_lines_report_what_a_person_checks() -> None:
+    from fusestate.spark.pipeline import summary_lines
+
+    status = {"writeback": {"uploaded_bytes": 0}, "remote": {"bytes_in": 0},
+              "cache": {"memory_hits": 0, "memory_misses": 0, "disk_hits": 0}}
+    after = {"writeback": {"uploaded_bytes": 3 * 2**20}, "remote": {"bytes_in": 2**20},
+             "cache": {"memory_hits": 90, "memory_misses": 10, "disk_hits": 5}}
+    report = {"summary": {"batches": 3, "rows": 3000, "records_per_second": 1500.0, "batch_ms_median": 700},
+              "batches": [{"state_commit_ms": ms} for ms in (300, 100, 200)],
+              "shim": {"linked": 4, "copied": 0}, "fusestate_before": status, "fusestate_after": after}
+    text = "\n".join(summary_lines(report))
+    assert "1,500 over 3 batches" in text and "median 200 ms, max 300 ms" in text
+    assert "4 state files linked" in text and "3.0 MiB uploaded, 1.0 MiB fetched" in text
+    assert "cache hit ratio   0.95" in text
+    assert "no batch ran" in summary_lines({"summary": {"batches": 0}, "batches": []})[0]

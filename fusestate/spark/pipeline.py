@@ -326,7 +326,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.report:
         Path(args.report).write_text(json.dumps(report, indent=1))
     print(json.dumps(report), flush=True)
+    print("\n".join(summary_lines(report)), flush=True)
     return report
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The few numbers a person looks at after a run, under the JSON report."""
+    s = report["summary"]
+    if not s.get("batches"):
+        return ["== summary: no batch ran (nothing new in the input)"]
+    commits = sorted(b["state_commit_ms"] for b in report["batches"])
+    lines = ["== summary",
+             f"records/s         {s['records_per_second']:,.0f} over {s['batches']} batches ({s['rows']:,} rows), "
+             f"median batch {s['batch_ms_median']:,} ms",
+             f"state commit      median {commits[len(commits) // 2]:,} ms, max {commits[-1]:,} ms"]
+    if report.get("shim"):
+        lines.append(f"shim              {report['shim']['linked']} state files linked, {report['shim']['copied']} copied")
+    before, after = report.get("fusestate_before"), report.get("fusestate_after")
+    if before and after:
+        uploaded = after["writeback"]["uploaded_bytes"] - before["writeback"]["uploaded_bytes"]
+        fetched = after["remote"]["bytes_in"] - before["remote"]["bytes_in"]
+        cache = {k: after["cache"][k] - before["cache"][k] for k in ("memory_hits", "memory_misses", "disk_hits")}
+        hits = cache["memory_hits"] + cache["disk_hits"]
+        lookups = cache["memory_hits"] + cache["memory_misses"]
+        ratio = f"{hits / lookups:.2f}" if lookups else "n/a"
+        lines += [f"bucket            {uploaded / 2**20:,.1f} MiB uploaded, {fetched / 2**20:,.1f} MiB fetched",
+                  f"cache hit ratio   {ratio} ({hits:,} of {lookups:,} block lookups from memory or disk)"]
+    return lines
 
 
 def read_output(output: str | os.PathLike) -> dict[int, list[tuple[str, ...]]]:
