@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from bench import machine
-from bench.common import DATA_DIR, RESULTS_DIR, Context, error_text, log, result_doc, scrub, write_result
+from bench.common import DATA_DIR, RESULTS_DIR, Context, error_text, log, result_doc, scrub, text_table, write_result
 from bench.scenarios import SCENARIOS
 from bench.systems import ALL, detach_all_under
 
@@ -103,7 +103,7 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
             path = write_result(doc, results_dir)
             written.append(path)
             if "error" not in body:
-                print(f"\n{mod.TITLE} ({doc['duration_seconds']:.0f} s)\n{mod.table(doc)}\n", flush=True)
+                print(f"\n{mod.TITLE} ({doc['duration_seconds']:.0f} s)\n{text_table(doc['summary'], doc['systems'])}\n", flush=True)
             log(f"  {name}: {doc['duration_seconds']:.0f} s, results {path}")
     finally:
         detach_all_under(base)

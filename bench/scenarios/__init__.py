@@ -1,8 +1,8 @@
 """The named scenarios, in the order ``bench/run`` runs them.
 
 Each module has NAME, TITLE, SUMMARY, BUDGET (seconds per size, or None), ``run(ctx) -> dict``
-(the result body: params, systems, summary rows, raw runs), ``table(doc) -> str`` (the
-short table printed after the run), ``render(doc, img_dir, img_rel) -> str`` (its section of
+(the result body: params, systems, summary rows, raw runs; the harness prints its summary
+rows as a short table after the run), ``render(doc, img_dir, img_rel) -> str`` (its section of
 docs/benchmarks.md) and ``goals(doc) -> list`` (the issue's goals it measures).
 """
 

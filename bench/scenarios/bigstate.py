@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import (BASELINE, Context, Metric, RunError, error_text, fmt_num, log, median_or_none, record,
-                          run_cmd, summarize, text_table)
+                          run_cmd, summarize)
 from bench.render import goal_row, md_table, ratio_table, time_series
 from bench.scenarios.rocksdb import parse_db_bench
 from bench.systems import FusestateSystem, System, open_systems
@@ -219,10 +219,6 @@ def run(ctx: Context) -> dict[str, Any]:
         info = {n: s.info() for n, s in systems.items()}
     return {"params": p, "systems": names, "system_info": info,
             "summary": summarize(runs, METRICS, names, [""]), "runs": runs}
-
-
-def table(doc: dict[str, Any]) -> str:
-    return text_table(doc["summary"], doc["systems"])
 
 
 def _hit_series(samples: list[dict[str, Any]]) -> tuple[list[float], list[float]]:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import Context, Metric, RunError, error_text, fmt_num, log, record, run_cmd, summarize, text_table
+from bench.common import Context, Metric, RunError, error_text, fmt_num, log, record, run_cmd, summarize
 from bench.render import goal_row, grouped_bars, md_table, ratio_table
 from bench.systems import FusestateSystem, Moto, PeerSystem, System, moto_if_needed, open_systems
 
@@ -330,10 +330,6 @@ def run(ctx: Context) -> dict[str, Any]:
         info = {n: s.info() for n, s in systems.items()}
     return {"params": p, "systems": names, "system_info": info,
             "summary": summarize(runs, METRICS, names, [""]), "runs": runs}
-
-
-def table(doc: dict[str, Any]) -> str:
-    return text_table(doc["summary"], doc["systems"])
 
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:

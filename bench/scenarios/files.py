@@ -15,9 +15,9 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize, text_table
+from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
 from bench.render import bars_from_rows, goal_row, percentile_lines, ratio_table
 from bench.systems import ALL, System, open_systems
 
@@ -61,38 +61,34 @@ def _io(job: dict[str, Any], kind: str) -> dict[str, Any]:
                         for k, v in pct.items() if k in PCTS}}
 
 
+def _timed(paths: list[Path], op: Callable[[Path], object], limit: float) -> tuple[int, float]:
+    """Apply ``op`` to ``paths`` until done or ``limit`` seconds have passed: (count, per second)."""
+    t = time.monotonic()
+    done = 0
+    for p in paths:
+        op(p)
+        done += 1
+        if time.monotonic() - t > limit:
+            break
+    return done, done / (time.monotonic() - t)
+
+
 def small_files(d: Path, n: int, limit: float) -> dict[str, float]:
     """create/stat/unlink rates over up to ``n`` files, each phase cut off after ``limit`` seconds."""
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     payload = os.urandom(4096)
     names = [d / f"f{i:06d}" for i in range(n)]
-    rates: dict[str, float] = {}
-    created: list[Path] = []
-    t = time.monotonic()
-    for p in names:
+
+    def create(p: Path) -> None:
         with open(p, "wb") as f:
             f.write(payload)
-        created.append(p)
-        if time.monotonic() - t > limit:
-            break
-    rates["create"] = len(created) / (time.monotonic() - t)
-    t = time.monotonic()
-    done = 0
-    for p in created:
-        os.stat(p)
-        done += 1
-        if time.monotonic() - t > limit:
-            break
-    rates["stat"] = done / (time.monotonic() - t)
-    t = time.monotonic()
-    done = 0
-    for p in created:
-        os.unlink(p)
-        done += 1
-        if time.monotonic() - t > limit:
-            break
-    rates["unlink"] = done / (time.monotonic() - t)
+
+    rates: dict[str, float] = {}
+    done, rates["create"] = _timed(names, create, limit)
+    created = names[:done]
+    _, rates["stat"] = _timed(created, os.stat, limit)
+    _, rates["unlink"] = _timed(created, os.unlink, limit)
     rates["files"] = len(created)
     return rates
 
@@ -190,10 +186,6 @@ def run(ctx: Context) -> dict[str, Any]:
             lat[name] = {k: sorted(x[k] for x in mine)[len(mine) // 2] for k in mine[0]}
     return {"params": p, "systems": names, "system_info": info, "summary": rows, "randread_latency_us": lat,
             "runs": runs}
-
-
-def table(doc: dict[str, Any]) -> str:
-    return text_table(doc["summary"], doc["systems"])
 
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import Context, Metric, error_text, fmt_num, log, record, summarize, text_table
+from bench.common import Context, Metric, error_text, fmt_num, log, record, summarize
 from bench.render import goal_row, ratio_table, xy_lines
 from bench.systems import FusestateSystem, Moto, make_system, moto_if_needed
 
@@ -153,10 +153,6 @@ def _one(system: str, key: str, vol: dict[str, Any], repeat: int, work: Path) ->
     log(f"  restore r{repeat + 1} {key:<14} {system:<15} ready {m['ready_s']:.2f} s, "
         f"fetched {fmt_num(m['fetched_bytes'], 'B')}")
     return record(system, repeat, key, m, **out)
-
-
-def table(doc: dict[str, Any]) -> str:
-    return text_table(doc["summary"], doc["systems"])
 
 
 def _size_of(key: str) -> float:

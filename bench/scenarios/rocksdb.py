@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize, text_table
+from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
 from bench.db_bench_ratio import LINE
 from bench.render import bars_from_rows, goal_row, md_table, percentile_lines, ratio_table
 from bench.systems import ALL, System, open_systems
@@ -178,10 +178,6 @@ def _latency(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
                     out.setdefault(variant, {}).setdefault(bench, {})[name] = {
                         k: statistics.median(x[k] for x in pcts) for k in sorted(keys, key=float)}
     return out
-
-
-def table(doc: dict[str, Any]) -> str:
-    return text_table(doc["summary"], doc["systems"])
 
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:

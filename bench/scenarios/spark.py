@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, summarize, text_table
+from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, summarize
 from bench.render import bars_from_rows, ratio_table
 
 NAME = "spark"
@@ -89,10 +89,6 @@ def run(ctx: Context) -> dict[str, Any]:
                 runs.append(record(s, repeat, error="no result from spark_bench"))
     return {"params": {**p, "setups": setups}, "systems": setups, "summary": summarize(runs, METRICS, setups, [""]),
             "runs": runs, "raw_state_bytes": p["keys"] * p["payload_bytes"]}
-
-
-def table(doc: dict[str, Any]) -> str:
-    return text_table(doc["summary"], doc["systems"])
 
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
