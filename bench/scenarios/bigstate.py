@@ -35,7 +35,7 @@ SYSTEMS = ["local", "fusestate-file", "fusestate-s3"]
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"cache_mib": 32, "read_seconds": 3, "timeout": 120, "systems": ["local", "fusestate-file"]},
     "quick": {"cache_mib": 40, "read_seconds": 10, "timeout": 300, "systems": ["local", "fusestate-file"]},
-    "full": {"cache_mib": 512, "read_seconds": 120, "timeout": 3600, "systems": SYSTEMS},
+    "full": {"cache_mib": 128, "read_seconds": 30, "timeout": 1800, "systems": SYSTEMS},
 }
 KEY, VALUE = 16, 400
 METRICS = [

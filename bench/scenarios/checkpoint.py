@@ -36,7 +36,7 @@ SYSTEMS = ["local", "local-s3", "fusestate-file", "fusestate-s3", "rclone", "s3f
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"num": 20_000, "timeout": 120},
     "quick": {"num": 200_000, "timeout": 300},
-    "full": {"num": 2_000_000, "timeout": 1800},
+    "full": {"num": 500_000, "timeout": 1800},
 }
 METRICS = [
     Metric("checkpoint_s", "s", higher_is_better=False, label="checkpoint (+ upload for local)"),

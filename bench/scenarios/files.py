@@ -28,7 +28,7 @@ BUDGET = {"tiny": None, "quick": 130.0, "full": None}
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"file_mib": 16, "randread_seconds": 1, "small_files": 100, "phase_seconds": 5, "timeout": 60},
     "quick": {"file_mib": 256, "randread_seconds": 3, "small_files": 300, "phase_seconds": 4, "timeout": 120},
-    "full": {"file_mib": 1024, "randread_seconds": 30, "small_files": 5000, "phase_seconds": 60, "timeout": 900},
+    "full": {"file_mib": 512, "randread_seconds": 10, "small_files": 1000, "phase_seconds": 10, "timeout": 600},
 }
 METRICS = [
     Metric("seqwrite", "MiB/s", label="sequential write 1 MiB (+fsync)"),

@@ -36,7 +36,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"num": 20_000, "cold_reads": 5_000, "run_timeout": 120, "extra": ["--write_buffer_size=4194304"]},
     "quick": {"num": 60_000, "cold_reads": 15_000, "run_timeout": 90,
               "extra": ["--write_buffer_size=8388608", "--reads=30000"]},
-    "full": {"num": 1_000_000, "cold_reads": 200_000, "run_timeout": 1800, "extra": []},
+    "full": {"num": 300_000, "cold_reads": 100_000, "run_timeout": 900, "extra": ["--write_buffer_size=16777216"]},
 }
 COLD_VARIANT = "wal-off"  # the read path does not depend on the WAL: one cold pass is enough
 PERCENTILES = re.compile(r"P([\d.]+):\s*([\d.]+)")
