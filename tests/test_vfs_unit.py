@@ -210,3 +210,26 @@ def test_disk_cache_survives_eviction_racing_inserts(tmp_path: Path) -> None:
     assert cache.stats.evictions > 1000
     for key in list(cache._cache.iterkeys())[:20]:
         assert cache.get(key) is not None
+
+
+def test_disk_cache_verifies_an_earlier_process_entries_then_serves_ranges(tmp_path: Path) -> None:
+    """A block this process stored is read by range without re-hashing 4 MiB; one left by an
+    earlier process is verified on its first read, and a corrupt one is dropped as a miss."""
+    data = os.urandom(1 << 20)
+    key = block_key(data)
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    cache.put(key, data)
+    assert cache.get_range(key, 100, 200) == data[100:200]
+    assert cache.get_range(key, (1 << 20) - 10, (1 << 20) + 10) == data[-10:]
+    cache.close()
+
+    (value_file,) = (tmp_path / "cache").rglob("*.val")
+    with open(value_file, "r+b") as f:
+        f.seek(150)
+        f.write(bytes([data[150] ^ 0xFF]))
+    again = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    assert again.get_range(key, 100, 200) is None
+    assert again.stats.corrupt == 1
+    again.put(key, data)
+    assert again.get_range(key, 100, 200) == data[100:200]
+    again.close()

@@ -285,6 +285,41 @@ def test_small_cold_read_uses_a_range_read(make_mount, file_bucket: Bucket) -> N
         time.sleep(0.1)
 
 
+def test_random_reads_over_more_blocks_than_the_cache_holds_stay_range_reads(make_mount,
+                                                                             file_bucket: Bucket) -> None:
+    """Point reads cycling over three times the blocks the disk cache holds: fetching each
+    block whole on its second read would move 1000 times the bytes asked for and churn the
+    cache. Only a block read again soon (among the last few) is worth fetching whole."""
+    m: Mount = make_mount(file_bucket)
+    blocks = 24
+    data = rand(blocks * BLOCK, 12)
+    m.mount()
+    write_file(m.path / "f", data)
+    m.umount()
+    m.wipe_cache()
+    m.mount("--cache-size", "32M")  # 8 blocks
+
+    def point_read(offset: int) -> None:
+        fd = os.open(m.path / "f", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            assert os.pread(fd, 4096, offset) == data[offset:offset + 4096]
+        finally:
+            os.close(fd)
+
+    for within in (3 * 4096, 2 * MiB):
+        for b in range(blocks):
+            point_read(b * BLOCK + within)
+    st = m.status()["remote"]
+    assert st["full_fetches"] == 0, st
+    assert st["bytes_in"] < 2 * blocks * 256 * 1024, st
+    point_read((blocks - 1) * BLOCK + MiB)  # the last block, read again right away
+    deadline = time.monotonic() + 20
+    while m.status()["remote"]["full_fetches"] < 1:
+        assert time.monotonic() < deadline, m.status()["remote"]
+        time.sleep(0.1)
+
+
 def test_sequential_read_prefetches(make_mount, file_bucket: Bucket) -> None:
     m: Mount = make_mount(file_bucket)
     data = rand(32 * MiB, 11)

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import logging
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -122,11 +123,17 @@ class _BlockDisk(diskcache.Disk):
                     raise
 
 
+TRUSTED_MEMORY = 65536  # disk cache keys known good in this process (about 8 MB of keys)
+
+
 class DiskCache:
     """Blocks on local disk (diskcache), LRU-evicted at a size limit.
 
-    Every hit is re-hashed: a corrupt entry is dropped and reported as a miss,
-    so the caller fetches it again. Methods block: call them from worker threads.
+    An entry is re-hashed the first time this process reads it: a corrupt entry is
+    dropped and reported as a miss, so the caller fetches it again. Entries this
+    process wrote or has verified are trusted after that, so a small read costs a
+    small ``pread`` instead of loading and hashing 4 MiB. Methods block: call them
+    from worker threads.
     """
 
     def __init__(self, directory: str, limit_bytes: int) -> None:
@@ -142,6 +149,40 @@ class DiskCache:
         )
         self.limit = limit_bytes
         self.stats = TierStats()
+        self._trusted: OrderedDict[str, None] = OrderedDict()
+        self._trusted_lock = threading.Lock()
+
+    def _trust(self, key: str) -> None:
+        with self._trusted_lock:
+            self._trusted[key] = None
+            self._trusted.move_to_end(key)
+            if len(self._trusted) > TRUSTED_MEMORY:
+                self._trusted.popitem(last=False)
+
+    def _distrust(self, key: str) -> None:
+        with self._trusted_lock:
+            self._trusted.pop(key, None)
+
+    def _is_trusted(self, key: str) -> bool:
+        with self._trusted_lock:
+            return key in self._trusted
+
+    def get_range(self, key: str, start: int, end: int) -> Optional[bytes]:
+        """Bytes [start, end) of a cached block, or None on a miss."""
+        if not self._is_trusted(key):
+            data = self.get(key)
+            return None if data is None else data[start:end]
+        handle = self._cache.get(key, default=None, read=True)  # also refreshes its LRU position
+        if handle is None:
+            self._distrust(key)
+            self.stats.misses += 1
+            return None
+        with handle:
+            handle.seek(start)
+            chunk = handle.read(max(0, end - start))
+        self.stats.hits += 1
+        self.stats.hit_bytes += len(chunk)
+        return chunk
 
     def get(self, key: str) -> Optional[bytes]:
         data = self._cache.get(key, default=None, read=False)
@@ -153,7 +194,9 @@ class DiskCache:
             self.stats.corrupt += 1
             self.stats.misses += 1
             self._cache.delete(key)
+            self._distrust(key)
             return None
+        self._trust(key)
         self.stats.hits += 1
         self.stats.hit_bytes += len(data)
         return data
@@ -162,11 +205,15 @@ class DiskCache:
         return key in self._cache
 
     def put(self, key: str, data: bytes) -> None:
+        """Keep a verified block (its bytes hash to ``key``)."""
         self._set(key, data)
+        self._trust(key)
 
     def adopt(self, key: str, path: str) -> None:
-        """Take over the file at ``path`` (a hard link; the caller may then unlink it)."""
+        """Take over the file at ``path`` (a hard link; the caller may then unlink it), a
+        sealed block whose key was computed from these very bytes."""
         self._set(key, _Adopt(path))
+        self._trust(key)
 
     def _set(self, key: str, value: object) -> None:
         before = len(self._cache)

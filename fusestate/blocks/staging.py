@@ -45,6 +45,16 @@ class Staging:
         except FileNotFoundError:
             return None
 
+    def read_range(self, key: str, start: int, end: int) -> bytes | None:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            return os.pread(fd, max(0, end - start), start)
+        finally:
+            os.close(fd)
+
     def fsync(self, keys: list[str]) -> None:
         for key in keys:
             with contextlib.suppress(FileNotFoundError):

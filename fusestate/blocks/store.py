@@ -1,10 +1,13 @@
 """The block store: seal blocks into content-addressed objects, and read them back.
 
 Reads are served from memory, then the staging area or the disk cache, then the
-bucket. A small read of a block that is nowhere local is answered with a range
-read; the second small read of the same block also fetches the whole block in
-the background. Larger reads fetch the whole block, verify its hash and keep it
-in both caches.
+bucket. A small read takes only its range from local disk or, for a block that is
+nowhere local, from the bucket; a second small read of such a block soon after the
+first also fetches the whole block in the background. "Soon" is measured in blocks:
+the last ones read by range are remembered, half as many as the disk cache holds (a
+2Q-style ghost list), so a state many times the cache, read at random, is not
+churned through it 4 MiB at a time. Larger reads fetch the whole block, verify its
+hash and keep it in both caches.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from fusestate.remote.store import RemoteError, RemoteStore
 
 log = logging.getLogger(__name__)
 
-RANGE_READ_MEMORY = 16384  # cold blocks remembered as read once by a range read
+RANGE_READ_MEMORY_MIN = 8  # blocks remembered as read once by a range read, at least
 
 
 class BlockReadError(IOError):
@@ -58,6 +61,7 @@ class BlockStore:
         self._local_io = local_io
         self._fetching: dict[str, trio.Event] = {}
         self._range_read_blocks: OrderedDict[str, None] = OrderedDict()  # cold blocks read once
+        self._range_read_memory = max(RANGE_READ_MEMORY_MIN, disk.limit // block_size // 2)
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
@@ -137,22 +141,31 @@ class BlockStore:
         if data is not None:
             return data[start:end]
         started = time.perf_counter()
-        data = await self._load_local(key)
-        if data is not None:
-            self._observe("local", started)
-            return data[start:end]
-        if key in self._fetching or (end - start) * 4 >= self.block_size:
+        small = (end - start) * 4 < self.block_size
+        if small:
+            chunk = await trio.to_thread.run_sync(self._read_local_range, key, start, end,
+                                                  limiter=self._local_io)
+            if chunk is not None:
+                self._observe("local", started)
+                return chunk
+        else:
+            data = await self._load_local(key)
+            if data is not None:
+                self._observe("local", started)
+                return data[start:end]
+        if key in self._fetching or not small:
             data = await self.fetch(key)
             self._observe("remote", started)
             return data[start:end]
-        # Small cold read: answer from a range read. Only a block read a second time is
-        # fetched whole in the background: scattered point lookups (RocksDB on a fresh node)
-        # then cost what they read, not 4 MiB each.
+        # Small cold read: answer from a range read. Only a block read again while still
+        # remembered is fetched whole in the background: scattered point lookups (RocksDB on
+        # a fresh node) then cost what they read, not 4 MiB each.
         if key in self._range_read_blocks:
+            del self._range_read_blocks[key]
             self.prefetch([key])
         else:
             self._range_read_blocks[key] = None
-            if len(self._range_read_blocks) > RANGE_READ_MEMORY:
+            if len(self._range_read_blocks) > self._range_read_memory:
                 self._range_read_blocks.popitem(last=False)
         try:
             chunk = await self.remote.aget_range(object_name(key), start, end)
@@ -172,6 +185,13 @@ class BlockStore:
             self.memory.stats.miss_bytes += len(data)
             self.memory.put(key, data)
         return data
+
+    def _read_local_range(self, key: str, start: int, end: int) -> Optional[bytes]:
+        if self.uploader.is_pending(key):
+            chunk = self.staging.read_range(key, start, end)
+            if chunk is not None:
+                return chunk
+        return self.disk.get_range(key, start, end)
 
     def _load_local_sync(self, key: str) -> Optional[bytes]:
         if self.uploader.is_pending(key):
