@@ -4,8 +4,8 @@ Reads are served from memory, then the staging area or the disk cache, then the
 bucket. A small read takes only its range from local disk or, for a block that is
 nowhere local, from the bucket; a second small read of such a block soon after the
 first also fetches the whole block in the background. "Soon" is measured in blocks:
-the last ones read by range are remembered, half as many as the disk cache holds (a
-2Q-style ghost list), so a state many times the cache, read at random, is not
+the last ones read by range are remembered, a quarter as many as the disk cache holds
+(a 2Q-style ghost list), so a state many times the cache, read at random, is not
 churned through it 4 MiB at a time. Larger reads fetch the whole block, verify its
 hash and keep it in both caches.
 """
@@ -30,7 +30,7 @@ from fusestate.remote.store import RemoteError, RemoteStore
 
 log = logging.getLogger(__name__)
 
-RANGE_READ_MEMORY_MIN = 8  # blocks remembered as read once by a range read, at least
+RANGE_READ_MEMORY_SHARE = 4  # remember 1/4 as many range-read blocks as the disk cache holds
 
 
 class BlockReadError(IOError):
@@ -61,7 +61,7 @@ class BlockStore:
         self._local_io = local_io
         self._fetching: dict[str, trio.Event] = {}
         self._range_read_blocks: OrderedDict[str, None] = OrderedDict()  # cold blocks read once
-        self._range_read_memory = max(RANGE_READ_MEMORY_MIN, disk.limit // block_size // 2)
+        self._range_read_memory = max(1, disk.limit // block_size // RANGE_READ_MEMORY_SHARE)
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
