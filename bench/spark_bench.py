@@ -93,7 +93,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
         bucket.mkdir()
         mnt.mkdir()
         fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
-           "--metrics-addr", "off")
+           "--metrics-addr", "off", "--durability", args.durability)
     state = (mnt / "job") if mnt else d / "state"
     try:
         first = pipeline(state, out, input_dir, args.batches, common, *extra)
@@ -120,7 +120,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             shutil.rmtree(cache)
             t = time.time()
             fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
-               "--metrics-addr", "off", "--takeover")
+               "--metrics-addr", "off", "--durability", args.durability, "--takeover")
             result["fresh_mount_s"] = round(time.time() - t, 2)
         t = time.time()
         restart_extra = ["--last-batch-events", str(args.restart_events)] if args.restart_events else []
@@ -136,6 +136,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             "rocksdb_load_from_snapshot_ms": b.get("rocksdb", {}).get("rocksdbLoadFromSnapshotLatencyMs"),
             "shim": again.get("shim"),
             "page_cache_dropped": page_cache_dropped,
+            "batch": b,  # the whole record: Spark's phase durations and RocksDB's commit breakdown
         }
         if mnt:
             st = json.loads(fs("status", "--json", str(mnt)))
@@ -163,6 +164,8 @@ def main() -> int:
                    help="events in the batch after the restart (default: a full batch)")
     p.add_argument("--state-compression", default=None,
                    help="state store RocksDB compression, e.g. none (default: Spark's lz4)")
+    p.add_argument("--durability", choices=["remote", "local"], default="remote",
+                   help="fusestate setups: when fsync returns (default remote: in the bucket)")
     p.add_argument("--clean-umount", action="store_true", help="unmount cleanly instead of killing the daemon")
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/spark-<time>.json)")
