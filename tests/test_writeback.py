@@ -258,31 +258,35 @@ def _fresh_node_with(m: Mount, name: str, data: bytes) -> None:
     m.mount()
 
 
-def test_small_cold_read_uses_a_range_read(make_mount, file_bucket: Bucket) -> None:
-    m: Mount = make_mount(file_bucket)
-    data = rand(16 * MiB, 10)
-    _fresh_node_with(m, "f", data)
-    offset = 8 * MiB + 3 * 4096
-    fd = os.open(m.path / "f", os.O_RDONLY)
+def _point_read(path: Path, offset: int, data: bytes) -> None:
+    """One 4 KiB read with kernel readahead off, as RocksDB's point lookups do."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         assert os.pread(fd, 4096, offset) == data[offset:offset + 4096]
     finally:
         os.close(fd)
-    st = m.status()["remote"]
-    assert st["range_reads"] >= 1
-    assert st["bytes_in"] < BLOCK // 4, st  # a point lookup costs what it reads, not the block
-    # A second read in the same block: now the whole block is worth fetching.
-    fd = os.open(m.path / "f", os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        assert os.pread(fd, 4096, offset + MiB) == data[offset + MiB:offset + MiB + 4096]
-    finally:
-        os.close(fd)
+
+
+def _wait_full_fetch(m: Mount) -> None:
     deadline = time.monotonic() + 20
     while m.status()["remote"]["full_fetches"] < 1:
         assert time.monotonic() < deadline, m.status()["remote"]
         time.sleep(0.1)
+
+
+def test_small_cold_read_uses_a_range_read(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket)
+    data = rand(16 * MiB, 10)
+    _fresh_node_with(m, "f", data)
+    offset = 8 * MiB + 3 * 4096
+    _point_read(m.path / "f", offset, data)
+    st = m.status()["remote"]
+    assert st["range_reads"] >= 1
+    assert st["bytes_in"] < BLOCK // 4, st  # a point lookup costs what it reads, not the block
+    # A second read in the same block: now the whole block is worth fetching.
+    _point_read(m.path / "f", offset + MiB, data)
+    _wait_full_fetch(m)
 
 
 def test_random_reads_over_more_blocks_than_the_cache_holds_stay_range_reads(make_mount,
@@ -298,26 +302,14 @@ def test_random_reads_over_more_blocks_than_the_cache_holds_stay_range_reads(mak
     m.umount()
     m.wipe_cache()
     m.mount("--cache-size", "32M")  # 8 blocks
-
-    def point_read(offset: int) -> None:
-        fd = os.open(m.path / "f", os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            assert os.pread(fd, 4096, offset) == data[offset:offset + 4096]
-        finally:
-            os.close(fd)
-
     for within in (3 * 4096, 2 * MiB):
         for b in range(blocks):
-            point_read(b * BLOCK + within)
+            _point_read(m.path / "f", b * BLOCK + within, data)
     st = m.status()["remote"]
     assert st["full_fetches"] == 0, st
     assert st["bytes_in"] < 2 * blocks * 256 * 1024, st
-    point_read((blocks - 1) * BLOCK + MiB)  # the last block, read again right away
-    deadline = time.monotonic() + 20
-    while m.status()["remote"]["full_fetches"] < 1:
-        assert time.monotonic() < deadline, m.status()["remote"]
-        time.sleep(0.1)
+    _point_read(m.path / "f", (blocks - 1) * BLOCK + MiB, data)  # the last block, read again right away
+    _wait_full_fetch(m)
 
 
 def test_sequential_read_prefetches(make_mount, file_bucket: Bucket) -> None:
