@@ -545,6 +545,26 @@ def _meta_keys(bucket: Bucket) -> list[str]:
     return [p.lstrip("/")[len(root) + 1:] for p in fs.find(bucket.root() + "/meta")]
 
 
+def test_a_released_lease_stays_released_when_a_renewal_comes_late(tmp_path: Path) -> None:
+    """The heartbeat keeps renewing while an unmount flushes; a renewal landing after the
+    release once held the volume for another TTL, and the next mount was refused."""
+    import fsspec
+
+    from fusestate.daemon.lease import Lease, read_leases
+    from fusestate.remote.store import RemoteStore
+
+    remote = RemoteStore(fsspec.filesystem("file"), str(tmp_path / "bucket"), retries=1, backoff_initial=0.01)
+    lease = Lease(remote, "node-a:1", ttl=30)
+    lease.acquire(0, False, None)
+    lease.renew()
+    lease.release()
+    lease.renew()  # the heartbeat, late
+    (record,) = read_leases(remote)
+    assert record.expires_at == 0.0
+    nxt = Lease(remote, "node-b:2", ttl=30)
+    assert nxt.acquire(0, False, record).epoch == 2  # no "volume is held by" refusal
+
+
 def test_takeover_fences_off_the_old_holder(make_mount, file_bucket: Bucket, record_property) -> None:
     _takeover_and_fencing(make_mount, file_bucket, record_property)
 

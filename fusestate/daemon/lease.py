@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -83,6 +84,10 @@ class Lease:
         self.ttl = ttl
         self.record: Optional[LeaseRecord] = None
         self.lost = False
+        self.released = False
+        # Renewals run in worker threads while the unmount releases the lease: one at a
+        # time, and none after the release (a late renewal would hold the volume for a TTL).
+        self._lock = threading.Lock()
 
     @staticmethod
     def make_holder_id() -> str:
@@ -114,12 +119,15 @@ class Lease:
     def renew(self) -> None:
         """Heartbeat: extend our lease, or find out we were fenced off."""
         assert self.record is not None
-        newest = self.current()
-        if newest is not None and newest.epoch > self.record.epoch:
-            self.lost = True
-            raise LeaseLost(f"the volume was taken over by {newest.describe()}")
-        self.record.expires_at = time.time() + self.ttl
-        self.remote.put(self.record.key, self.record.encode())
+        with self._lock:
+            if self.released:
+                return
+            newest = self.current()
+            if newest is not None and newest.epoch > self.record.epoch:
+                self.lost = True
+                raise LeaseLost(f"the volume was taken over by {newest.describe()}")
+            self.record.expires_at = time.time() + self.ttl
+            self.remote.put(self.record.key, self.record.encode())
 
     def superseded(self) -> bool:
         """True once a newer epoch exists (one HEAD request): checked before acknowledging an fsync."""
@@ -130,10 +138,12 @@ class Lease:
 
     def release(self) -> None:
         """Let the next mount in at once (clean unmount)."""
-        if self.record is None or self.lost:
-            return
-        newest = self.current()
-        if newest is not None and newest.epoch > self.record.epoch:
-            return
-        self.record.expires_at = 0.0
-        self.remote.put(self.record.key, self.record.encode())
+        with self._lock:
+            if self.record is None or self.lost or self.released:
+                return
+            self.released = True
+            newest = self.current()
+            if newest is not None and newest.epoch > self.record.epoch:
+                return
+            self.record.expires_at = 0.0
+            self.remote.put(self.record.key, self.record.encode())
