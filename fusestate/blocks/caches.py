@@ -37,7 +37,7 @@ class MemoryCache:
         self.limit = limit_bytes
         self.used = 0
         self.stats = TierStats()
-        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._items: OrderedDict[str, bytes | bytearray] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -45,7 +45,7 @@ class MemoryCache:
     def __contains__(self, key: str) -> bool:
         return key in self._items
 
-    def get(self, key: str) -> Optional[bytes]:
+    def get(self, key: str) -> Optional[bytes | bytearray]:
         data = self._items.get(key)
         if data is None:
             self.stats.misses += 1
@@ -55,7 +55,8 @@ class MemoryCache:
         self.stats.hit_bytes += len(data)
         return data
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | bytearray) -> None:
+        """Keep a block; the caller hands it over and never writes to it again."""
         if len(data) > self.limit:
             return
         old = self._items.pop(key, None)

@@ -7,7 +7,7 @@ import hashlib
 BLOCK_PREFIX = "blocks/"
 
 
-def block_key(data: bytes) -> str:
+def block_key(data: bytes | bytearray) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -20,7 +20,7 @@ def key_of_object(name: str) -> str:
     return name.rsplit("/", 1)[-1]
 
 
-def is_zero(data: bytes) -> bool:
+def is_zero(data: bytes | bytearray) -> bool:
     # Most blocks are decided by their first or last byte; the rest by one memcmp against
     # zeros (bytes.count() would hold the GIL for about 1.4 ms per 4 MiB block).
     if not data:
@@ -30,7 +30,7 @@ def is_zero(data: bytes) -> bool:
     return data == bytes(len(data))
 
 
-def seal_digest(data: bytes) -> str | None:
+def seal_digest(data: bytes | bytearray) -> str | None:
     """Key for a block about to be stored, or None for an all-zero block (kept as a hole)."""
     if is_zero(data):
         return None

@@ -24,7 +24,7 @@ class Staging:
     def path(self, key: str) -> str:
         return os.path.join(self.directory, key)
 
-    def write(self, key: str, data: bytes, fsync: bool = False) -> None:
+    def write(self, key: str, data: bytes | bytearray, fsync: bool = False) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:

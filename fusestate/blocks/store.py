@@ -72,7 +72,7 @@ class BlockStore:
         self._nursery = nursery
 
     # --- write side --------------------------------------------------------
-    async def seal(self, data: bytes) -> Optional[str]:
+    async def seal(self, data: bytes | bytearray) -> Optional[str]:
         """Store a block's final bytes; returns its key (None for an all-zero hole).
 
         The caller must reference the key in the metadata (set_block) without
@@ -97,7 +97,7 @@ class BlockStore:
             done.set()
         return key
 
-    async def _write_staging(self, key: str, data: bytes) -> None:
+    async def _write_staging(self, key: str, data: bytes | bytearray) -> None:
         while True:
             try:
                 await trio.to_thread.run_sync(self.staging.write, key, data, limiter=self._local_io)

@@ -586,18 +586,22 @@ class FileSystem:
 
     def _seal(self, f: OpenFile, index: int) -> None:
         """Freeze a dirty block and store it in the background."""
-        buf = f.take_dirty(index)
+        # The dirty buffer itself becomes the sealed block: nothing writes to it once taken
+        # (a later write to this block starts from a copy). Copying it into a new bytes
+        # object cost ~3 ms per 4 MiB on the event loop, mostly page faults.
+        data = f.take_dirty(index)
         valid = max(0, min(self.block_size, f.node.size - index * self.block_size))
-        data = bytes(buf) if len(buf) == valid else bytes(buf[:valid])  # one copy, not two
-        if len(data) < valid:
-            data += bytes(valid - len(data))
+        if len(data) > valid:
+            del data[valid:]
+        elif len(data) < valid:
+            data.extend(bytes(valid - len(data)))
         generation = f.next_generation(index)
         f.sealing[index] = Sealing(data, generation)
         f.seal_started()
         assert self._nursery is not None, "FileSystem.start() was not called"
         self._nursery.start_soon(self._store_sealed, f, index, generation, data)
 
-    async def _store_sealed(self, f: OpenFile, index: int, generation: int, data: bytes) -> None:
+    async def _store_sealed(self, f: OpenFile, index: int, generation: int, data: bytearray) -> None:
         try:
             try:
                 key = await self.blocks.seal(data) if data else None

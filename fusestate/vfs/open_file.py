@@ -19,7 +19,7 @@ from fusestate.meta.engine import Inode
 
 @dataclass
 class Sealing:
-    data: bytes
+    data: bytearray  # frozen: no one writes to it any more
     generation: int
 
 
