@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -29,6 +30,8 @@ from bench.common import BIN, FUSESTATE, RunError, log, run_cmd
 ALL = ["local", "fusestate-file", "fusestate-s3", "rclone", "s3fs"]
 S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3"}
 SETTLE_TIMEOUT = 300.0
+RCLONE_UPLOAD_TRIES = 3  # an rclone upload failing this many times in a row is a failed run
+RCLONE_TRY = re.compile(r"failed to upload try #(\d+)")
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -395,6 +398,12 @@ class PeerSystem(System):
         return {**super().info(), "bucket": self.bucket, "command": cmd}
 
 
+def _upload_try(line: str) -> int:
+    """Which try of an upload an rclone log line reports (a line without one counts as final)."""
+    m = RCLONE_TRY.search(line)
+    return int(m.group(1)) if m else RCLONE_UPLOAD_TRIES
+
+
 class RcloneSystem(PeerSystem):
     kind = "rclone mount --vfs-cache-mode full"
     binary = "rclone"
@@ -426,7 +435,7 @@ class RcloneSystem(PeerSystem):
 
     def settle(self, timeout: float = SETTLE_TIMEOUT) -> float:
         """Wait for rclone's write-back queue (it uploads a file some seconds after its close);
-        an upload that fails (rclone retries it for ever) is an error."""
+        an upload that keeps failing (rclone retries it for ever) is an error, a retried one is not."""
         t = time.monotonic()
         log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
         while True:
@@ -446,13 +455,17 @@ class RcloneSystem(PeerSystem):
         return time.monotonic() - t
 
     def _new_errors(self, offset: int) -> Optional[str]:
+        """The last upload failure logged since ``offset`` that rclone had already retried
+        ``RCLONE_UPLOAD_TRIES`` times (a first failure, e.g. "source file is being updated"
+        while RocksDB still writes, is retried and usually succeeds)."""
         try:
             with open(self.log_file, errors="replace") as f:
                 f.seek(offset)
                 lines = [ln.strip() for ln in f if "failed to upload" in ln]
         except OSError:
             return None
-        return lines[-1][:300] if lines else None
+        final = [ln for ln in lines if _upload_try(ln) >= RCLONE_UPLOAD_TRIES]
+        return final[-1][:300] if final else None
 
     def wipe_cache(self) -> None:
         shutil.rmtree(self.cache, ignore_errors=True)
