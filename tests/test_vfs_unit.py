@@ -233,3 +233,24 @@ def test_disk_cache_verifies_an_earlier_process_entries_then_serves_ranges(tmp_p
     again.put(key, data)
     assert again.get_range(key, 100, 200) == data[100:200]
     again.close()
+
+
+def test_disk_cache_knows_what_it_just_missed(tmp_path: Path) -> None:
+    """The event loop skips the worker-thread lookup for a block the cache just missed,
+    until the block is stored: every insert goes through the cache object."""
+    data = os.urandom(64 * 1024)
+    key = block_key(data)
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    assert not cache.known_absent(key)
+    assert cache.get_range(key, 0, 10) is None
+    assert cache.known_absent(key)
+    cache.put(key, data)
+    assert not cache.known_absent(key)
+    assert cache.get_range(key, 10, 20) == data[10:20]
+    staged = tmp_path / "staged"
+    other = os.urandom(64 * 1024)
+    assert cache.get(block_key(other)) is None and cache.known_absent(block_key(other))
+    staged.write_bytes(other)
+    cache.adopt(block_key(other), str(staged))
+    assert not cache.known_absent(block_key(other))
+    cache.close()

@@ -124,7 +124,31 @@ class _BlockDisk(diskcache.Disk):
                     raise
 
 
-TRUSTED_MEMORY = 65536  # disk cache keys known good in this process (about 8 MB of keys)
+KEY_MEMORY = 65536  # keys remembered as known good / known absent (about 8 MB each at most)
+
+
+class _KeySet:
+    """A bounded LRU set of keys, shared by the event loop and worker threads."""
+
+    def __init__(self, limit: int) -> None:
+        self._keys: OrderedDict[str, None] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            if len(self._keys) > self._limit:
+                self._keys.popitem(last=False)
+
+    def discard(self, key: str) -> None:
+        with self._lock:
+            self._keys.pop(key, None)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._keys
 
 
 class DiskCache:
@@ -133,8 +157,10 @@ class DiskCache:
     An entry is re-hashed the first time this process reads it: a corrupt entry is
     dropped and reported as a miss, so the caller fetches it again. Entries this
     process wrote or has verified are trusted after that, so a small read costs a
-    small ``pread`` instead of loading and hashing 4 MiB. Methods block: call them
-    from worker threads.
+    small ``pread`` instead of loading and hashing 4 MiB. Every insert goes through
+    this object, so it also knows which keys it just missed: ``known_absent`` lets the
+    event loop skip a worker-thread hop for a block that is not here. Methods other
+    than ``known_absent`` block: call them from worker threads.
     """
 
     def __init__(self, directory: str, limit_bytes: int) -> None:
@@ -150,33 +176,26 @@ class DiskCache:
         )
         self.limit = limit_bytes
         self.stats = TierStats()
-        self._trusted: OrderedDict[str, None] = OrderedDict()
-        self._trusted_lock = threading.Lock()
+        self._trusted = _KeySet(KEY_MEMORY)
+        self._absent = _KeySet(KEY_MEMORY)
 
-    def _trust(self, key: str) -> None:
-        with self._trusted_lock:
-            self._trusted[key] = None
-            self._trusted.move_to_end(key)
-            if len(self._trusted) > TRUSTED_MEMORY:
-                self._trusted.popitem(last=False)
+    def known_absent(self, key: str) -> bool:
+        """True when this block was missed here and not stored since (cheap; any thread)."""
+        return key in self._absent
 
-    def _distrust(self, key: str) -> None:
-        with self._trusted_lock:
-            self._trusted.pop(key, None)
-
-    def _is_trusted(self, key: str) -> bool:
-        with self._trusted_lock:
-            return key in self._trusted
+    def _missed(self, key: str) -> None:
+        self._trusted.discard(key)
+        self._absent.add(key)
+        self.stats.misses += 1
 
     def get_range(self, key: str, start: int, end: int) -> Optional[bytes]:
         """Bytes [start, end) of a cached block, or None on a miss."""
-        if not self._is_trusted(key):
+        if key not in self._trusted:
             data = self.get(key)
             return None if data is None else data[start:end]
         handle = self._cache.get(key, default=None, read=True)  # also refreshes its LRU position
         if handle is None:
-            self._distrust(key)
-            self.stats.misses += 1
+            self._missed(key)
             return None
         with handle:
             handle.seek(start)
@@ -188,16 +207,15 @@ class DiskCache:
     def get(self, key: str) -> Optional[bytes]:
         data = self._cache.get(key, default=None, read=False)
         if data is None:
-            self.stats.misses += 1
+            self._missed(key)
             return None
         if block_key(data) != key:
             log.error("disk cache entry %s is corrupt; dropping it and fetching again", key[:16])
             self.stats.corrupt += 1
-            self.stats.misses += 1
             self._cache.delete(key)
-            self._distrust(key)
+            self._missed(key)
             return None
-        self._trust(key)
+        self._trusted.add(key)
         self.stats.hits += 1
         self.stats.hit_bytes += len(data)
         return data
@@ -208,13 +226,17 @@ class DiskCache:
     def put(self, key: str, data: bytes) -> None:
         """Keep a verified block (its bytes hash to ``key``)."""
         self._set(key, data)
-        self._trust(key)
+        self._stored(key)
 
     def adopt(self, key: str, path: str) -> None:
         """Take over the file at ``path`` (a hard link; the caller may then unlink it), a
         sealed block whose key was computed from these very bytes."""
         self._set(key, _Adopt(path))
-        self._trust(key)
+        self._stored(key)
+
+    def _stored(self, key: str) -> None:
+        self._absent.discard(key)
+        self._trusted.add(key)
 
     def _set(self, key: str, value: object) -> None:
         before = len(self._cache)

@@ -142,13 +142,14 @@ class BlockStore:
             return data[start:end]
         started = time.perf_counter()
         small = (end - start) * 4 < self.block_size
-        if small:
+        maybe_local = self.uploader.is_pending(key) or not self.disk.known_absent(key)
+        if small and maybe_local:
             chunk = await trio.to_thread.run_sync(self._read_local_range, key, start, end,
                                                   limiter=self._local_io)
             if chunk is not None:
                 self._observe("local", started)
                 return chunk
-        else:
+        elif maybe_local:
             data = await self._load_local(key)
             if data is not None:
                 self._observe("local", started)
