@@ -6,8 +6,9 @@ nowhere local, from the bucket; a second small read of such a block soon after t
 first also fetches the whole block in the background. "Soon" is measured in blocks:
 the last ones read by range are remembered, a quarter as many as the disk cache holds
 (a 2Q-style ghost list), so a state many times the cache, read at random, is not
-churned through it 4 MiB at a time. Larger reads fetch the whole block, verify its
-hash and keep it in both caches.
+churned through it 4 MiB at a time. Larger reads, and small reads that are part of a
+sequential scan (the vfs says so), load or fetch the whole block, verify its hash and
+keep it in both caches.
 """
 
 from __future__ import annotations
@@ -135,13 +136,14 @@ class BlockStore:
             self.uploader.discard(key)
 
     # --- read side ---------------------------------------------------------
-    async def read(self, key: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of an object (shorter if the object is shorter)."""
+    async def read(self, key: str, start: int, end: int, whole: bool = False) -> bytes:
+        """Bytes [start, end) of an object (shorter if the object is shorter). ``whole``: the
+        caller is scanning, so load the whole block even for a small read."""
         data = self.memory.get(key)
         if data is not None:
             return data[start:end]
         started = time.perf_counter()
-        small = (end - start) * 4 < self.block_size
+        small = (end - start) * 4 < self.block_size and not whole
         maybe_local = self.uploader.is_pending(key) or not self.disk.known_absent(key)
         if small and maybe_local:
             chunk = await trio.to_thread.run_sync(self._read_local_range, key, start, end,

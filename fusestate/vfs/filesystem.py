@@ -497,17 +497,20 @@ class FileSystem:
         bs = self.block_size
         parts: list[bytes] = []
         pos = offset
+        # A read that continues the previous one (or starts the file) is part of a scan:
+        # its blocks are worth loading whole. Others are point reads: only their range.
+        sequential = offset == h.next_offset
         while pos < end:
             index, start = divmod(pos, bs)
             stop = min(bs, end - index * bs)
-            parts.append(await self._read_block(f, index, start, stop))
+            parts.append(await self._read_block(f, index, start, stop, sequential))
             pos = index * bs + stop
-        if self.readahead_blocks and offset == h.next_offset:
+        if self.readahead_blocks and sequential:
             self._readahead(f, end)
         h.next_offset = end
         return b"".join(parts)
 
-    async def _read_block(self, f: OpenFile, index: int, start: int, stop: int) -> bytes:
+    async def _read_block(self, f: OpenFile, index: int, start: int, stop: int, sequential: bool) -> bytes:
         cached = f.cached_bytes(index)
         if cached is not None:
             chunk = bytes(cached[start:stop])
@@ -516,7 +519,7 @@ class FileSystem:
             if key is None:
                 return bytes(stop - start)
             try:
-                chunk = await self.blocks.read(key, start, stop)
+                chunk = await self.blocks.read(key, start, stop, whole=sequential)
             except BlockReadError as exc:
                 log.error("read of inode %d block %d failed: %s", f.inode, index, exc)
                 raise FsError(errno.EIO) from exc
