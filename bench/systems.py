@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+def wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
     """Wait for a process told to stop; kill it if it does not within ``timeout``."""
     try:
         proc.wait(timeout=timeout)
@@ -153,7 +153,7 @@ class Moto:
     def __exit__(self, *exc: Any) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
-            stop_process(self.proc, timeout=10)
+            wait_or_kill(self.proc, timeout=10)
 
     def client(self):
         import boto3
@@ -367,7 +367,7 @@ class PeerSystem(System):
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.terminate()
-                stop_process(self.proc, timeout=10)
+                wait_or_kill(self.proc, timeout=10)
             self.proc = None
         lazy_unmount(self.mnt)
 

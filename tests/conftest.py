@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT))
+
+# Local-server and mount helpers shared with the benchmarks.
+from bench.systems import free_port, is_mounted, wait_or_kill, wait_port  # noqa: E402
 
 # Credentials and switches every daemon and client in the tests sees.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -29,29 +32,10 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"server on port {port} did not start")
-
-
 def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        wait_or_kill(proc, timeout=10)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -163,12 +147,6 @@ def fusestate(*args: str, check: bool = True, timeout: float = 120, env: Optiona
     if check and proc.returncode != 0:
         raise AssertionError(f"fusestate {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
     return proc
-
-
-def is_mounted(path: Path) -> bool:
-    real = os.path.realpath(path)
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == real for line in f)
 
 
 @dataclass

@@ -6,17 +6,14 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, is_mounted
 
-sys.path.insert(0, str(ROOT))
-
-from bench import report  # noqa: E402
-from bench.common import FORMAT, Metric, load_results, record, summarize  # noqa: E402
+from bench import report
+from bench.common import FORMAT, Metric, load_results, record, summarize
 
 RUN = ROOT / "bench" / "run"
 
