@@ -127,8 +127,8 @@ class _BlockDisk(diskcache.Disk):
 KEY_MEMORY = 65536  # keys remembered as known good / known absent (about 8 MB each at most)
 
 
-class _KeySet:
-    """A bounded LRU set of keys, shared by the event loop and worker threads."""
+class KeySet:
+    """A bounded LRU set of keys, safe to share between the event loop and worker threads."""
 
     def __init__(self, limit: int) -> None:
         self._keys: OrderedDict[str, None] = OrderedDict()
@@ -143,8 +143,15 @@ class _KeySet:
                 self._keys.popitem(last=False)
 
     def discard(self, key: str) -> None:
+        self.take(key)
+
+    def take(self, key: str) -> bool:
+        """Remove ``key``; True if it was there."""
         with self._lock:
-            self._keys.pop(key, None)
+            if key not in self._keys:
+                return False
+            del self._keys[key]
+            return True
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -176,8 +183,8 @@ class DiskCache:
         )
         self.limit = limit_bytes
         self.stats = TierStats()
-        self._trusted = _KeySet(KEY_MEMORY)
-        self._absent = _KeySet(KEY_MEMORY)
+        self._trusted = KeySet(KEY_MEMORY)
+        self._absent = KeySet(KEY_MEMORY)
 
     def known_absent(self, key: str) -> bool:
         """True when this block was missed here and not stored since (cheap; any thread)."""

@@ -16,13 +16,12 @@ from __future__ import annotations
 import errno
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import trio
 
-from fusestate.blocks.caches import DiskCache, MemoryCache
+from fusestate.blocks.caches import DiskCache, KeySet, MemoryCache
 from fusestate.blocks.keys import block_key, object_name, seal_digest
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.uploader import Uploader
@@ -61,8 +60,8 @@ class BlockStore:
         self.stats = ReadStats()
         self._local_io = local_io
         self._fetching: dict[str, trio.Event] = {}
-        self._range_read_blocks: OrderedDict[str, None] = OrderedDict()  # cold blocks read once
-        self._range_read_memory = max(1, disk.limit // block_size // RANGE_READ_MEMORY_SHARE)
+        # Cold blocks read once by a range read (the ghost list).
+        self._range_read_blocks = KeySet(max(1, disk.limit // block_size // RANGE_READ_MEMORY_SHARE))
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
@@ -163,13 +162,10 @@ class BlockStore:
         # Small cold read: answer from a range read. Only a block read again while still
         # remembered is fetched whole in the background: scattered point lookups (RocksDB on
         # a fresh node) then cost what they read, not 4 MiB each.
-        if key in self._range_read_blocks:
-            del self._range_read_blocks[key]
+        if self._range_read_blocks.take(key):
             self.prefetch([key])
         else:
-            self._range_read_blocks[key] = None
-            if len(self._range_read_blocks) > self._range_read_memory:
-                self._range_read_blocks.popitem(last=False)
+            self._range_read_blocks.add(key)
         try:
             chunk = await self.remote.aget_range(object_name(key), start, end)
         except (RemoteError, FileNotFoundError) as exc:
