@@ -32,6 +32,11 @@ def md_table(head: Sequence[str], body: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def medians_note(doc: dict[str, Any], baseline: str = "local disk", more: str = "") -> str:
+    """The sentence every scenario's text ends with: what the numbers and brackets are."""
+    return f"Median of {doc['repeats']} repetition(s); ratio against {baseline} in brackets{more}."
+
+
 def ratio_table(rows: list[dict[str, Any]], systems: list[str], *, show_variant: bool = True) -> str:
     """Median per system, ratio against local disk in brackets; a failure shows as its error."""
     head = (["metric", "variant"] if show_variant else ["metric"]) + ["unit"] + systems

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from bench.common import (BASELINE, Context, Metric, RunError, error_text, fmt_num, log, median_or_none, record,
                           run_cmd, summarize)
-from bench.render import goal_row, md_table, ratio_table, time_series
+from bench.render import goal_row, md_table, medians_note, ratio_table, time_series
 from bench.scenarios.rocksdb import parse_db_bench
 from bench.systems import FusestateSystem, System, open_systems
 
@@ -236,8 +236,7 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     parts = [f"fusestate with `--cache-size {p['cache_mib']}M --memory-cache-size {p['memory_cache_mib']}M`; "
              f"db_bench `fillrandom` of {p['working_set_bytes'] / (1 << 20):,.0f} MiB (10 × the cache; "
              f"{KEY} + {VALUE} bytes per key, no compression, WAL off), then `readrandom` with direct reads for "
-             f"{p['read_seconds']} s. Median of {doc['repeats']} repetition(s); ratio against local disk in brackets "
-             f"(for the time and ratio rows it is only a quotient).",
+             f"{p['read_seconds']} s. " + medians_note(doc, more=" (for the time and ratio rows it is only a quotient)"),
              ratio_table(doc["summary"], names, show_variant=False)]
     details = []
     for r in doc["runs"]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import Context, Metric, RunError, error_text, fmt_num, log, record, run_cmd, summarize
-from bench.render import goal_row, grouped_bars, md_table, ratio_table
+from bench.render import goal_row, grouped_bars, md_table, medians_note, ratio_table
 from bench.systems import FusestateSystem, Moto, PeerSystem, System, moto_if_needed, open_systems
 
 NAME = "checkpoint"
@@ -341,8 +341,7 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"compactions finished, uploads drained. *Checkpoint*: RocksDB's checkpoint of the open database (+ fsync of its "
              f"directory) — for `local`/`local-s3` "
              f"followed by the fsspec upload of its new SST files and its other files to a `file://` / S3 bucket. "
-             f"*Copy*: `cp -r` of the database (+ upload of the copy for the local baselines). Median of "
-             f"{doc['repeats']} repetition(s); ratio against `local` in brackets (lower is better here).",
+             f"*Copy*: `cp -r` of the database (+ upload of the copy for the local baselines). " + medians_note(doc, "`local`", " (lower is better here)"),
              ratio_table(rows, names, show_variant=False)]
     by = {r["metric"]: r for r in rows}
     for kind, metrics, scale, ylabel in (("time", ("checkpoint_s", "copy_s"), 1.0, "seconds"),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
-from bench.render import bars_from_rows, goal_row, percentile_lines, ratio_table
+from bench.render import bars_from_rows, goal_row, medians_note, percentile_lines, ratio_table
 from bench.systems import ALL, System, open_systems
 
 NAME = "files"
@@ -194,8 +194,7 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"`--end_fsync=1`, sequential read, {p['randread_seconds']} s of random 4 KiB reads with `--direct=1` (the "
              f"page cache would answer them all otherwise), and a sequential "
              f"read after the caches are made cold. Small files: up to {p['small_files']:,} files of 4 KiB "
-             f"created, stat'ed, unlinked ({p['phase_seconds']} s per phase at most). Median of "
-             f"{doc['repeats']} repetition(s), ratio against local disk in brackets.",
+             f"created, stat'ed, unlinked ({p['phase_seconds']} s per phase at most). " + medians_note(doc),
              ratio_table(rows, names, show_variant=False)]
     by = {r["metric"]: r for r in rows}
     tput = [by[m] for m in ("seqwrite", "seqread", "seqread_cold") if m in by]

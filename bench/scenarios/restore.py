@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import Context, Metric, error_text, fmt_num, log, record, summarize
-from bench.render import goal_row, ratio_table, xy_lines
+from bench.render import goal_row, medians_note, ratio_table, xy_lines
 from bench.systems import FusestateSystem, Moto, make_system, moto_if_needed
 
 NAME = "restore"
@@ -165,8 +165,7 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"unmounted. *fusestate*: a fresh node (empty cache dir) runs `fusestate mount` and reads the first "
              f"4 KiB of one file (which fetches that file's first 4 MiB block); the mount itself fetches only metadata. "
              f"*download first*: fsspec "
-             f"`get` of the volume's whole prefix to local disk, then `sync`. Median of {doc['repeats']} "
-             f"repetition(s); ratio against downloading first in brackets.",
+             f"`get` of the volume's whole prefix to local disk, then `sync`. " + medians_note(doc, "downloading first"),
              ratio_table(doc["summary"], doc["systems"])]
     series: dict[str, tuple[list[float], list[float]]] = {}
     for backend in sorted({k.split()[0] for k in doc["volumes"]}):

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
 from bench.db_bench_ratio import LINE
-from bench.render import bars_from_rows, goal_row, md_table, percentile_lines, ratio_table
+from bench.render import bars_from_rows, goal_row, md_table, medians_note, percentile_lines, ratio_table
 from bench.systems import ALL, System, open_systems
 
 NAME = "rocksdb"
@@ -187,7 +187,7 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"(`{' '.join(p['command'][2:])}`; at most {p['run_timeout']} s per run), WAL off (`--disable_wal=1`, as Spark writes) and on. "
              f"*Cold cache*: caches dropped, then `readrandom` on the existing database "
              f"(`--reads={p['cold_reads']:,}`; WAL off only: the read path does not depend on the WAL). "
-             f"Median ops/s of {doc['repeats']} repetition(s), ratio against local disk in brackets."]
+             "Numbers are ops/s. " + medians_note(doc)]
     for variant in VARIANTS:
         rows = [r for r in doc["summary"] if r["variant"] == variant]
         if not rows:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, summarize
-from bench.render import bars_from_rows, ratio_table
+from bench.render import bars_from_rows, medians_note, ratio_table
 
 NAME = "spark"
 TITLE = "Spark state pipeline"
@@ -105,8 +105,7 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"*local*: state and checkpoint on local disk, changelog checkpointing; *fusestate*: on a `file://` "
              f"mount; *fusestate+shim*: with the `fusestate://` checkpoint. Restart: for fusestate after killing "
              f"the daemon and wiping its cache dir; for every setup with the page cache dropped first (a fresh node "
-             f"has none). Median of {doc['repeats']} repetition(s); ratio against local "
-             f"disk in brackets.", ratio_table(rows, names, show_variant=False)]
+             f"has none). " + medians_note(doc), ratio_table(rows, names, show_variant=False)]
     by = {r["metric"]: r for r in rows}
     if "records_per_s" in by:
         img = bars_from_rows(img_dir / "spark-throughput.png", [by["records_per_s"]], names, ylabel="records/s",
