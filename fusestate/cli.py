@@ -41,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--allow-other", action="store_true", help="let other users use the mount")
     m.add_argument("--read-only", action="store_true")
     m.add_argument("--takeover", action="store_true", help="take the volume over from a dead holder")
-    m.add_argument("--prefetch", action="store_true", help="fetch the whole volume into the cache in the background")
+    m.add_argument("--prefetch", nargs="?", const="all", default="recent", choices=["off", "recent", "all"],
+                   help="after mounting, fetch blocks into the disk cache in the background: 'recent' "
+                        "(default) the most recently modified files first, up to half the disk cache; "
+                        "'all' (or the bare flag) as much of the volume as 90%% of the disk cache holds; "
+                        "'off' only on demand")
     m.add_argument("--journal-interval", type=float, default=2.0,
                    help="seconds between metadata journal shipments; fsync ships at once (default %(default)s)")
     m.add_argument("--gc-grace", type=float, default=3600.0,
@@ -257,6 +261,10 @@ def _print_status(status: dict) -> None:
         ("remote", f"{format_size(remote['bytes_in'])} in, {format_size(remote['bytes_out'])} out, "
                    f"{remote['retries']} retries"),
     ]
+    warm = status.get("warmup")
+    if warm and warm["mode"] != "off":
+        rows.append(("warmup", f"{warm['state']} ({warm['mode']}), {format_size(warm['fetched_bytes'])} fetched "
+                               f"of a {format_size(warm['budget_bytes'])} budget in {warm['seconds']} s"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -56,7 +56,7 @@ class MountConfig:
     gc_interval: float = 300.0               # seconds between garbage collection passes
     journal_interval: float = 2.0            # seconds between journal shipments (fsync ships at once)
     lease_ttl: float = 30.0                  # seconds a lease stays valid without a heartbeat
-    prefetch: bool = False                   # fetch the whole volume into the cache after mounting
+    prefetch: str = "recent"                 # off | recent | all: background cache warming after mounting
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
 
@@ -65,6 +65,8 @@ class MountConfig:
         self.cache_dir = os.path.abspath(self.cache_dir)
         if self.durability not in ("remote", "local"):
             raise UserError(f"bad --durability {self.durability!r}: expected remote or local")
+        if self.prefetch not in ("off", "recent", "all"):
+            raise UserError(f"bad --prefetch {self.prefetch!r}: expected off, recent or all")
         if self.block_size < 64 * 1024 or self.block_size & (self.block_size - 1):
             raise UserError("--block-size must be a power of two of at least 64K")
         if self.max_dirty is None:

@@ -37,12 +37,6 @@ def pipeline(state_dir: Path, output: Path, input_dir: Path, *extra: str, timeou
         causes = [line for line in proc.stderr.splitlines()
                   if "Caused by" in line or "Exception:" in line or "Error:" in line]
         (output.parent / f"{output.name}.spark-failure.log").write_text(proc.stderr)
-        if "While fdatasync" in proc.stderr and "Input/output error" in proc.stderr:
-            # Known daemon bug, not in the Spark integration: when several RocksDB instances
-            # write files with identical blocks at once, a deduplicated block's staging file can
-            # be dropped while another file still references it; the upload then fails with
-            # "staged block ... vanished from the staging area" and fsync answers EIO.
-            pytest.xfail("fusestate dedup/staging race: fsync EIO, 'staged block vanished' (known bug)")
         raise AssertionError(f"pipeline failed ({proc.returncode}):\n" + "\n".join(causes[:20])
                              + f"\n{proc.stdout[-2000:]}")
     return report_of(proc.stdout)
@@ -85,6 +79,9 @@ def test_pipeline_on_mount_matches_local_disk(make_mount, file_bucket: Bucket, b
     assert read_output(tmp_path / "out") == baseline["output"]
     assert report["mount"] == str(m.path)
     assert report["checkpoint"].startswith("file://")
+    # On a mount the helper asks for 64 KiB RocksDB blocks; local disk keeps Spark's default.
+    assert report["state_store_conf"]["spark.sql.streaming.stateStore.rocksdb.blockSizeKB"] == "64"
+    assert "spark.sql.streaming.stateStore.rocksdb.blockSizeKB" not in baseline["report"]["state_store_conf"]
     summary = report["summary"]
     assert summary["batches"] == 5 and summary["records_per_second"] > 0
     # The state store's working dir and the checkpoint are on the mount, and it saw the writes.
@@ -135,7 +132,7 @@ def test_kill_spark_and_node_then_resume_on_fresh_node(make_mount, file_bucket: 
     m.kill()
     m.wipe_cache()
     assert not m.cache_dir.exists()
-    m.mount("--takeover")
+    m.mount("--takeover", "--prefetch", "recent")  # the default a fresh node runs with
     report = pipeline(m.path / "job", out, baseline["input"], *SMALL)
     resumed = [b["batch"] for b in report["batches"]]
     assert resumed and resumed[0] >= 2, f"the query started over instead of resuming: {resumed}"
@@ -145,8 +142,10 @@ def test_kill_spark_and_node_then_resume_on_fresh_node(make_mount, file_bucket: 
     output = read_output(out)
     assert all(output[b] == baseline["output"][b] for b in done[:2])
     assert final_view(out) == baseline["final"]
-    # A fresh node: the checkpoint's data came from the bucket on demand.
-    assert report["fusestate_after"]["remote"]["bytes_in"] > 0
+    # A fresh node: the checkpoint's data came from the bucket, warmed in the background.
+    after = report["fusestate_after"]
+    assert after["remote"]["bytes_in"] > 0
+    assert after["warmup"]["state"] == "done" and after["warmup"]["fetched_bytes"] > 0, after["warmup"]
     m.umount()
 
 
@@ -232,12 +231,23 @@ def test_shim_fresh_node_load_links_state(make_mount, file_bucket: Bucket, tmp_p
     fetched = m.status()["remote"]["bytes_in"] - before
     assert [b["batch"] for b in report["batches"]] == [10]
     assert report["shim"]["copied"] == 0 and report["shim"]["linked"] > 0, report["shim"]
+    # RocksDB did write the 64 KiB blocks the helper asked for (Spark's default is 4 KiB).
+    largest = max(_checkpoint_ssts(job).values(), key=lambda p: p.stat().st_size)
+    assert _mean_data_block_bytes(largest) > 32 * 1024, largest
     print(f"state {latest} bytes, fetched {fetched} bytes on load + 1 batch")
     # A copying load reads every SST in full before the first record. Linked, the SSTs are
     # fetched as RocksDB opens and reads them; at this size (SSTs smaller than one 4 MiB block)
     # opening one fetches it whole, so the saving is small here and grows with SST size.
     assert fetched < latest, (fetched, latest)
     m.umount()
+
+
+def _mean_data_block_bytes(sst: Path) -> float:
+    """From RocksDB's own sst_dump: the table's data bytes over its number of data blocks."""
+    proc = subprocess.run(["sst_dump", f"--file={sst}", "--show_properties"], capture_output=True, text=True,
+                          timeout=60, check=True)
+    props = dict(line.strip().split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    return int(props["data block size"]) / int(props["# data blocks"])
 
 
 def _latest_state_bytes(job: Path) -> int:
@@ -278,3 +288,13 @@ def test_summary_lines_report_what_a_person_checks() -> None:
     assert "4 state files linked" in text and "3.0 MiB uploaded, 1.0 MiB fetched" in text
     assert "cache hit ratio   0.95" in text
     assert "no batch ran" in summary_lines({"summary": {"batches": 0}, "batches": []})[0]
+
+
+def test_state_conf_block_size_follows_the_mount(tmp_path: Path) -> None:
+    from fusestate.spark.config import ROCKSDB_PREFIX, state_conf
+
+    key = ROCKSDB_PREFIX + "blockSizeKB"
+    assert key not in state_conf(tmp_path / "local").conf  # not a mount: Spark's default
+    assert state_conf(tmp_path / "local", block_size_kb=16).conf[key] == "16"
+    with pytest.raises(ValueError, match="block_size_kb"):
+        state_conf(tmp_path / "local", block_size_kb=0)

@@ -408,6 +408,78 @@ def test_lazy_restore_fetches_metadata_only_8g(make_mount, tmp_path: Path, recor
     _lazy_restore(make_mount, tmp_path, record_property, 8 * GiB)
 
 
+def _warm_volume(make_mount, tmp_path: Path) -> tuple[Bucket, bytes, bytes]:
+    """A volume with an older 8-block file and a newer 4-block file, every block distinct."""
+    path = tmp_path / "bucket-warm"
+    path.mkdir()
+    bucket = Bucket("file", f"file://{path}")
+    old, new = rand(8 * BLOCK, 50), rand(4 * BLOCK, 51)
+    build = make_mount(bucket, name="build-warm", cache="build-cache-warm").mount()
+    (build.path / "old").write_bytes(old)
+    os.utime(build.path / "old", (time.time() - 3600, time.time() - 3600))
+    (build.path / "new").write_bytes(new)
+    build.umount()
+    return bucket, old, new
+
+
+def _settled_warmup(m: Mount, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = m.status()
+        if st["warmup"]["state"] in ("done", "failed"):
+            return st
+        assert time.monotonic() < deadline, st["warmup"]
+        time.sleep(0.1)
+
+
+def test_warmup_after_mount_fetches_newest_files_first_within_budget(make_mount, tmp_path: Path) -> None:
+    """A fresh node warms its cache in the background: the newest file first, then as much of
+    the older one as half the disk cache allows, and reads of warmed blocks fetch nothing."""
+    bucket, old, new = _warm_volume(make_mount, tmp_path)
+    # 64 MiB cache: 16 MiB for dirty data, a 48 MiB read cache, so a 24 MiB (6-block) budget.
+    # No readahead of our own: the reads below must touch only the blocks they name.
+    m = make_mount(bucket, name="mnt-warm", cache="cache-warm").mount("--cache-size", "64M", "--prefetch", "recent",
+                                                                      "--readahead", "0")
+    st = _settled_warmup(m)
+    warm = st["warmup"]
+    assert warm["state"] == "done" and warm["mode"] == "recent" and warm["budget_bytes"] == 24 * MiB, warm
+    assert warm["fetched_blocks"] == 6 and warm["fetched_bytes"] == 6 * BLOCK and warm["failures"] == 0, warm
+    assert st["cache"]["memory_bytes"] == 0  # warming keeps blocks on disk, not in the memory cache
+    before = st["remote"]["bytes_in"]
+    assert (m.path / "new").read_bytes() == new
+    fd = os.open(m.path / "old", os.O_RDONLY)
+    try:  # the old file's first two blocks, clear of the kernel's readahead into the third
+        assert os.pread(fd, BLOCK, 0) == old[:BLOCK]
+        assert os.pread(fd, BLOCK // 2, BLOCK + 12345) == old[BLOCK + 12345:BLOCK + 12345 + BLOCK // 2]
+    finally:
+        os.close(fd)
+    assert m.status()["remote"]["bytes_in"] == before  # all of it was warm
+    with open(m.path / "old", "rb") as f:
+        f.seek(7 * BLOCK)
+        assert f.read() == old[7 * BLOCK:]
+    assert m.status()["remote"]["bytes_in"] > before  # past the budget: on demand
+    m.umount()
+
+
+def test_warmup_modes_all_and_off(make_mount, tmp_path: Path) -> None:
+    bucket, old, new = _warm_volume(make_mount, tmp_path)
+    # 128 MiB cache: a 96 MiB read cache, of which 'all' warms up to 90%, so the whole 48 MiB volume.
+    m = make_mount(bucket, name="mnt-all", cache="cache-all").mount("--cache-size", "128M", "--prefetch")
+    warm = _settled_warmup(m)["warmup"]
+    assert warm["mode"] == "all" and warm["fetched_blocks"] == 12, warm
+    before = m.status()["remote"]["bytes_in"]
+    assert (m.path / "old").read_bytes() == old and (m.path / "new").read_bytes() == new
+    assert m.status()["remote"]["bytes_in"] == before
+    m.umount()
+
+    off = make_mount(bucket, name="mnt-off", cache="cache-off").mount("--prefetch", "off")
+    time.sleep(1)
+    st = off.status()
+    assert st["warmup"]["mode"] == "off" and st["warmup"]["fetched_bytes"] == 0, st["warmup"]
+    assert st["remote"]["full_fetches"] == 0 and st["remote"]["bytes_in"] < BLOCK, st["remote"]
+    off.umount()
+
+
 # --- 5. the lease: one writer, read-only readers, takeover, fencing -----------------------------
 
 def _one_writer(make_mount, bucket: Bucket) -> None:

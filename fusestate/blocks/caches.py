@@ -6,6 +6,7 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -78,25 +79,21 @@ class _Adopt:
 
 
 class _BlockDisk(diskcache.Disk):
-    """diskcache storage for blocks: adopts a staged block file without copying its
-    bytes, and writes fetched blocks in page-cache-sized pieces (diskcache's own writer
-    iterates bytes by line).
+    """diskcache storage for blocks: adopts a block file already written elsewhere on
+    the cache disk by hard link, without copying its bytes.
 
     A sealed block is already on the cache disk in the staging area; linking it into
-    the cache saves writing 4 MiB again for every uploaded block.
+    the cache saves writing 4 MiB again for every uploaded block. A fetched block is
+    written beside the cache first, outside diskcache's lock, then adopted the same way.
     """
 
     def store(self, value, read, key=UNKNOWN):  # type: ignore[no-untyped-def]
-        create: Callable[[str], None]
-        if type(value) is bytes and len(value) >= self.min_file_size:
-            def create(path: str) -> None:
-                with open(path, "xb") as f:
-                    write_all(f, value)
-        elif isinstance(value, _Adopt):
-            def create(path: str) -> None:
-                os.link(value.path, path)
-        else:
+        if not isinstance(value, _Adopt):
             return super().store(value, read, key=key)
+
+        def create(path: str) -> None:
+            os.link(value.path, path)
+
         filename, full_path = self.filename(key, value)
         try:
             self._create(full_path, create)
@@ -163,15 +160,24 @@ class DiskCache:
 
     An entry is re-hashed the first time this process reads it: a corrupt entry is
     dropped and reported as a miss, so the caller fetches it again. Entries this
-    process wrote or has verified are trusted after that, so a small read costs a
-    small ``pread`` instead of loading and hashing 4 MiB. Every insert goes through
+    process wrote or has verified are trusted after that: a small read costs a small
+    ``pread`` instead of loading and hashing 4 MiB, and a whole-block read is not hashed
+    again. Every insert goes through
     this object, so it also knows which keys it just missed: ``known_absent`` lets the
     event loop skip a worker-thread hop for a block that is not here. Methods other
     than ``known_absent`` block: call them from worker threads.
+
+    Every diskcache call holds one lock, and no block's bytes are read or written under
+    it: an LRU lookup is a SQLite write transaction, and threads that meet one in SQLite
+    itself sleep in its busy handler for milliseconds at a time.
     """
 
     def __init__(self, directory: str, limit_bytes: int) -> None:
         os.makedirs(directory, exist_ok=True)
+        self._incoming = os.path.join(directory, "incoming")
+        shutil.rmtree(self._incoming, ignore_errors=True)  # left by a crash mid-put
+        os.makedirs(self._incoming)
+        self._lock = threading.Lock()
         self._cache = diskcache.Cache(
             directory,
             size_limit=limit_bytes,
@@ -200,7 +206,8 @@ class DiskCache:
         if key not in self._trusted:
             data = self.get(key)
             return None if data is None else data[start:end]
-        handle = self._cache.get(key, default=None, read=True)  # also refreshes its LRU position
+        with self._lock:
+            handle = self._cache.get(key, default=None, read=True)  # also refreshes its LRU position
         if handle is None:
             self._missed(key)
             return None
@@ -212,14 +219,18 @@ class DiskCache:
         return chunk
 
     def get(self, key: str) -> Optional[bytes]:
-        data = self._cache.get(key, default=None, read=False)
-        if data is None:
+        with self._lock:
+            handle = self._cache.get(key, default=None, read=True)
+        if handle is None:
             self._missed(key)
             return None
-        if block_key(data) != key:
+        with handle:  # an eviction meanwhile unlinks the file; this open handle still reads it
+            data = handle.read()
+        if key not in self._trusted and block_key(data) != key:
             log.error("disk cache entry %s is corrupt; dropping it and fetching again", key[:16])
             self.stats.corrupt += 1
-            self._cache.delete(key)
+            with self._lock:
+                self._cache.delete(key)
             self._missed(key)
             return None
         self._trusted.add(key)
@@ -228,12 +239,19 @@ class DiskCache:
         return data
 
     def __contains__(self, key: str) -> bool:
-        return key in self._cache
+        with self._lock:
+            return key in self._cache
 
     def put(self, key: str, data: bytes) -> None:
         """Keep a verified block (its bytes hash to ``key``)."""
-        self._set(key, data)
-        self._stored(key)
+        path = os.path.join(self._incoming, f"{key}.{threading.get_ident()}")
+        try:
+            with open(path, "xb") as f:
+                write_all(f, data)
+            self.adopt(key, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def adopt(self, key: str, path: str) -> None:
         """Take over the file at ``path`` (a hard link; the caller may then unlink it), a
@@ -246,25 +264,30 @@ class DiskCache:
         self._trusted.add(key)
 
     def _set(self, key: str, value: object) -> None:
-        before = len(self._cache)
-        self._cache.set(key, value)
-        evicted = before + 1 - len(self._cache)
+        with self._lock:
+            before = len(self._cache)
+            self._cache.set(key, value)
+            evicted = before + 1 - len(self._cache)
         if evicted > 0:
             self.stats.evictions += evicted
 
     def evict(self, nbytes: int) -> None:
         """Make room on a full disk: cull least-recently-used entries."""
-        target = max(0, self._cache.volume() - nbytes)
-        self._cache.reset("size_limit", target)
-        self._cache.cull()
-        self._cache.reset("size_limit", self.limit)
+        with self._lock:
+            target = max(0, self._cache.volume() - nbytes)
+            self._cache.reset("size_limit", target)
+            self._cache.cull()
+            self._cache.reset("size_limit", self.limit)
 
     @property
     def used(self) -> int:
-        return self._cache.volume()
+        with self._lock:
+            return self._cache.volume()
 
     def __len__(self) -> int:
-        return len(self._cache)
+        with self._lock:
+            return len(self._cache)
 
     def close(self) -> None:
-        self._cache.close()
+        with self._lock:
+            self._cache.close()

@@ -60,6 +60,7 @@ class BlockStore:
         self.stats = ReadStats()
         self._local_io = local_io
         self._fetching: dict[str, trio.Event] = {}
+        self._loading: dict[str, trio.Event] = {}  # whole-block loads from local disk
         # Cold blocks read once by a range read (the ghost list).
         self._range_read_blocks = KeySet(max(1, disk.limit // block_size // RANGE_READ_MEMORY_SHARE))
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
@@ -179,7 +180,19 @@ class BlockStore:
             self.read_observer(source, time.perf_counter() - started)
 
     async def _load_local(self, key: str) -> Optional[bytes]:
-        data = await trio.to_thread.run_sync(self._load_local_sync, key, limiter=self._local_io)
+        """The whole block from staging or the disk cache into memory; one load per key at
+        a time (a scan's reads and its readahead want the same blocks at the same moment)."""
+        while (loading := self._loading.get(key)) is not None:
+            await loading.wait()
+            data = self.memory.get(key)
+            if data is not None:
+                return data
+        done = self._loading[key] = trio.Event()
+        try:
+            data = await trio.to_thread.run_sync(self._load_local_sync, key, limiter=self._local_io)
+        finally:
+            del self._loading[key]
+            done.set()
         if data is not None:
             self.memory.stats.miss_bytes += len(data)
             self.memory.put(key, data)
@@ -199,11 +212,15 @@ class BlockStore:
                 return data
         return self.disk.get(key)
 
-    async def fetch(self, key: str) -> bytes:
-        """The whole block, verified, from the bucket (one fetch per key at a time)."""
+    async def fetch(self, key: str, keep_in_memory: bool = True) -> bytes:
+        """The whole block, verified, from the bucket (one fetch per key at a time).
+        ``keep_in_memory=False`` (background warming) keeps it on disk only, so a bulk
+        fetch does not push the memory cache's working set out."""
         while key in self._fetching:
             await self._fetching[key].wait()
             data = self.memory.get(key)
+            if data is None and not self.disk.known_absent(key):
+                data = await self._load_local(key)  # a background fetch kept it on disk only
             if data is not None:
                 return data
         done = self._fetching[key] = trio.Event()
@@ -211,7 +228,8 @@ class BlockStore:
             data = await self._fetch_verified(key)
             self.memory.stats.miss_bytes += len(data)
             self.disk.stats.miss_bytes += len(data)
-            self.memory.put(key, data)
+            if keep_in_memory:
+                self.memory.put(key, data)
             try:
                 await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
             except OSError as exc:  # a full or failing cache disk must not fail the read
@@ -242,7 +260,7 @@ class BlockStore:
         if self._nursery is None:
             return
         for key in keys:
-            if key in self.memory or key in self._fetching:
+            if key in self.memory or key in self._fetching or key in self._loading:
                 continue
             self._nursery.start_soon(self._prefetch_one, key)
 
@@ -258,11 +276,13 @@ class BlockStore:
             except Exception as exc:  # noqa: BLE001 - a background fetch must never stop the daemon
                 log.warning("prefetch of block %s failed: %s", key[:16], exc)
 
-    async def ensure_cached(self, key: str) -> bool:
+    async def ensure_cached(self, key: str, keep_in_memory: bool = True) -> bool:
         """Make sure a block is on local disk (warmup); True if it had to be fetched."""
+        while key in self._fetching:
+            await self._fetching[key].wait()
         if self.uploader.is_pending(key):
             return False
         if await trio.to_thread.run_sync(self.disk.__contains__, key, limiter=self._local_io):
             return False
-        await self.fetch(key)
+        await self.fetch(key, keep_in_memory=keep_in_memory)
         return True

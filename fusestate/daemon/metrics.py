@@ -160,6 +160,11 @@ class DaemonCollector(Collector):
         yield _counter("fusestate_remote_retries_total", "Remote requests retried after an error", rs.retries)
         yield _counter("fusestate_remote_received_bytes_total", "Bytes read from the bucket", rs.bytes_in)
         yield _counter("fusestate_remote_sent_bytes_total", "Bytes written to the bucket", rs.bytes_out)
+        ws = d.warmer.stats
+        yield _counter("fusestate_warmup_fetched_bytes_total", "Bytes fetched by cache warming after the mount",
+                       ws.bytes)
+        yield _gauge("fusestate_warmup_running", "1 while cache warming after the mount runs",
+                     1 if ws.state == "running" else 0)
 
     def _metadata(self, d: "Daemon") -> Iterable[Metric]:
         sh = d.shipper

@@ -23,6 +23,7 @@ from fusestate.blocks.caches import DiskCache, MemoryCache
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.store import BlockStore
 from fusestate.blocks.uploader import Uploader
+from fusestate.blocks.warmer import CacheWarmer
 from fusestate.config import MountConfig
 from fusestate.daemon import control, volume
 from fusestate.daemon.metrics import Histograms, start_exporter
@@ -122,6 +123,10 @@ class Daemon:
                                  concurrency=cfg.upload_concurrency, local_io=self.local_io)
         self.blocks = BlockStore(self.meta, self.remote, self.staging, self.memory, self.disk,
                                  self.uploader, block_size=self.volume.block_size, local_io=self.local_io)
+        # Warming past the disk cache would evict what it just fetched: 'all' stops short of
+        # its size (diskcache counts its own index in it too).
+        warm_budget = cfg.read_cache_size // 2 if cfg.prefetch == "recent" else cfg.read_cache_size * 9 // 10
+        self.warmer = CacheWarmer(self.blocks, budget=warm_budget)
         self.fs = FileSystem(self.meta, self.blocks, self.uploader, block_size=self.volume.block_size,
                              durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
                              read_only=cfg.read_only)
@@ -208,8 +213,8 @@ class Daemon:
                 await nursery.start(self.shipper.run)
                 nursery.start_soon(self._heartbeat)
                 nursery.start_soon(self._collect_garbage_loop)
-            if self.cfg.prefetch:
-                nursery.start_soon(self._prefetch_everything)
+            if self.cfg.prefetch != "off":
+                nursery.start_soon(self._warm_cache)
             if self.cfg.metrics_addr and self.cfg.metrics_addr != "off":
                 self.metrics_addr = start_exporter(self, self.cfg.metrics_addr, self.registry)
             await nursery.start(control.serve, control_socket(self.cfg.mountpoint), self.handle_control)
@@ -305,22 +310,10 @@ class Daemon:
         log.info("garbage collection deleted %d blocks", len(keys))
         return len(keys)
 
-    async def _prefetch_everything(self) -> None:
-        """--prefetch: fill the disk cache with the whole volume in the background."""
-        keys = [k for k in self.meta.all_object_keys()]
-        limiter = trio.CapacityLimiter(4)
-
-        async def one(key: str) -> None:
-            async with limiter:
-                try:
-                    await self.blocks.ensure_cached(key)
-                except OSError as exc:
-                    log.warning("prefetch of %s failed: %s", key[:16], exc)
-
-        async with trio.open_nursery() as nursery:
-            for key in keys:
-                nursery.start_soon(one, key)
-        log.info("prefetch done: %d blocks", len(keys))
+    async def _warm_cache(self) -> None:
+        """--prefetch recent|all: fetch blocks into the disk cache in the background."""
+        candidates = self.meta.blocks_by_recency(self.warmer.budget)
+        await self.warmer.run(candidates)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -439,6 +432,13 @@ class Daemon:
                 "full_fetches": self.blocks.stats.remote_full_fetches,
                 "range_reads": self.blocks.stats.remote_range_reads,
                 "prefetches": self.blocks.stats.prefetches,
+            },
+            "warmup": {
+                "mode": self.cfg.prefetch, "state": self.warmer.stats.state,
+                "budget_bytes": self.warmer.budget if self.cfg.prefetch != "off" else 0,
+                "fetched_blocks": self.warmer.stats.blocks, "fetched_bytes": self.warmer.stats.bytes,
+                "already_local_blocks": self.warmer.stats.already_local,
+                "failures": self.warmer.stats.failures, "seconds": self.warmer.stats.seconds,
             },
         }
 

@@ -13,7 +13,8 @@ import logging
 import os
 import stat
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator, Optional
 
 import trio
@@ -40,11 +41,17 @@ class RequestContext:
     pid: int = 0
 
 
+SCAN_STREAMS = 8
+
+
 @dataclass
 class Handle:
     file: OpenFile
     flags: int
-    next_offset: int = 0
+    # Where this handle's recent reads ended. A read starting at one of them continues a
+    # scan; several, because the kernel's readahead requests (RocksDB asks for them with
+    # readahead(2)) arrive interleaved with the reader's own.
+    read_ends: deque[int] = field(default_factory=lambda: deque([0], maxlen=SCAN_STREAMS))
 
 
 @dataclass(frozen=True)
@@ -497,9 +504,9 @@ class FileSystem:
         bs = self.block_size
         parts: list[bytes] = []
         pos = offset
-        # A read that continues the previous one (or starts the file) is part of a scan:
+        # A read that continues a recent one (or starts the file) is part of a scan:
         # its blocks are worth loading whole. Others are point reads: only their range.
-        sequential = offset == h.next_offset
+        sequential = offset in h.read_ends
         while pos < end:
             index, start = divmod(pos, bs)
             stop = min(bs, end - index * bs)
@@ -507,7 +514,8 @@ class FileSystem:
             pos = index * bs + stop
         if self.readahead_blocks and sequential:
             self._readahead(f, end)
-        h.next_offset = end
+        if end not in h.read_ends:
+            h.read_ends.append(end)
         return b"".join(parts)
 
     async def _read_block(self, f: OpenFile, index: int, start: int, stop: int, sequential: bool) -> bytes:

@@ -1,0 +1,82 @@
+"""Background cache warming after a mount: the blocks a restarted job is about to read.
+
+A fresh node has an empty cache, and a restarted RocksDB reads much of its state soon after
+it opens it (Spark's state store scans every key in its first batch). Fetching whole blocks
+in the background, in parallel, while the job is still starting, is several times faster
+than fetching them one scan request at a time later. The mount is ready before any of this:
+warming never delays it, and a read of a block being warmed waits for that one fetch.
+
+Order: files modified most recently first (the live state), each file's blocks in order.
+``recent`` stops at half the disk cache, so a volume much larger than the cache is not
+churned through it; ``all`` stops at 90% of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+import trio
+
+from fusestate.blocks.store import BlockStore
+
+log = logging.getLogger(__name__)
+
+PREFETCH_MODES = ("off", "recent", "all")
+
+
+@dataclass
+class WarmupStats:
+    state: str = "idle"         # idle | running | done | failed
+    blocks: int = 0             # fetched from the bucket
+    bytes: int = 0
+    already_local: int = 0      # found in the disk cache or the staging area
+    failures: int = 0
+    seconds: float = 0.0
+
+
+class CacheWarmer:
+    def __init__(self, blocks: BlockStore, *, budget: int, concurrency: int = 4) -> None:
+        self.blocks = blocks
+        self.budget = budget
+        self.concurrency = concurrency
+        self.stats = WarmupStats()
+
+    async def run(self, candidates: Iterable[tuple[str, int]]) -> None:
+        """Warm ``(key, size)`` pairs in order until the budget is spent."""
+        started = time.monotonic()
+        self.stats.state = "running"
+        limiter = trio.CapacityLimiter(self.concurrency)
+        planned = 0
+        try:
+            async with trio.open_nursery() as nursery:
+                for key, size in candidates:
+                    if planned + size > self.budget:
+                        break
+                    planned += size
+                    token = object()
+                    await limiter.acquire_on_behalf_of(token)  # keeps the order, bounds the tasks
+                    nursery.start_soon(self._one, key, size, limiter, token)
+        except Exception:
+            self.stats.state = "failed"
+            raise
+        finally:
+            self.stats.seconds = round(time.monotonic() - started, 3)
+        self.stats.state = "done"
+        log.info("cache warmup done: %d blocks (%d bytes) fetched, %d already local, in %.1f s",
+                 self.stats.blocks, self.stats.bytes, self.stats.already_local, self.stats.seconds)
+
+    async def _one(self, key: str, size: int, limiter: trio.CapacityLimiter, token: object) -> None:
+        try:
+            if await self.blocks.ensure_cached(key, keep_in_memory=False):
+                self.stats.blocks += 1
+                self.stats.bytes += size
+            else:
+                self.stats.already_local += 1
+        except OSError as exc:  # a background fetch must never stop the daemon
+            self.stats.failures += 1
+            log.warning("warmup of block %s failed: %s", key[:16], exc)
+        finally:
+            limiter.release_on_behalf_of(token)
