@@ -16,7 +16,7 @@ import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
 from fusestate.blocks.keys import block_key
-from fusestate.localio import write_all
+from fusestate.localio import write_file
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class DiskCache:
         path = os.path.join(self._incoming, f"{key}.{threading.get_ident()}")
         try:
             with open(path, "xb") as f:
-                write_all(f, data)
+                write_file(f, data)
             self.adopt(key, path)
         finally:
             with contextlib.suppress(FileNotFoundError):

@@ -11,7 +11,7 @@ import contextlib
 import os
 import tempfile
 
-from fusestate.localio import write_all
+from fusestate.localio import write_file
 
 
 class Staging:
@@ -28,10 +28,7 @@ class Staging:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                write_all(f, data)
-                if fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+                write_file(f, data, fsync=fsync)
             os.replace(tmp, self.path(key))
         except BaseException:
             with contextlib.suppress(OSError):

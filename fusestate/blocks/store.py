@@ -43,6 +43,10 @@ class ReadStats:
     remote_full_fetches: int = 0
     remote_range_reads: int = 0
     prefetches: int = 0
+    # Where the reads of the vfs were served from (readahead, prefetch and warming not counted).
+    reads_from_memory: int = 0
+    reads_from_disk: int = 0
+    reads_from_bucket: int = 0
 
 
 class BlockStore:
@@ -141,6 +145,7 @@ class BlockStore:
         caller is scanning, so load the whole block even for a small read."""
         data = self.memory.get(key)
         if data is not None:
+            self.stats.reads_from_memory += 1
             return data[start:end]
         started = time.perf_counter()
         small = (end - start) * 4 < self.block_size and not whole
@@ -176,6 +181,10 @@ class BlockStore:
         return chunk
 
     def _observe(self, source: str, started: float) -> None:
+        if source == "local":
+            self.stats.reads_from_disk += 1
+        else:
+            self.stats.reads_from_bucket += 1
         if self.read_observer is not None:
             self.read_observer(source, time.perf_counter() - started)
 

@@ -169,7 +169,7 @@ def _shim_counters(spark) -> Optional[dict]:
     """How many state store copies the shim turned into hard links (local mode: one JVM)."""
     try:
         cls = spark.sparkContext._jvm.io.fusestate.hadoop.FusestateFileSystem
-        return {"linked": int(cls.linkedCount()), "copied": int(cls.copiedCount())}
+        return {"linked": int(cls.linkedCount()), "copied": int(cls.copiedCount()), "synced": int(cls.syncedCount())}
     except Exception as exc:  # noqa: BLE001 - a cluster's executors are other JVMs
         return {"error": str(exc)[:200]}
 
@@ -350,12 +350,13 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if before and after:
         uploaded = after["writeback"]["uploaded_bytes"] - before["writeback"]["uploaded_bytes"]
         fetched = after["remote"]["bytes_in"] - before["remote"]["bytes_in"]
-        cache = {k: after["cache"][k] - before["cache"][k] for k in ("memory_hits", "memory_misses", "disk_hits")}
-        hits = cache["memory_hits"] + cache["disk_hits"]
-        lookups = cache["memory_hits"] + cache["memory_misses"]
+        reads = {k: after["cache"][k] - before["cache"][k]
+                 for k in ("reads_from_memory", "reads_from_disk", "reads_from_bucket")}
+        hits = reads["reads_from_memory"] + reads["reads_from_disk"]
+        lookups = hits + reads["reads_from_bucket"]
         ratio = f"{hits / lookups:.2f}" if lookups else "n/a"
         lines += [f"bucket            {uploaded / 2**20:,.1f} MiB uploaded, {fetched / 2**20:,.1f} MiB fetched",
-                  f"cache hit ratio   {ratio} ({hits:,} of {lookups:,} block lookups from memory or disk)"]
+                  f"cache hit ratio   {ratio} ({hits:,} of {lookups:,} block reads from memory or disk)"]
     return lines
 
 

@@ -4,11 +4,13 @@ import java.io.BufferedReader;
 import java.io.File;
 import java.io.IOException;
 import java.net.URI;
+import java.nio.channels.FileChannel;
 import java.nio.charset.StandardCharsets;
 import java.nio.file.FileAlreadyExistsException;
 import java.nio.file.Files;
 import java.nio.file.LinkOption;
 import java.nio.file.Paths;
+import java.nio.file.StandardOpenOption;
 import java.util.concurrent.atomic.AtomicLong;
 
 import org.apache.commons.logging.Log;
@@ -31,6 +33,12 @@ import org.apache.hadoop.fs.RawLocalFileSystem;
  *
  * <p>SST files are immutable once written, so sharing one inode between the working directory and
  * the checkpoint is safe: RocksDB only ever creates and deletes them.
+ *
+ * <p>A rename onto a fusestate mount is also a durability barrier: Spark writes every checkpoint
+ * file (offsets, commits, the state store's metadata) to a temporary name and renames it, and
+ * never syncs it. After the rename this fsyncs the target's directory, which fusestate answers
+ * once the rename and everything before it is as durable as the mount's {@code --durability}
+ * says. A batch Spark has recorded as committed then survives the loss of the node.
  */
 public class FusestateFileSystem extends RawLocalFileSystem {
     public static final String SCHEME = "fusestate";
@@ -39,6 +47,8 @@ public class FusestateFileSystem extends RawLocalFileSystem {
     /** Counters, for tests and logs: how many copies became links, how many were real copies. */
     public static final AtomicLong LINKED = new AtomicLong();
     public static final AtomicLong COPIED = new AtomicLong();
+    /** Renames followed by a directory fsync (durability barriers). */
+    public static final AtomicLong SYNCED = new AtomicLong();
 
     // Static: RawLocalFileSystem's constructor already asks for the URI (working directory).
     /** Copies turned into hard links in this JVM. */
@@ -49,6 +59,11 @@ public class FusestateFileSystem extends RawLocalFileSystem {
     /** Copies made the ordinary way in this JVM. */
     public static long copiedCount() {
         return COPIED.get();
+    }
+
+    /** Renames on a fusestate mount made durable in this JVM. */
+    public static long syncedCount() {
+        return SYNCED.get();
     }
 
     private static final URI URI_ROOT = URI.create(SCHEME + ":///");
@@ -180,6 +195,24 @@ public class FusestateFileSystem extends RawLocalFileSystem {
         } catch (IOException | UnsupportedOperationException | SecurityException e) {
             LOG.warn("fusestate: hard link " + src + " -> " + dst + " failed, copying instead: " + e);
             return false;
+        }
+    }
+
+    @Override
+    public boolean rename(Path src, Path dst) throws IOException {
+        boolean renamed = super.rename(src, dst);
+        java.nio.file.Path d = localPath(dst);
+        if (renamed && d != null && d.getParent() != null && fusestateMountOf(d.getParent()) != null) {
+            syncDirectory(d.getParent());
+            SYNCED.incrementAndGet();
+        }
+        return renamed;
+    }
+
+    /** fsync a directory (Linux lets a read-only channel on a directory be forced). */
+    static void syncDirectory(java.nio.file.Path dir) throws IOException {
+        try (FileChannel channel = FileChannel.open(dir, StandardOpenOption.READ)) {
+            channel.force(true);
         }
     }
 
