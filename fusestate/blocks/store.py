@@ -14,10 +14,11 @@ keep it in both caches.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import trio
 
@@ -221,15 +222,13 @@ class BlockStore:
                 return data
         return self.disk.get(key)
 
-    async def fetch(self, key: str, keep_in_memory: bool = True) -> bytes:
-        """The whole block, verified, from the bucket (one fetch per key at a time).
-        ``keep_in_memory=False`` (background warming) keeps it on disk only, so a bulk
-        fetch does not push the memory cache's working set out."""
+    async def fetch(self, key: str) -> bytes:
+        """The whole block, verified, from the bucket (one fetch per key at a time)."""
         while key in self._fetching:
             await self._fetching[key].wait()
             data = self.memory.get(key)
             if data is None and not self.disk.known_absent(key):
-                data = await self._load_local(key)  # a background fetch kept it on disk only
+                data = await self._load_local(key)  # warming keeps what it fetches on disk only
             if data is not None:
                 return data
         done = self._fetching[key] = trio.Event()
@@ -237,8 +236,7 @@ class BlockStore:
             data = await self._fetch_verified(key)
             self.memory.stats.miss_bytes += len(data)
             self.disk.stats.miss_bytes += len(data)
-            if keep_in_memory:
-                self.memory.put(key, data)
+            self.memory.put(key, data)
             try:
                 await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
             except OSError as exc:  # a full or failing cache disk must not fail the read
@@ -249,19 +247,22 @@ class BlockStore:
             done.set()
 
     async def _fetch_verified(self, key: str) -> bytes:
-        last_error = "hash mismatch"
+        return await self.remote.run(self._fetch_verified_sync, key)
+
+    def _fetch_verified_sync(self, key: str) -> bytes:
+        """Blocking: the whole block from the bucket, hashed in the same thread."""
         for _ in range(3):
             try:
-                data = await self.remote.aget(object_name(key))
+                data = self.remote.get(object_name(key))
             except FileNotFoundError:
                 raise BlockReadError(f"block {key[:16]} is missing from the bucket") from None
             except RemoteError as exc:
                 raise BlockReadError(str(exc)) from exc
             self.stats.remote_full_fetches += 1
-            if await trio.to_thread.run_sync(block_key, data, limiter=self._local_io) == key:
+            if block_key(data) == key:
                 return data
             log.error("block %s from the bucket failed its hash check; fetching again", key[:16])
-        raise BlockReadError(f"block {key[:16]}: {last_error}")
+        raise BlockReadError(f"block {key[:16]}: hash mismatch")
 
     # --- prefetch ------------------------------------------------------------
     def prefetch(self, keys: list[str]) -> None:
@@ -285,7 +286,31 @@ class BlockStore:
             except Exception as exc:  # noqa: BLE001 - a background fetch must never stop the daemon
                 log.warning("prefetch of block %s failed: %s", key[:16], exc)
 
-    async def ensure_cached(self, key: str, keep_in_memory: bool = True) -> bool:
+    async def warm(self, key: str, run: Callable[[Callable[[], int]], Awaitable[int]]) -> bool:
+        """Fetch a block into the disk cache only, unless it is local already (cache warming).
+        ``run`` runs the blocking fetch in the caller's own (lower-priority) threads; reads of
+        the block meanwhile wait for it. True if it was fetched."""
+        while key in self._fetching:
+            await self._fetching[key].wait()
+        if self.uploader.is_pending(key) or key in self.memory:
+            return False
+        if await trio.to_thread.run_sync(self.disk.__contains__, key, limiter=self._local_io):
+            return False
+        done = self._fetching[key] = trio.Event()
+        try:
+            await run(functools.partial(self._fetch_to_disk_sync, key))
+        finally:
+            del self._fetching[key]
+            done.set()
+        return True
+
+    def _fetch_to_disk_sync(self, key: str) -> int:
+        data = self._fetch_verified_sync(key)
+        self.disk.stats.miss_bytes += len(data)
+        self.disk.put(key, data)
+        return len(data)
+
+    async def ensure_cached(self, key: str) -> bool:
         """Make sure a block is on local disk (warmup); True if it had to be fetched."""
         while key in self._fetching:
             await self._fetching[key].wait()
@@ -293,5 +318,5 @@ class BlockStore:
             return False
         if await trio.to_thread.run_sync(self.disk.__contains__, key, limiter=self._local_io):
             return False
-        await self.fetch(key, keep_in_memory=keep_in_memory)
+        await self.fetch(key)
         return True
