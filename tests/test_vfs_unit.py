@@ -43,7 +43,7 @@ def run_fs(tmp_path: Path, body: Callable[[FileSystem, RemoteStore], Awaitable[N
                             upload_delay=kw.get("upload_delay", 0.0), concurrency=2, local_io=io)
         blocks = BlockStore(meta, remote, staging, MemoryCache(16 << 20), disk, uploader,
                             block_size=BS, local_io=io)
-        fs = FileSystem(meta, blocks, uploader, block_size=BS)
+        fs = FileSystem(meta, blocks, uploader, block_size=BS, readahead_blocks=kw.get("readahead_blocks", 2))
         async with trio.open_nursery() as nursery:
             blocks.start(nursery)
             fs.start(nursery)
@@ -254,3 +254,59 @@ def test_disk_cache_knows_what_it_just_missed(tmp_path: Path) -> None:
     cache.adopt(block_key(other), str(staged))
     assert not cache.known_absent(block_key(other))
     cache.close()
+
+
+def test_interleaved_scans_on_one_handle_load_whole_blocks(tmp_path: Path) -> None:
+    """The kernel's readahead requests arrive interleaved with the reader's own: a read that
+    continues any recent read of its handle is a scan and loads whole blocks into memory,
+    where a point read takes only its range."""
+    data = os.urandom(8 * BS)
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        ino = await write_file(fs, b"f", data)
+        await fs.uploader.drain()
+        memory = fs.blocks.memory
+        memory._items.clear()  # as after a restart: the blocks are in the disk cache only
+        memory.used = 0
+        fh = await fs.open(ino, os.O_RDONLY)
+        stats = fs.blocks.stats
+        piece = 4096
+        a, b = 0, 4 * BS + 3 * piece  # b starts as a point read, then continues its own stream
+        for _ in range(40):
+            assert await fs.read(fh, a, piece) == data[a:a + piece]
+            assert await fs.read(fh, b, piece) == data[b:b + piece]
+            a, b = a + piece, b + piece
+        # One whole-block load per block each stream enters (3 + 3) and b's first, point read;
+        # everything else from memory. (Tracking only the last read's end: about 66 disk reads.)
+        assert stats.reads_from_disk <= 8 and stats.reads_from_memory >= 72, stats
+        before = stats.reads_from_memory
+        assert await fs.read(fh, 7 * BS + 5, 100) == data[7 * BS + 5:7 * BS + 105]  # a point read elsewhere
+        assert stats.reads_from_memory == before  # its range only: not loaded into memory
+        await fs.release(fh)
+
+    run_fs(tmp_path, body, readahead_blocks=0)
+
+
+def test_concurrent_reads_of_a_block_load_it_from_disk_once(tmp_path: Path) -> None:
+    """A scan's reads and its readahead ask for the same block at the same moment."""
+    data = os.urandom(BS)
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        await write_file(fs, b"f", data)
+        await fs.uploader.drain()
+        key = block_key(data)
+        fs.blocks.memory._items.clear()  # in the disk cache only
+        fs.blocks.memory.used = 0
+        hits = fs.blocks.disk.stats.hits
+        results: list[bytes] = []
+
+        async def one() -> None:
+            results.append(await fs.blocks.read(key, 0, BS, whole=True))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(one)
+        assert results == [data] * 8
+        assert fs.blocks.disk.stats.hits - hits == 1
+
+    run_fs(tmp_path, body)
