@@ -77,6 +77,19 @@ class MountConfig:
                 f"--max-dirty ({format_size(self.max_dirty)}) plus a few blocks"
             )
 
+    def fit_cache_size(self, room: int) -> None:
+        """Shrink the cache to the ``room`` its disk really has (staging and read cache alike)."""
+        if room < self.cache_size:
+            self.cache_size = room
+            assert self.max_dirty is not None
+            self.max_dirty = min(self.max_dirty, max(room // 4, 4 * self.block_size))
+        if self.cache_size < (self.max_dirty or 0) + 4 * self.block_size:
+            raise UserError(
+                f"the cache dir's disk has room for only {format_size(max(room, 0))}: too little for "
+                f"--max-dirty ({format_size(self.max_dirty or 0)}) plus a few blocks; free some space "
+                "or choose another --cache-dir"
+            )
+
     @property
     def read_cache_size(self) -> int:
         """Disk read cache budget: what the staging area (max_dirty) leaves of cache_size."""

@@ -359,3 +359,47 @@ def test_crash_after_fsync_then_losing_the_cache_dir(make_mount, file_bucket: Bu
     m.wipe_cache()
     m.mount("--takeover")  # the old holder is gone; its lease has not expired yet
     _check_files(m, files)
+
+
+@pytest.fixture
+def small_cache_disk(tmp_path: Path):
+    """A 64 MiB tmpfs for the cache dir: far less than --cache-size (4G) says it may use."""
+    import subprocess
+
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_full_cache_disk_waits_for_uploads_and_loses_nothing(make_mount, file_bucket: Bucket,
+                                                             small_cache_disk: Path) -> None:
+    """--cache-size larger than the cache disk: the daemon fits the cache to the disk, keeping
+    room for its metadata, so writers wait for uploads instead of failing, and nothing is
+    lost. On a fresh node, warming stays within the fitted cache and reads return the right
+    bytes."""
+    data = random.Random(7).randbytes(160 * 1024 * 1024)
+    m = make_mount(file_bucket, cache="small-disk/cache").mount()
+    with open(m.path / "big", "wb") as f:
+        for start in range(0, len(data), 1 << 20):
+            f.write(data[start:start + (1 << 20)])
+        f.flush()
+        os.fsync(f.fileno())
+    assert sha((m.path / "big").read_bytes()) == sha(data)
+    st = m.status()
+    assert st["writeback"]["upload_failures"] == 0 and st["cache"]["disk_corrupt"] == 0, st["writeback"]
+    m.umount()
+    m.wipe_cache()
+
+    fresh = make_mount(file_bucket, name="mnt-fresh", cache="small-disk/cache-fresh").mount("--prefetch", "all")
+    deadline = time.monotonic() + 60
+    while (warm := fresh.status()["warmup"])["state"] == "running":
+        assert time.monotonic() < deadline, warm
+        time.sleep(0.2)
+    # The cache was fitted to the disk at mount (a warning in the log), so warming stays within it.
+    assert warm["state"] == "done" and 0 < warm["fetched_bytes"] <= warm["budget_bytes"] < 64 << 20, warm
+    log = (fresh.cache_dir / "fusestate.log").read_text()
+    assert "does not fit on the cache dir's disk" in log
+    assert sha((fresh.path / "big").read_bytes()) == sha(data)
+    fresh.umount()

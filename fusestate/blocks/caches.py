@@ -7,10 +7,11 @@ import errno
 import logging
 import os
 import shutil
+import sqlite3
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
@@ -192,6 +193,17 @@ class DiskCache:
         self._trusted = KeySet(KEY_MEMORY)
         self._absent = KeySet(KEY_MEMORY)
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the lock; diskcache's SQLite errors (a full disk above all) become OSErrors,
+        which every caller already handles as a failing cache disk."""
+        with self._lock:
+            try:
+                yield
+            except sqlite3.Error as exc:
+                full = "full" in str(exc)
+                raise OSError(errno.ENOSPC if full else errno.EIO, f"disk cache index: {exc}") from exc
+
     def known_absent(self, key: str) -> bool:
         """True when this block was missed here and not stored since (cheap; any thread)."""
         return key in self._absent
@@ -206,7 +218,7 @@ class DiskCache:
         if key not in self._trusted:
             data = self.get(key)
             return None if data is None else data[start:end]
-        with self._lock:
+        with self._locked():
             handle = self._cache.get(key, default=None, read=True)  # also refreshes its LRU position
         if handle is None:
             self._missed(key)
@@ -219,7 +231,7 @@ class DiskCache:
         return chunk
 
     def get(self, key: str) -> Optional[bytes]:
-        with self._lock:
+        with self._locked():
             handle = self._cache.get(key, default=None, read=True)
         if handle is None:
             self._missed(key)
@@ -229,7 +241,7 @@ class DiskCache:
         if key not in self._trusted and block_key(data) != key:
             log.error("disk cache entry %s is corrupt; dropping it and fetching again", key[:16])
             self.stats.corrupt += 1
-            with self._lock:
+            with self._locked():
                 self._cache.delete(key)
             self._missed(key)
             return None
@@ -239,7 +251,7 @@ class DiskCache:
         return data
 
     def __contains__(self, key: str) -> bool:
-        with self._lock:
+        with self._locked():
             return key in self._cache
 
     def put(self, key: str, data: bytes) -> None:
@@ -264,7 +276,7 @@ class DiskCache:
         self._trusted.add(key)
 
     def _set(self, key: str, value: object) -> None:
-        with self._lock:
+        with self._locked():
             before = len(self._cache)
             self._cache.set(key, value)
             evicted = before + 1 - len(self._cache)
@@ -273,7 +285,7 @@ class DiskCache:
 
     def evict(self, nbytes: int) -> None:
         """Make room on a full disk: cull least-recently-used entries."""
-        with self._lock:
+        with self._locked():
             target = max(0, self._cache.volume() - nbytes)
             self._cache.reset("size_limit", target)
             self._cache.cull()
@@ -281,13 +293,13 @@ class DiskCache:
 
     @property
     def used(self) -> int:
-        with self._lock:
+        with self._locked():
             return self._cache.volume()
 
     def __len__(self) -> int:
-        with self._lock:
+        with self._locked():
             return len(self._cache)
 
     def close(self) -> None:
-        with self._lock:
+        with self._locked():
             self._cache.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -52,7 +53,7 @@ def _lower_priority() -> None:
 
 @dataclass
 class WarmupStats:
-    state: str = "idle"         # idle | running | done | failed
+    state: str = "idle"         # idle | running | done | stopped (cache disk full) | failed
     blocks: int = 0             # fetched from the bucket
     bytes: int = 0
     already_local: int = 0      # found in the disk cache or the staging area
@@ -66,6 +67,7 @@ class CacheWarmer:
         self.budget = budget
         self.concurrency = concurrency
         self.stats = WarmupStats()
+        self._disk_full = False
         # Threads of its own: their lower priority must not leak into the shared worker threads.
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="warmup", initializer=_lower_priority)
 
@@ -78,7 +80,7 @@ class CacheWarmer:
         try:
             async with trio.open_nursery() as nursery:
                 for key, size in candidates:
-                    if planned + size > self.budget:
+                    if planned + size > self.budget or self._disk_full:
                         break
                     planned += size
                     token = object()
@@ -90,9 +92,10 @@ class CacheWarmer:
         finally:
             self._threads.shutdown(wait=False, cancel_futures=True)
             self.stats.seconds = round(time.monotonic() - started, 3)
-        self.stats.state = "done"
-        log.info("cache warmup done: %d blocks (%d bytes) fetched, %d already local, in %.1f s",
-                 self.stats.blocks, self.stats.bytes, self.stats.already_local, self.stats.seconds)
+        self.stats.state = "stopped" if self._disk_full else "done"
+        log.info("cache warmup %s: %d blocks (%d bytes) fetched, %d already local, in %.1f s",
+                 self.stats.state, self.stats.blocks, self.stats.bytes, self.stats.already_local,
+                 self.stats.seconds)
 
     async def _run(self, fn: Callable[[], int]) -> int:
         """Run ``fn`` in one of the warmer's low-priority threads."""
@@ -108,6 +111,11 @@ class CacheWarmer:
                 self.stats.already_local += 1
         except (OSError, RuntimeError) as exc:  # a background fetch must never stop the daemon
             self.stats.failures += 1
-            log.warning("warmup of block %s failed: %s", key[:16], exc)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                if not self._disk_full:
+                    log.warning("cache disk full: cache warming stops here (%s)", exc)
+                self._disk_full = True  # the cache disk is for the job's own writes now
+            else:
+                log.warning("warmup of block %s failed: %s", key[:16], exc)
         finally:
             limiter.release_on_behalf_of(token)

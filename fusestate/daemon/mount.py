@@ -24,7 +24,7 @@ from fusestate.blocks.staging import Staging
 from fusestate.blocks.store import BlockStore
 from fusestate.blocks.uploader import Uploader
 from fusestate.blocks.warmer import CacheWarmer
-from fusestate.config import MountConfig
+from fusestate.config import MountConfig, format_size
 from fusestate.daemon import control, volume
 from fusestate.daemon.metrics import Histograms, start_exporter
 from fusestate.daemon.lease import Lease, LeaseLost, read_leases
@@ -104,6 +104,7 @@ class Daemon:
         check_mountpoint(cfg.mountpoint)
         self.layout = prepare_cache_dir(cfg.cache_dir)
         self._lock_fd = lock_cache_dir(self.layout)
+        self._fit_cache_to_disk()
         fs, location = open_bucket(cfg.url, cfg.endpoint_url, cfg.remote_timeout)
         self.location = location
         self.remote = RemoteStore(fs, location.root, retries=cfg.remote_retries,
@@ -186,6 +187,19 @@ class Daemon:
             json.dump({"volume_id": self.volume.volume_id, "url": cfg.url, "holder": holder,
                        "epoch": record.epoch}, f)
         return meta
+
+    def _fit_cache_to_disk(self) -> None:
+        """Never let the cache fill its disk: the metadata (SQLite) must always be able to
+        write, or a full disk would fail writes instead of making them wait for uploads."""
+        usage = shutil.disk_usage(self.cfg.cache_dir)
+        reserve = max(CACHE_DISK_RESERVE_MIN, min(CACHE_DISK_RESERVE_MAX, usage.total // 20))
+        owned = _tree_bytes(self.layout.read_cache) + _tree_bytes(self.layout.staging)
+        room = usage.free + owned - reserve
+        if room < self.cfg.cache_size:
+            log.warning("--cache-size %s does not fit on the cache dir's disk (%s free, %s kept free for "
+                        "metadata): using %s", format_size(self.cfg.cache_size), format_size(usage.free),
+                        format_size(reserve), format_size(max(room, 0)))
+            self.cfg.fit_cache_size(room)
 
     # --- serving ------------------------------------------------------------------
     def fuse_options(self) -> set[str]:
@@ -450,6 +464,20 @@ class Daemon:
             self.disk.close()
         with contextlib.suppress(Exception):
             self.meta.close()
+
+
+CACHE_DISK_RESERVE_MIN = 16 << 20   # kept free on the cache dir's disk: 5% of it, within these bounds
+CACHE_DISK_RESERVE_MAX = 1 << 30
+
+
+def _tree_bytes(path: str) -> int:
+    """Bytes of the regular files under ``path`` (what the cache already holds)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 def _syncfs(mountpoint: str) -> None:
