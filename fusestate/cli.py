@@ -11,7 +11,8 @@ import sys
 from typing import Optional, Sequence
 
 from fusestate import __version__
-from fusestate.config import DEFAULT_CACHE_DIR, DEFAULT_METRICS_PORT, MountConfig, format_size, parse_size
+from fusestate.config import (DEFAULT_CACHE_DIR, DEFAULT_METRICS_PORT, PREFETCH_MODES, MountConfig, format_size,
+                              parse_size)
 from fusestate.errors import UserError
 
 READY_FD_ENV = "FUSESTATE_READY_FD"
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--allow-other", action="store_true", help="let other users use the mount")
     m.add_argument("--read-only", action="store_true")
     m.add_argument("--takeover", action="store_true", help="take the volume over from a dead holder")
-    m.add_argument("--prefetch", nargs="?", const="all", default="recent", choices=["off", "recent", "all"],
+    m.add_argument("--prefetch", nargs="?", const="all", default="recent", choices=PREFETCH_MODES,
                    help="after mounting, fetch blocks into the disk cache in the background: 'recent' "
                         "(default) the most recently modified files first, up to half the disk cache; "
                         "'all' (or the bare flag) as much of the volume as 90%% of the disk cache holds; "

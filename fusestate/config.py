@@ -14,6 +14,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 DEFAULT_BLOCK_SIZE = 4 * MiB
+PREFETCH_MODES = ("off", "recent", "all")  # cache warming after the mount (--prefetch)
 DEFAULT_CACHE_DIR = "/var/cache/fusestate"
 DEFAULT_METRICS_PORT = 9567
 
@@ -65,7 +66,7 @@ class MountConfig:
         self.cache_dir = os.path.abspath(self.cache_dir)
         if self.durability not in ("remote", "local"):
             raise UserError(f"bad --durability {self.durability!r}: expected remote or local")
-        if self.prefetch not in ("off", "recent", "all"):
+        if self.prefetch not in PREFETCH_MODES:
             raise UserError(f"bad --prefetch {self.prefetch!r}: expected off, recent or all")
         if self.block_size < 64 * 1024 or self.block_size & (self.block_size - 1):
             raise UserError("--block-size must be a power of two of at least 64K")

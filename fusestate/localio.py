@@ -30,13 +30,16 @@ def write_all(f: BinaryIO, data: bytes | bytearray | memoryview) -> int:
 
 
 SYNC_FILE_RANGE_WRITE = 2
-_libc: Optional[ctypes.CDLL] = None
+# The C library, for the Linux calls Python's os module lacks (sync_file_range, syncfs,
+# ioprio_set); None where it cannot be loaded.
+libc: Optional[ctypes.CDLL]
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    _sync_file_range = _libc.sync_file_range
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+except OSError:
+    libc = None
+_sync_file_range = getattr(libc, "sync_file_range", None)  # not Linux: the kernel's own writeback will do
+if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-except (OSError, AttributeError):  # not Linux: the kernel's own writeback will do
-    _sync_file_range = None
 
 
 def start_writeback(fd: int) -> None:

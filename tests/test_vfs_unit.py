@@ -256,6 +256,11 @@ def test_disk_cache_knows_what_it_just_missed(tmp_path: Path) -> None:
     cache.close()
 
 
+def _forget_memory(fs: FileSystem) -> None:
+    fs.blocks.memory._items.clear()
+    fs.blocks.memory.used = 0
+
+
 def test_interleaved_scans_on_one_handle_load_whole_blocks(tmp_path: Path) -> None:
     """The kernel's readahead requests arrive interleaved with the reader's own: a read that
     continues any recent read of its handle is a scan and loads whole blocks into memory,
@@ -265,9 +270,7 @@ def test_interleaved_scans_on_one_handle_load_whole_blocks(tmp_path: Path) -> No
     async def body(fs: FileSystem, remote: RemoteStore) -> None:
         ino = await write_file(fs, b"f", data)
         await fs.uploader.drain()
-        memory = fs.blocks.memory
-        memory._items.clear()  # as after a restart: the blocks are in the disk cache only
-        memory.used = 0
+        _forget_memory(fs)  # as after a restart: the blocks are in the disk cache only
         fh = await fs.open(ino, os.O_RDONLY)
         stats = fs.blocks.stats
         piece = 4096
@@ -295,8 +298,7 @@ def test_concurrent_reads_of_a_block_load_it_from_disk_once(tmp_path: Path) -> N
         await write_file(fs, b"f", data)
         await fs.uploader.drain()
         key = block_key(data)
-        fs.blocks.memory._items.clear()  # in the disk cache only
-        fs.blocks.memory.used = 0
+        _forget_memory(fs)  # in the disk cache only
         hits = fs.blocks.disk.stats.hits
         results: list[bytes] = []
 

@@ -13,12 +13,13 @@ keep it in both caches.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Iterator, Optional
 
 import trio
 
@@ -32,6 +33,18 @@ from fusestate.remote.store import RemoteError, RemoteStore
 log = logging.getLogger(__name__)
 
 RANGE_READ_MEMORY_SHARE = 4  # remember 1/4 as many range-read blocks as the disk cache holds
+
+
+@contextlib.contextmanager
+def _in_flight(table: dict[str, trio.Event], key: str) -> Iterator[None]:
+    """Mark ``key`` in progress in ``table`` (one load, fetch or staging write per block at a
+    time); whoever waits on its event looks again once this block is done."""
+    done = table[key] = trio.Event()
+    try:
+        yield
+    finally:
+        del table[key]
+        done.set()
 
 
 class BlockReadError(IOError):
@@ -95,12 +108,8 @@ class BlockStore:
             await writing.wait()  # the same bytes are being staged: wait, then look again
         else:
             return key  # dedup: the volume has these bytes already
-        done = self._staging_inflight[key] = trio.Event()
-        try:
+        with _in_flight(self._staging_inflight, key):
             await self._write_staging(key, data)
-        finally:
-            del self._staging_inflight[key]
-            done.set()
         return key
 
     async def _write_staging(self, key: str, data: bytes | bytearray) -> None:
@@ -197,12 +206,8 @@ class BlockStore:
             data = self.memory.get(key)
             if data is not None:
                 return data
-        done = self._loading[key] = trio.Event()
-        try:
+        with _in_flight(self._loading, key):
             data = await trio.to_thread.run_sync(self._load_local_sync, key, limiter=self._local_io)
-        finally:
-            del self._loading[key]
-            done.set()
         if data is not None:
             self.memory.stats.miss_bytes += len(data)
             self.memory.put(key, data)
@@ -231,9 +236,8 @@ class BlockStore:
                 data = await self._load_local(key)  # warming keeps what it fetches on disk only
             if data is not None:
                 return data
-        done = self._fetching[key] = trio.Event()
-        try:
-            data = await self._fetch_verified(key)
+        with _in_flight(self._fetching, key):
+            data = await self.remote.run(self._fetch_verified_sync, key)
             self.memory.stats.miss_bytes += len(data)
             self.disk.stats.miss_bytes += len(data)
             self.memory.put(key, data)
@@ -242,12 +246,6 @@ class BlockStore:
             except OSError as exc:  # a full or failing cache disk must not fail the read
                 log.warning("could not keep block %s in the disk cache: %s", key[:16], exc)
             return data
-        finally:
-            del self._fetching[key]
-            done.set()
-
-    async def _fetch_verified(self, key: str) -> bytes:
-        return await self.remote.run(self._fetch_verified_sync, key)
 
     def _fetch_verified_sync(self, key: str) -> bytes:
         """Blocking: the whole block from the bucket, hashed in the same thread."""
@@ -286,37 +284,24 @@ class BlockStore:
             except Exception as exc:  # noqa: BLE001 - a background fetch must never stop the daemon
                 log.warning("prefetch of block %s failed: %s", key[:16], exc)
 
-    async def warm(self, key: str, run: Callable[[Callable[[], int]], Awaitable[int]]) -> bool:
-        """Fetch a block into the disk cache only, unless it is local already (cache warming).
-        ``run`` runs the blocking fetch in the caller's own (lower-priority) threads; reads of
-        the block meanwhile wait for it. True if it was fetched."""
-        while key in self._fetching:
-            await self._fetching[key].wait()
-        if self.uploader.is_pending(key) or key in self.memory:
-            return False
-        if await trio.to_thread.run_sync(self.disk.__contains__, key, limiter=self._local_io):
-            return False
-        done = self._fetching[key] = trio.Event()
-        try:
-            await run(functools.partial(self._fetch_to_disk_sync, key))
-        finally:
-            del self._fetching[key]
-            done.set()
-        return True
-
     def _fetch_to_disk_sync(self, key: str) -> int:
         data = self._fetch_verified_sync(key)
         self.disk.stats.miss_bytes += len(data)
         self.disk.put(key, data)
         return len(data)
 
-    async def ensure_cached(self, key: str) -> bool:
-        """Make sure a block is on local disk (warmup); True if it had to be fetched."""
+    async def ensure_cached(self, key: str,
+                            run: Optional[Callable[[Callable[[], int]], Awaitable[int]]] = None) -> bool:
+        """Make sure a block is on local disk, fetching it into the disk cache only (the
+        warmup command, cache warming); True if it had to be fetched. ``run`` runs the
+        blocking fetch (default: a remote-store thread; cache warming passes its own
+        lower-priority threads). Reads of the block meanwhile wait for it."""
         while key in self._fetching:
             await self._fetching[key].wait()
         if self.uploader.is_pending(key):
             return False
         if await trio.to_thread.run_sync(self.disk.__contains__, key, limiter=self._local_io):
             return False
-        await self.fetch(key)
+        with _in_flight(self._fetching, key):
+            await (run or self.remote.run)(functools.partial(self._fetch_to_disk_sync, key))
         return True

@@ -17,7 +17,6 @@ churned through it; ``all`` stops at 90% of it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import os
@@ -30,10 +29,10 @@ from typing import Callable, Iterable
 import trio
 
 from fusestate.blocks.store import BlockStore
+from fusestate.localio import libc
 
 log = logging.getLogger(__name__)
 
-PREFETCH_MODES = ("off", "recent", "all")
 WARM_NICE = 10  # warming runs while the restarted job's JVM starts: let the job have the CPU first
 # ioprio_set(2): the idle I/O class, so the JVM's own reads (jars, after a fresh boot) go first.
 SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
@@ -45,10 +44,8 @@ def _lower_priority() -> None:
     tid = threading.get_native_id()
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, tid, WARM_NICE)
-    if SYS_IOPRIO_SET is not None:
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.syscall(SYS_IOPRIO_SET, IOPRIO_WHO_PROCESS, tid, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT)
+    if SYS_IOPRIO_SET is not None and libc is not None:
+        libc.syscall(SYS_IOPRIO_SET, IOPRIO_WHO_PROCESS, tid, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT)
 
 
 @dataclass
@@ -72,17 +69,15 @@ class CacheWarmer:
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="warmup", initializer=_lower_priority)
 
     async def run(self, candidates: Iterable[tuple[str, int]]) -> None:
-        """Warm ``(key, size)`` pairs in order until the budget is spent."""
+        """Warm ``(key, size)`` pairs in order (the caller keeps them within ``budget``)."""
         started = time.monotonic()
         self.stats.state = "running"
         limiter = trio.CapacityLimiter(self.concurrency)
-        planned = 0
         try:
             async with trio.open_nursery() as nursery:
                 for key, size in candidates:
-                    if planned + size > self.budget or self._disk_full:
+                    if self._disk_full:
                         break
-                    planned += size
                     token = object()
                     await limiter.acquire_on_behalf_of(token)  # keeps the order, bounds the tasks
                     nursery.start_soon(self._one, key, size, limiter, token)
@@ -98,13 +93,23 @@ class CacheWarmer:
                  self.stats.seconds)
 
     async def _run(self, fn: Callable[[], int]) -> int:
-        """Run ``fn`` in one of the warmer's low-priority threads."""
+        """Run ``fn`` in one of the warmer's low-priority threads; the loop is woken when it
+        is done (no second thread parked on the result)."""
+        finished = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def wake(_: object) -> None:
+            with contextlib.suppress(trio.RunFinishedError):  # the daemon stopped meanwhile
+                token.run_sync_soon(finished.set)
+
         future = self._threads.submit(fn)
-        return await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+        future.add_done_callback(wake)
+        await finished.wait()
+        return future.result()
 
     async def _one(self, key: str, size: int, limiter: trio.CapacityLimiter, token: object) -> None:
         try:
-            if await self.blocks.warm(key, self._run):
+            if await self.blocks.ensure_cached(key, self._run):
                 self.stats.blocks += 1
                 self.stats.bytes += size
             else:

@@ -30,6 +30,7 @@ from fusestate.daemon.metrics import Histograms, start_exporter
 from fusestate.daemon.lease import Lease, LeaseLost, read_leases
 from fusestate.daemon.paths import CacheLayout, control_socket
 from fusestate.errors import UserError
+from fusestate.localio import libc
 from fusestate.fuse.adapter import FuseOperations
 from fusestate.blocks.keys import object_name
 from fusestate.meta.restore import restore_metadata
@@ -326,7 +327,7 @@ class Daemon:
 
     async def _warm_cache(self) -> None:
         """--prefetch recent|all: fetch blocks into the disk cache in the background."""
-        candidates = self.meta.blocks_by_recency(self.warmer.budget)
+        candidates = await trio.to_thread.run_sync(self.meta.blocks_by_recency, self.warmer.budget)
         await self.warmer.run(candidates)
 
     async def _signals(self) -> None:
@@ -488,7 +489,7 @@ def _syncfs(mountpoint: str) -> None:
         log.warning("cannot open %s to sync it: %s", mountpoint, exc)
         return
     try:
-        if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
+        if libc is not None and libc.syncfs(fd) != 0:
             log.warning("syncfs of %s failed: %s", mountpoint, os.strerror(ctypes.get_errno()))
     finally:
         os.close(fd)

@@ -330,21 +330,26 @@ class SQLiteEngine:
         return ObjectInfo(row[0], row[1], row[2], bool(row[3])) if row else None
 
     def blocks_by_recency(self, budget: Optional[int] = None) -> list[tuple[str, int]]:
-        rows = self._db.execute(
-            "SELECT b.key, o.size FROM blocks b JOIN inodes i ON i.id = b.inode JOIN objects o ON o.key = b.key"
-            " WHERE o.refcount > 0 ORDER BY i.mtime_ns DESC, b.inode, b.idx")
-        seen: set[str] = set()
-        out: list[tuple[str, int]] = []
-        total = 0
-        for key, size in rows:
-            if key in seen:
-                continue
-            if budget is not None and total + size > budget:
-                break
-            seen.add(key)
-            out.append((key, size))
-            total += size
-        return out
+        """Uses its own connection (it sorts every block), so it can run in a worker thread."""
+        db = sqlite3.connect(self.path)
+        try:
+            rows = db.execute(
+                "SELECT b.key, o.size FROM blocks b JOIN inodes i ON i.id = b.inode JOIN objects o ON o.key = b.key"
+                " WHERE o.refcount > 0 ORDER BY i.mtime_ns DESC, b.inode, b.idx")
+            seen: set[str] = set()
+            out: list[tuple[str, int]] = []
+            total = 0
+            for key, size in rows:
+                if key in seen:
+                    continue
+                if budget is not None and total + size > budget:
+                    break
+                seen.add(key)
+                out.append((key, size))
+                total += size
+            return out
+        finally:
+            db.close()
 
     def mark_uploaded(self, key: str) -> None:
         self._db.execute("UPDATE objects SET uploaded=1 WHERE key=?", (key,))
