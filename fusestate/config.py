@@ -72,11 +72,13 @@ class MountConfig:
             raise UserError("--block-size must be a power of two of at least 64K")
         if self.max_dirty is None:
             self.max_dirty = min(2 * GiB, max(self.cache_size // 4, 4 * self.block_size))
+        self._require_room(f"--cache-size {format_size(self.cache_size)}")
+
+    def _require_room(self, what: str, advice: str = "") -> None:
+        assert self.max_dirty is not None
         if self.cache_size < self.max_dirty + 4 * self.block_size:
-            raise UserError(
-                f"--cache-size {format_size(self.cache_size)} is too small: it must hold "
-                f"--max-dirty ({format_size(self.max_dirty)}) plus a few blocks"
-            )
+            raise UserError(f"{what} is too small: it must hold --max-dirty ({format_size(self.max_dirty)}) "
+                            f"plus a few blocks{advice}")
 
     def fit_cache_size(self, room: int) -> None:
         """Shrink the cache to the ``room`` its disk really has (staging and read cache alike)."""
@@ -84,12 +86,8 @@ class MountConfig:
             self.cache_size = room
             assert self.max_dirty is not None
             self.max_dirty = min(self.max_dirty, max(room // 4, 4 * self.block_size))
-        if self.cache_size < (self.max_dirty or 0) + 4 * self.block_size:
-            raise UserError(
-                f"the cache dir's disk has room for only {format_size(max(room, 0))}: too little for "
-                f"--max-dirty ({format_size(self.max_dirty or 0)}) plus a few blocks; free some space "
-                "or choose another --cache-dir"
-            )
+        self._require_room(f"the room on the cache dir's disk ({format_size(max(room, 0))})",
+                           "; free some space or choose another --cache-dir")
 
     @property
     def read_cache_size(self) -> int:

@@ -24,11 +24,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import trio
 
 from fusestate.blocks.store import BlockStore
+from fusestate.meta.engine import MetadataEngine
 from fusestate.localio import libc
 
 log = logging.getLogger(__name__)
@@ -59,19 +60,25 @@ class WarmupStats:
 
 
 class CacheWarmer:
-    def __init__(self, blocks: BlockStore, *, budget: int, concurrency: int = 4) -> None:
+    def __init__(self, blocks: BlockStore, meta: MetadataEngine, *, mode: str, disk_cache_bytes: int,
+                 concurrency: int = 4) -> None:
         self.blocks = blocks
-        self.budget = budget
+        self.meta = meta
+        self.mode = mode
+        # Warming past the disk cache would evict what it just fetched: 'all' stops short of
+        # its size (diskcache counts its own index in it too).
+        self.budget = {"off": 0, "recent": disk_cache_bytes // 2}.get(mode, disk_cache_bytes * 9 // 10)
         self.concurrency = concurrency
         self.stats = WarmupStats()
         self._disk_full = False
         # Threads of its own: their lower priority must not leak into the shared worker threads.
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="warmup", initializer=_lower_priority)
 
-    async def run(self, candidates: Iterable[tuple[str, int]]) -> None:
-        """Warm ``(key, size)`` pairs in order (the caller keeps them within ``budget``)."""
+    async def run(self) -> None:
+        """Warm the newest files' blocks, in order, up to the budget."""
         started = time.monotonic()
         self.stats.state = "running"
+        candidates = await trio.to_thread.run_sync(self.meta.blocks_by_recency, self.budget)
         limiter = trio.CapacityLimiter(self.concurrency)
         try:
             async with trio.open_nursery() as nursery:

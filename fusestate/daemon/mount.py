@@ -125,10 +125,7 @@ class Daemon:
                                  concurrency=cfg.upload_concurrency, local_io=self.local_io)
         self.blocks = BlockStore(self.meta, self.remote, self.staging, self.memory, self.disk,
                                  self.uploader, block_size=self.volume.block_size, local_io=self.local_io)
-        # Warming past the disk cache would evict what it just fetched: 'all' stops short of
-        # its size (diskcache counts its own index in it too).
-        warm_budget = cfg.read_cache_size // 2 if cfg.prefetch == "recent" else cfg.read_cache_size * 9 // 10
-        self.warmer = CacheWarmer(self.blocks, budget=warm_budget)
+        self.warmer = CacheWarmer(self.blocks, self.meta, mode=cfg.prefetch, disk_cache_bytes=cfg.read_cache_size)
         self.fs = FileSystem(self.meta, self.blocks, self.uploader, block_size=self.volume.block_size,
                              durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
                              read_only=cfg.read_only)
@@ -229,7 +226,7 @@ class Daemon:
                 nursery.start_soon(self._heartbeat)
                 nursery.start_soon(self._collect_garbage_loop)
             if self.cfg.prefetch != "off":
-                nursery.start_soon(self._warm_cache)
+                nursery.start_soon(self.warmer.run)
             if self.cfg.metrics_addr and self.cfg.metrics_addr != "off":
                 self.metrics_addr = start_exporter(self, self.cfg.metrics_addr, self.registry)
             await nursery.start(control.serve, control_socket(self.cfg.mountpoint), self.handle_control)
@@ -324,11 +321,6 @@ class Daemon:
         self.gc_deleted += len(keys)
         log.info("garbage collection deleted %d blocks", len(keys))
         return len(keys)
-
-    async def _warm_cache(self) -> None:
-        """--prefetch recent|all: fetch blocks into the disk cache in the background."""
-        candidates = await trio.to_thread.run_sync(self.meta.blocks_by_recency, self.warmer.budget)
-        await self.warmer.run(candidates)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -453,7 +445,7 @@ class Daemon:
             },
             "warmup": {
                 "mode": self.cfg.prefetch, "state": self.warmer.stats.state,
-                "budget_bytes": self.warmer.budget if self.cfg.prefetch != "off" else 0,
+                "budget_bytes": self.warmer.budget,
                 "fetched_blocks": self.warmer.stats.blocks, "fetched_bytes": self.warmer.stats.bytes,
                 "already_local_blocks": self.warmer.stats.already_local,
                 "failures": self.warmer.stats.failures, "seconds": self.warmer.stats.seconds,
