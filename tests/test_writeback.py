@@ -218,6 +218,33 @@ def test_sigterm_keeps_what_was_written_to_a_file_still_open(make_mount, file_bu
 
 # --- caches ----------------------------------------------------------------------------------------
 
+def resident_bytes(paths: list[Path]) -> int:
+    """Bytes of these files in the kernel's page cache (util-linux fincore)."""
+    import subprocess
+
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, paths)],
+                         check=True, capture_output=True, text=True).stdout
+    return sum(int(line) for line in out.split())
+
+
+def test_uploaded_blocks_leave_the_page_cache(make_mount, file_bucket: Bucket) -> None:
+    """Once a block is in the bucket, its staging file (now the disk cache entry) and its
+    file:// object are on disk only: the mounted file's own pages hold the bytes already,
+    and a page cache that keeps growing costs the daemon most of its CPU."""
+    m: Mount = make_mount(file_bucket).mount()
+    data = rand(24 * MiB, 21)
+    write_file(m.path / "f", data, fsync=True)
+    wait_for(lambda: not staged_files(m), what="uploaded blocks to move into the disk cache")
+
+    entries = list((m.cache_dir / "blocks").rglob("*.val"))
+    objects = [p for p in Path(file_bucket.root(), "blocks").rglob("*") if p.is_file()]
+    assert len(entries) >= 6 and len(objects) >= 6
+    assert resident_bytes(entries) < 2 * BLOCK, "disk cache entries kept in the page cache"
+    assert resident_bytes(objects) < BLOCK, "bucket objects kept in the page cache"
+    drop_page_cache()
+    assert digest(m.path / "f") == sha(data)  # the entries still serve reads
+
+
 def test_corrupt_disk_cache_is_detected_and_refetched(make_mount, file_bucket: Bucket) -> None:
     m: Mount = make_mount(file_bucket).mount()
     data = rand(12 * MiB + 100, 9)

@@ -20,7 +20,7 @@ import fsspec
 import tenacity
 import trio
 
-from fusestate.localio import write_all
+from fusestate.localio import drop_cached, write_all
 from fusestate.remote.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,7 @@ class RemoteStore:
                 size = fill(f)
                 f.flush()
                 os.fsync(f.fileno())
+                drop_cached(f.fileno())  # read back only on a miss of every cache
             if exclusive:
                 os.link(tmp, target)  # fails with FileExistsError if it exists
                 os.unlink(tmp)
