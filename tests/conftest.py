@@ -87,6 +87,13 @@ def make_gcs_bucket(endpoint: str, name: str) -> None:
     gcsfs.GCSFileSystem(endpoint_url=endpoint, token="anon", skip_instance_cache=True).mkdir(name)
 
 
+def resident_bytes(paths: list[Path]) -> int:
+    """Bytes of these files in the kernel's page cache (util-linux fincore)."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, paths)],
+                         check=True, capture_output=True, text=True).stdout
+    return sum(int(line) for line in out.split())
+
+
 @dataclass
 class Bucket:
     """One empty volume location on one backend."""

@@ -21,7 +21,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, is_mounted, new_bucket, sha
+from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, is_mounted, new_bucket, resident_bytes, sha
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -445,6 +445,8 @@ def test_warmup_after_mount_fetches_newest_files_first_within_budget(make_mount,
     assert warm["state"] == "done" and warm["mode"] == "recent" and warm["budget_bytes"] == 24 * MiB, warm
     assert warm["fetched_blocks"] == 6 and warm["fetched_bytes"] == 6 * BLOCK and warm["failures"] == 0, warm
     assert st["cache"]["memory_bytes"] == 0  # warming keeps blocks on disk, not in the memory cache
+    entries = list((m.cache_dir / "blocks").rglob("*.val"))
+    assert len(entries) >= 6 and resident_bytes(entries) < BLOCK  # ...and not in the page cache either
     before = st["remote"]["bytes_in"]
     assert (m.path / "new").read_bytes() == new
     fd = os.open(m.path / "old", os.O_RDONLY)

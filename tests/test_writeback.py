@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import Bucket, Mount, block_keys, digest, is_mounted, sha
+from conftest import Bucket, Mount, block_keys, digest, is_mounted, resident_bytes, sha
 
 MiB = 1 << 20
 BLOCK = 4 * MiB
@@ -217,15 +217,6 @@ def test_sigterm_keeps_what_was_written_to_a_file_still_open(make_mount, file_bu
 
 
 # --- caches ----------------------------------------------------------------------------------------
-
-def resident_bytes(paths: list[Path]) -> int:
-    """Bytes of these files in the kernel's page cache (util-linux fincore)."""
-    import subprocess
-
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, paths)],
-                         check=True, capture_output=True, text=True).stdout
-    return sum(int(line) for line in out.split())
-
 
 def test_uploaded_blocks_leave_the_page_cache(make_mount, file_bucket: Bucket) -> None:
     """Once a block is in the bucket, its staging file (now the disk cache entry) and its

@@ -17,7 +17,7 @@ import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
 from fusestate.blocks.keys import block_key
-from fusestate.localio import write_file
+from fusestate.localio import release, write_file
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +254,15 @@ class DiskCache:
         with self._locked():
             return key in self._cache
 
-    def put(self, key: str, data: bytes) -> None:
-        """Keep a verified block (its bytes hash to ``key``)."""
+    def put(self, key: str, data: bytes, on_disk_only: bool = False) -> None:
+        """Keep a verified block (its bytes hash to ``key``); ``on_disk_only`` drops its
+        pages from the page cache once written (a prefetch into the disk tier)."""
         path = os.path.join(self._incoming, f"{key}.{threading.get_ident()}")
         try:
             with open(path, "xb") as f:
                 write_file(f, data)
+            if on_disk_only:
+                release(path)
             self.adopt(key, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
