@@ -55,15 +55,27 @@ def start_writeback(fd: int) -> None:
         _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
 
 
-def write_file(f: BinaryIO, data: bytes | bytearray | memoryview, fsync: bool = False) -> None:
+def write_file(f: BinaryIO, data: bytes | bytearray | memoryview, fsync: bool = False,
+               keep_cached: bool = True) -> None:
     """Write a whole block file: in page-cache-sized pieces, then written back (and
-    fsynced, if asked) before it is closed."""
+    fsynced, if asked) before it is closed; ``keep_cached=False`` waits for the write-back
+    and drops the file's pages (a block for the disk tier only)."""
     write_all(f, data)
     f.flush()
+    fd = f.fileno()
     if fsync:
-        os.fsync(f.fileno())
+        os.fsync(fd)
+    elif keep_cached:
+        start_writeback(fd)
     else:
-        start_writeback(f.fileno())
+        _wait_written_back(fd)
+    if not keep_cached:
+        drop_cached(fd)
+
+
+def _wait_written_back(fd: int) -> None:
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER)
 
 
 def drop_cached(fd: int) -> None:
@@ -75,15 +87,14 @@ def drop_cached(fd: int) -> None:
 
 
 def release(path: str) -> None:
-    """Write a block file's pages back, waiting for them, and drop them from the page
-    cache: the file stays on disk, its memory is reused for the next block."""
+    """Write a block file written earlier back, waiting for it, and drop its pages from
+    the page cache: the file stays on disk, its memory is reused for the next block."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return
     try:
-        if _sync_file_range is not None:
-            _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER)
+        _wait_written_back(fd)
         drop_cached(fd)
     finally:
         os.close(fd)

@@ -17,7 +17,7 @@ import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
 from fusestate.blocks.keys import block_key
-from fusestate.localio import release, write_file
+from fusestate.localio import write_file
 
 log = logging.getLogger(__name__)
 
@@ -260,9 +260,7 @@ class DiskCache:
         path = os.path.join(self._incoming, f"{key}.{threading.get_ident()}")
         try:
             with open(path, "xb") as f:
-                write_file(f, data)
-            if on_disk_only:
-                release(path)
+                write_file(f, data, keep_cached=not on_disk_only)
             self.adopt(key, path)
         finally:
             with contextlib.suppress(FileNotFoundError):

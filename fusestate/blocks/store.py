@@ -287,8 +287,8 @@ class BlockStore:
     def _fetch_to_disk_sync(self, key: str) -> int:
         data = self._fetch_verified_sync(key)
         self.disk.stats.miss_bytes += len(data)
-        # Warming and the warmup command fill the disk tier only: keeping a GiB of warmed
-        # blocks in the page cache too costs seconds of CPU while the application starts.
+        # Warming and the warmup command fill the disk tier only, not the page cache too:
+        # a GiB of warmed blocks would grow it (see localio) for reads that may never come.
         self.disk.put(key, data, on_disk_only=True)
         return len(data)
 
