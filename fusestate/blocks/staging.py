@@ -28,7 +28,8 @@ class Staging:
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                write_file(f, data, fsync=fsync)
+                # Not kept in the page cache: the upload reads it once, from disk.
+                write_file(f, data, fsync=fsync, keep_cached=False)
             os.replace(tmp, self.path(key))
         except BaseException:
             with contextlib.suppress(OSError):

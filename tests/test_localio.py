@@ -1,0 +1,53 @@
+"""Block files written and copied past the page cache, and the fallback where a
+filesystem refuses ``O_DIRECT``: the bytes on disk are the bytes given, at every length."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fusestate import localio
+from conftest import resident_bytes
+
+# Around the 4 KiB alignment, a whole 4 MiB block, and a length past the reusable buffer.
+LENGTHS = [0, 1, 4095, 4096, 4097, 12_345, 4 << 20, (4 << 20) - 1, 5_000_001]
+
+
+@pytest.fixture(params=["direct", "refused"])
+def direct(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    if request.param == "refused":  # as on a filesystem without O_DIRECT: fcntl says EINVAL
+        monkeypatch.setattr(localio, "_set_direct", lambda fd, on: not on)
+        real_open = os.open
+
+        def open_without_direct(path, flags, *args):  # type: ignore[no-untyped-def]
+            if flags & os.O_DIRECT:
+                raise OSError(22, "Invalid argument")
+            return real_open(path, flags, *args)
+        monkeypatch.setattr(localio.os, "open", open_without_direct)
+    return request.param == "direct"
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_block_files_hold_exactly_their_bytes(tmp_path: Path, direct: bool, length: int) -> None:
+    data = os.urandom(length)
+    written = tmp_path / "written"
+    with open(written, "wb") as f:
+        localio.write_file(f, data, keep_cached=False)
+    assert written.read_bytes() == data
+
+    with open(tmp_path / "copy", "wb") as out:
+        copied = localio.copy_direct(str(written), out.fileno())
+    if direct:
+        assert copied == length
+        assert (tmp_path / "copy").read_bytes() == data
+    else:
+        assert copied is None and (tmp_path / "copy").stat().st_size == 0
+
+
+def test_a_block_written_past_the_page_cache_is_not_resident(tmp_path: Path) -> None:
+    path = tmp_path / "block"
+    with open(path, "wb") as f:
+        localio.write_file(f, os.urandom(4 << 20), keep_cached=False)
+    assert resident_bytes([path]) == 0
