@@ -16,7 +16,7 @@ against 0.5 s when freed pages are reused. :func:`drop_cached` and :func:`releas
 such copies back once they are on disk.
 
 Better still, a block that nobody reads from the page cache never goes through it:
-:func:`write_file` with ``keep_cached=False`` and :func:`copy_direct` use ``O_DIRECT``
+:func:`write_file` with ``direct=True`` (staging) and :func:`copy_direct` (`file://` uploads) use ``O_DIRECT``
 where the filesystem allows it, so the disk reads and writes the block straight from
 our buffer. While Spark ran its 2 GB state through a mount, the kernel's copies into
 page-cache memory were a third of the daemon's CPU.
@@ -66,13 +66,18 @@ def start_writeback(fd: int) -> None:
 
 
 def write_file(f: BinaryIO, data: bytes | bytearray | memoryview, fsync: bool = False,
-               keep_cached: bool = True) -> None:
+               keep_cached: bool = True, direct: bool = False) -> None:
     """Write a whole block file: in page-cache-sized pieces, then written back (and
-    fsynced, if asked) before it is closed. ``keep_cached=False``: the file's pages are
-    not kept (a block read back from disk, if at all): written with ``O_DIRECT``, or
-    written back and dropped where the filesystem cannot do that (tmpfs)."""
+    fsynced, if asked) before it is closed; ``keep_cached=False`` waits for the write-back
+    and drops the file's pages (a block for the disk tier only).
+
+    ``direct=True``: written with ``O_DIRECT`` where the filesystem allows it (never in
+    the page cache). Only for a writer at normal I/O priority: direct I/O is issued by
+    the writing thread itself, so a writer in the idle I/O class (cache warming) would
+    wait for every other reader of the disk, where buffered writes leave the kernel's
+    flusher threads to write the pages."""
     f.flush()
-    if not keep_cached and f.tell() == 0 and _write_direct(f.fileno(), data):
+    if direct and f.tell() == 0 and _write_direct(f.fileno(), data):
         if fsync:
             os.fsync(f.fileno())
         return

@@ -34,7 +34,7 @@ def test_block_files_hold_exactly_their_bytes(tmp_path: Path, direct: bool, leng
     data = os.urandom(length)
     written = tmp_path / "written"
     with open(written, "wb") as f:
-        localio.write_file(f, data, keep_cached=False)
+        localio.write_file(f, data, keep_cached=False, direct=True)
     assert written.read_bytes() == data
 
     with open(tmp_path / "copy", "wb") as out:
@@ -49,5 +49,5 @@ def test_block_files_hold_exactly_their_bytes(tmp_path: Path, direct: bool, leng
 def test_a_block_written_past_the_page_cache_is_not_resident(tmp_path: Path) -> None:
     path = tmp_path / "block"
     with open(path, "wb") as f:
-        localio.write_file(f, os.urandom(4 << 20), keep_cached=False)
+        localio.write_file(f, os.urandom(4 << 20), keep_cached=False, direct=True)
     assert resident_bytes([path]) == 0

@@ -29,7 +29,7 @@ class Staging:
         try:
             with os.fdopen(fd, "wb") as f:
                 # Not kept in the page cache: the upload reads it once, from disk.
-                write_file(f, data, fsync=fsync, keep_cached=False)
+                write_file(f, data, fsync=fsync, keep_cached=False, direct=True)
             os.replace(tmp, self.path(key))
         except BaseException:
             with contextlib.suppress(OSError):
