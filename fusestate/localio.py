@@ -12,8 +12,8 @@ A block the application wrote is already in the kernel's page cache once, as the
 file's pages. Its staging file and its ``file://`` bucket object would be a second and a
 third copy, and a page cache that grows costs far more than one that reuses its pages:
 on our VMs, writing 1 GiB into new page-cache memory costs about 3 s of system time,
-against 0.5 s when freed pages are reused. :func:`drop_cached` and :func:`release` hand
-such copies back once they are on disk.
+against 0.5 s when freed pages are reused. Such copies are handed back once they are
+on disk (:func:`drop_cached`), by whoever wrote or read them.
 
 Better still, a block that nobody reads from the page cache never goes through it:
 :func:`write_file` with ``direct=True`` (staging) and :func:`copy_direct` (`file://` uploads) use ``O_DIRECT``
@@ -98,12 +98,16 @@ ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's
 _buffers = threading.local()
 
 
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def _aligned_buffer(size: int) -> mmap.mmap:
     """This thread's page-aligned buffer of at least ``size`` bytes (reused: blocks are
     written one at a time per worker thread)."""
     buf: Optional[mmap.mmap] = getattr(_buffers, "buf", None)
     if buf is None or len(buf) < size:
-        buf = mmap.mmap(-1, max(-(-size // ALIGN) * ALIGN, 4 << 20))
+        buf = mmap.mmap(-1, max(_aligned(size), 4 << 20))
         _buffers.buf = buf
     return buf
 
@@ -134,7 +138,7 @@ def _write_buffer_direct(fd: int, buf: mmap.mmap, n: int) -> bool:
     The last piece is padded to the alignment and the file cut back to ``n``."""
     if not _set_direct(fd, True):
         return False
-    padded = -(-n // ALIGN) * ALIGN
+    padded = _aligned(n)
     try:
         buf[n:padded] = bytes(padded - n)
         with memoryview(buf) as view:
@@ -164,7 +168,7 @@ def copy_direct(src_path: str, out_fd: int) -> Optional[int]:
         raise
     try:
         size = os.fstat(src).st_size
-        buf = _aligned_buffer(-(-size // ALIGN) * ALIGN)
+        buf = _aligned_buffer(size)
         with memoryview(buf) as view:
             got = 0
             while got < size:
@@ -193,16 +197,3 @@ def drop_cached(fd: int) -> None:
     except OSError:
         pass
 
-
-def release(path: str) -> None:
-    """Write a block file written earlier back, waiting for it, and drop its pages from
-    the page cache: the file stays on disk, its memory is reused for the next block."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        _wait_written_back(fd)
-        drop_cached(fd)
-    finally:
-        os.close(fd)

@@ -21,7 +21,6 @@ import trio
 from fusestate.blocks.caches import DiskCache
 from fusestate.blocks.keys import object_name
 from fusestate.blocks.staging import Staging
-from fusestate.localio import release
 from fusestate.meta.engine import MetadataEngine
 from fusestate.remote.store import RemoteError, RemoteStore
 
@@ -298,9 +297,9 @@ class Uploader:
     def _move_to_cache(self, key: str) -> None:
         """Keep an uploaded block in the disk read cache: its staging file becomes the entry.
 
-        Its pages leave the page cache: the mounted file's own pages and the memory cache
-        hold the bytes that are read again soon (see localio)."""
-        release(self.staging.path(key))
+        It is not in the page cache: staging writes it past it and the upload's read drops
+        what it brought in (see localio); the mounted file's own pages and the memory cache
+        hold the bytes that are read again soon."""
         try:
             self.disk_cache.adopt(key, self.staging.path(key))
         except FileNotFoundError:

@@ -127,11 +127,12 @@ class RemoteStore:
         self.stats.bytes_out += len(data)
 
     def put_file(self, key: str, path: str) -> None:
-        """Write an object from a local file. On file:// the kernel copies the bytes
-        (copy_file_range), so a staged block never passes through Python."""
+        """Write an object from a local file, leaving none of it in the page cache. On
+        file:// the bytes go disk to disk (O_DIRECT, else copy_file_range), never through Python."""
         def upload() -> int:
             with open(path, "rb") as f:
                 data = f.read()
+                drop_cached(f.fileno())
             self.fs.pipe_file(self.path(key), data)
             return len(data)
 
@@ -243,6 +244,7 @@ def _copy_file(path: str, out: BinaryIO) -> int:
                 raise
             shutil.copyfileobj(src, out, 1 << 20)
             copied = size
+        drop_cached(src.fileno())
         return copied
 
 
