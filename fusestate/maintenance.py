@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from fusestate.blocks.keys import BLOCK_PREFIX, block_key, key_of_object, object_name
+from fusestate.blocks.keys import BLOCK_PREFIX, key_matches, key_of_object, object_name
 from fusestate.daemon import volume
 from fusestate.daemon.lease import read_leases
 from fusestate.errors import UserError
@@ -111,7 +111,7 @@ def fsck(url: str, endpoint_url: Optional[str] = None, verify: bool = True,
     if verify:
         present = [k for k in referenced if k in stored]
         with ThreadPoolExecutor(max_workers=8) as pool:
-            for key, ok in zip(present, pool.map(lambda k: block_key(remote.get(object_name(k))) == k, present)):
+            for key, ok in zip(present, pool.map(lambda k: key_matches(k, remote.get(object_name(k))), present)):
                 if not ok:
                     report.corrupt.append(key)
     return report

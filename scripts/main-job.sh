@@ -18,7 +18,7 @@ FS=.venv/bin/fusestate
 mkdir -p "$BUCKET_DIR" "$MOUNTPOINT"
 $FS mount "$BUCKET_URL" "$MOUNTPOINT" --cache-dir "$CACHE_DIR" --cache-size 20G
 unmount() {
-    # The Spark JVM may take a moment to let go of its files.
+    # After an interrupted run, the Spark JVM may still hold files on the mount for a moment.
     for _ in $(seq 10); do
         $FS umount "$MOUNTPOINT" 2>/dev/null && return 0
         sleep 1

@@ -7,6 +7,7 @@ proof that features work lives in the mount tests.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
 import uuid
@@ -18,9 +19,9 @@ import pytest
 import trio
 
 from fusestate.blocks.caches import DiskCache, MemoryCache
-from fusestate.blocks.keys import block_key, object_name
+from fusestate.blocks.keys import block_key, key_matches, object_name
 from fusestate.blocks.staging import Staging
-from fusestate.blocks.store import BlockStore
+from fusestate.blocks.store import BlockReadError, BlockStore
 from fusestate.blocks.uploader import Uploader
 from fusestate.meta.engine import ROOT_INODE
 from fusestate.meta.sqlite_engine import SQLiteEngine
@@ -232,6 +233,36 @@ def test_disk_cache_verifies_an_earlier_process_entries_then_serves_ranges(tmp_p
     assert again.stats.corrupt == 1
     again.put(key, data)
     assert again.get_range(key, 100, 200) == data[100:200]
+    again.close()
+
+
+def test_blocks_named_by_sha256_before_blake3_still_verify(tmp_path: Path) -> None:
+    """Volumes written before BLAKE3 name their blocks by SHA-256: such a block fetched from
+    the bucket, or found in a cache dir an earlier daemon left, passes its check; bytes that
+    are not the named block fail it either way."""
+    data = os.urandom(BS)
+    old_key = hashlib.sha256(data).hexdigest()
+    assert block_key(data) != old_key
+    assert key_matches(old_key, data) and key_matches(block_key(data), data)
+    assert not key_matches(old_key, data[:-1] + bytes([data[-1] ^ 1]))
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        remote.put(object_name(old_key), data)
+        assert await fs.blocks.fetch(old_key) == data
+        bad = os.urandom(BS)
+        bad_key = hashlib.sha256(os.urandom(BS)).hexdigest()
+        remote.put(object_name(bad_key), bad)
+        with pytest.raises(BlockReadError):
+            await fs.blocks.fetch(bad_key)
+
+    run_fs(tmp_path, body)
+
+    cache = DiskCache(str(tmp_path / "old-cache"), 64 << 20)
+    cache.put(old_key, data)
+    cache.close()
+    again = DiskCache(str(tmp_path / "old-cache"), 64 << 20)
+    assert again.get_range(old_key, 10, 20) == data[10:20]
+    assert again.stats.corrupt == 0
     again.close()
 
 

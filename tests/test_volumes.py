@@ -21,7 +21,7 @@ from typing import Callable
 
 import pytest
 
-from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, is_mounted, new_bucket, resident_bytes, sha
+from conftest import Bucket, Mount, assert_one_line_error, block_key, block_keys, digest, fusestate, is_mounted, new_bucket, resident_bytes
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -356,7 +356,7 @@ def _lazy_volume(make_mount, tmp_path: Path, size: int, record: Callable[[str, o
             f.write(block)
         f.write(tail)
     build.umount()
-    assert bucket.block_objects() == {sha(block), sha(tail)}  # dedup: two objects for all of it
+    assert bucket.block_objects() == {block_key(block), block_key(tail)}  # dedup: two objects for all of it
 
     fresh = make_mount(bucket, name=f"mnt-{label}", cache=f"cache-{label}")
     started = time.monotonic()
@@ -734,7 +734,7 @@ def test_gc_deletes_exactly_the_unreferenced_blocks(make_mount, file_bucket: Buc
     assert sorted(p.name for p in m.path.iterdir()) == sorted(keep)
     m.umount()
 
-    victim = sha(keep["keep_b"])
+    victim = block_key(keep["keep_b"])
     delete_block(file_bucket, victim)
     proc = fusestate("fsck", file_bucket.url, check=False)
     assert proc.returncode == 1, proc

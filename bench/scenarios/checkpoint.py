@@ -17,12 +17,13 @@ checkpoint of the open database and the copy. Bytes uploaded: fusestate's
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from blake3 import blake3
 
 from bench.common import Context, Metric, RunError, error_text, fmt_num, log, record, run_cmd, summarize
 from bench.render import goal_row, grouped_bars, md_table, medians_note, ratio_table
@@ -104,12 +105,12 @@ def dir_bytes(d: Path) -> tuple[int, int]:
 
 
 def sst_block_keys(d: Path, block_size: int) -> set[str]:
-    """Object names fusestate would give the SST files' blocks: the SHA-256 of each block."""
+    """Object names fusestate would give the SST files' blocks: the BLAKE3 of each block."""
     keys = set()
     for f in d.glob("*.sst"):
         with open(f, "rb") as fh:
             while chunk := fh.read(block_size):
-                keys.add(hashlib.sha256(chunk).hexdigest())
+                keys.add(blake3(chunk).hexdigest())
     return keys
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
-from fusestate.blocks.keys import block_key
+from fusestate.blocks.keys import key_matches
 from fusestate.localio import write_file
 
 log = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ class DiskCache:
             return None
         with handle:  # an eviction meanwhile unlinks the file; this open handle still reads it
             data = handle.read()
-        if key not in self._trusted and block_key(data) != key:
+        if key not in self._trusted and not key_matches(key, data):
             log.error("disk cache entry %s is corrupt; dropping it and fetching again", key[:16])
             self.stats.corrupt += 1
             with self._locked():

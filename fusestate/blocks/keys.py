@@ -1,14 +1,32 @@
-"""Content addressing: a block's object key is the SHA-256 of its bytes."""
+"""Content addressing: a block's object key is the BLAKE3 hash of its bytes.
+
+Every byte RocksDB writes through the mount is hashed once when its block is sealed, and
+every block fetched is hashed again to check it: with SHA-256 that was the daemon's
+largest single CPU cost (about 1.8 GB/s per core here), and BLAKE3 hashes the same
+4 MiB block about four times faster. Blocks stored before that change keep their SHA-256
+names: a key is checked against both (a collision across the two is as unlikely as one
+within either), so old volumes read as they did; only their old blocks no longer dedup
+against new writes of the same bytes.
+"""
 
 from __future__ import annotations
 
 import hashlib
 
+from blake3 import blake3
+
 BLOCK_PREFIX = "blocks/"
 
 
 def block_key(data: bytes | bytearray) -> str:
-    return hashlib.sha256(data).hexdigest()
+    """The name a new block is stored under."""
+    return blake3(data).hexdigest()
+
+
+def key_matches(key: str, data: bytes | bytearray) -> bool:
+    """Whether ``data`` is the block named ``key`` (a BLAKE3 name, or a SHA-256 one from
+    before BLAKE3)."""
+    return block_key(data) == key or hashlib.sha256(data).hexdigest() == key
 
 
 def object_name(key: str) -> str:

@@ -24,7 +24,7 @@ from typing import Awaitable, Callable, Iterator, Optional
 import trio
 
 from fusestate.blocks.caches import DiskCache, KeySet, MemoryCache
-from fusestate.blocks.keys import block_key, object_name, seal_digest
+from fusestate.blocks.keys import key_matches, object_name, seal_digest
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.uploader import Uploader
 from fusestate.meta.engine import MetadataEngine
@@ -257,7 +257,7 @@ class BlockStore:
             except RemoteError as exc:
                 raise BlockReadError(str(exc)) from exc
             self.stats.remote_full_fetches += 1
-            if block_key(data) == key:
+            if key_matches(key, data):
                 return data
             log.error("block %s from the bucket failed its hash check; fetching again", key[:16])
         raise BlockReadError(f"block {key[:16]}: hash mismatch")

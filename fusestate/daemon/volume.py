@@ -3,7 +3,7 @@
 Layout under the volume's root::
 
     fusestate.json              format version, block size, volume id
-    blocks/ab/<sha256>          content-addressed blocks, never overwritten
+    blocks/ab/<hash>            content-addressed blocks (BLAKE3; SHA-256 before), never overwritten
     lease/<epoch>.json          one per read-write mount: holder, heartbeat, fencing
     meta/journal/...            metadata journal segments (see fusestate.meta.journal)
     meta/snapshot-...db         compacted metadata snapshots

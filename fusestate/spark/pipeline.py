@@ -18,6 +18,7 @@ fusestate's status (cache, write-back, remote traffic) before and after the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -163,6 +164,34 @@ def build_query(spark, input_dir: Path, payload_bytes: int):
     return agg.select("key", "events", "value_sum", "value_max",
                       F.substring(F.sha2("payload", 256), 1, 16).alias("payload_digest"),
                       F.length("payload").alias("payload_len"))
+
+
+def stop_session(spark, timeout: float = 120.0) -> None:
+    """Stop the session and wait until its JVM has exited.
+
+    ``spark.stop()`` leaves the JVM running until this Python process ends, and its
+    shutdown hooks then delete Spark's local dirs, which live on the mount: an unmount
+    right after the pipeline returned found the mount busy.
+    """
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    spark.stop()
+    if proc is None:
+        return
+    with contextlib.suppress(Exception):
+        gateway.shutdown()
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # Spark's gateway server exits when its stdin closes
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
 
 
 def _shim_counters(spark) -> Optional[dict]:
@@ -313,7 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(str(query.exception()))
         shim = _shim_counters(spark) if args.use_shim else None
     finally:
-        spark.stop()
+        stop_session(spark)
     t_end = time.time()
     status_after = fusestate_status(mount)
     report = {
