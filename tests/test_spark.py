@@ -20,7 +20,7 @@ if shutil.which("java") is None:
     pytest.skip("no java on this machine", allow_module_level=True)
 
 from fusestate.spark.config import shim_jar  # noqa: E402
-from fusestate.spark.pipeline import final_view, read_output  # noqa: E402
+from fusestate.spark.pipeline import final_view, read_output, stop_session  # noqa: E402
 
 # Small state: 2,000 keys x 256 bytes, 5 micro-batches of ~1,100 events.
 SMALL = ["--batches", "5", "--keys", "2000", "--payload-bytes", "256"]
@@ -93,6 +93,25 @@ def test_pipeline_on_mount_matches_local_disk(make_mount, file_bucket: Bucket, b
     assert _open_files_under(m.path) == []
     assert not list((m.path / "job" / "spark-local").glob("spark-*"))
     m.umount()
+
+
+def test_stop_session_waits_for_the_jvm(tmp_path: Path) -> None:
+    """``spark.stop()`` alone leaves the JVM running, with files open in ``spark.local.dir``,
+    until Python exits; the pipeline's stop returns once it has exited and its shutdown
+    hooks have deleted Spark's local dirs."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[1]").appName("stop-test")
+             .config("spark.ui.enabled", "false").config("spark.local.dir", str(tmp_path))
+             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+             .getOrCreate())
+    proc = SparkContext._gateway.proc
+    assert spark.range(1000).count() == 1000
+    assert list(tmp_path.glob("spark-*"))
+    stop_session(spark)
+    assert proc.poll() is not None
+    assert not list(tmp_path.glob("spark-*"))
 
 
 def _open_files_under(path: Path) -> list[str]:
