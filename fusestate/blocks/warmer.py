@@ -3,11 +3,11 @@
 A fresh node has an empty cache, and a restarted RocksDB reads much of its state soon after
 it opens it (point lookups spread over every file, eviction scans, resumed compactions).
 Fetching whole blocks in the background, in parallel, while the job is still starting, is
-several times faster than fetching them one request at a time later. The mount is ready before any of this:
-warming never delays it, and a read of a block being warmed waits for that one fetch. The
-fetching, hashing and writing run in the warmer's own threads at a lower CPU priority
-(nice 10) and in the idle I/O class, so the restarting job's JVM gets the cores and the
-disk first.
+several times faster than fetching them one request at a time later. The mount is ready
+before any of this: warming never delays it, and a read of a block being warmed waits for
+that one fetch. The fetching, hashing and writing run in the warmer's own threads at a
+lower CPU priority (nice 10) and in the idle I/O class, so the restarting job's JVM gets
+the cores and the disk first.
 
 Order: files modified most recently first (the live state), each file's blocks in order.
 ``recent`` stops at half the disk cache, so a volume much larger than the cache is not

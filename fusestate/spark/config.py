@@ -35,9 +35,10 @@ ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateS
 ROCKSDB_PREFIX = "spark.sql.streaming.stateStore.rocksdb."
 
 # RocksDB opens every SST with POSIX_FADV_RANDOM, which turns off the kernel's readahead: a scan
-# (the deduplication store's eviction pass, a compaction) then reaches the daemon as one FUSE request per
-# RocksDB block. Each request costs tens of microseconds in the daemon, whatever its size, so on a
-# mount 64 KiB blocks scan about 4x faster than Spark's 4 KiB (docs/spark.md has the numbers).
+# (the deduplication store's eviction pass, a compaction) then reaches the daemon as one FUSE
+# request per RocksDB block. Each request costs tens of microseconds in the daemon, whatever its
+# size, so on a mount 64 KiB blocks scan about 4x faster than Spark's 4 KiB (docs/spark.md has
+# the numbers).
 MOUNT_BLOCK_SIZE_KB = 64
 
 
