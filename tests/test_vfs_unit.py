@@ -236,6 +236,40 @@ def test_disk_cache_verifies_an_earlier_process_entries_then_serves_ranges(tmp_p
     again.close()
 
 
+def test_a_good_copy_stored_while_a_corrupt_one_is_hashed_is_kept(tmp_path: Path, monkeypatch) -> None:
+    """Two readers find the same corrupt entry; the first drops it and stores the good copy
+    it fetched while the second is still hashing the bad bytes. The second must not drop
+    the good copy (it once did: the next daemon fetched that block from the bucket again)."""
+    import fusestate.blocks.caches as caches
+
+    data = os.urandom(1 << 20)
+    key = block_key(data)
+    cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    cache.put(key, data)
+    cache.close()
+    (value_file,) = (tmp_path / "cache").rglob("*.val")
+    with open(value_file, "r+b") as f:
+        f.seek(150)
+        f.write(bytes([data[150] ^ 0xFF]))
+
+    again = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    real_matches = caches.key_matches
+
+    def first_reader_refetches_meanwhile(k: str, b: bytes) -> bool:
+        monkeypatch.setattr(caches, "key_matches", real_matches)
+        again.put(key, data)  # what the other reader does after its own failed check
+        return real_matches(k, b)
+
+    monkeypatch.setattr(caches, "key_matches", first_reader_refetches_meanwhile)
+    assert again.get(key) == data
+    assert again.stats.corrupt == 1
+    assert not again.known_absent(key)
+    again.close()
+    fresh = DiskCache(str(tmp_path / "cache"), 64 << 20)  # a new process verifies it again
+    assert fresh.get(key) == data and fresh.stats.corrupt == 0
+    fresh.close()
+
+
 def test_blocks_named_by_sha256_before_blake3_still_verify(tmp_path: Path) -> None:
     """Volumes written before BLAKE3 name their blocks by SHA-256: such a block fetched from
     the bucket, or found in a cache dir an earlier daemon left, passes its check; bytes that

@@ -220,9 +220,9 @@ class DiskCache:
             return None if data is None else data[start:end]
         with self._locked():
             handle = self._cache.get(key, default=None, read=True)  # also refreshes its LRU position
-        if handle is None:
-            self._missed(key)
-            return None
+            if handle is None:
+                self._missed(key)
+                return None
         with handle:
             handle.seek(start)
             chunk = handle.read(max(0, end - start))
@@ -233,18 +233,24 @@ class DiskCache:
     def get(self, key: str) -> Optional[bytes]:
         with self._locked():
             handle = self._cache.get(key, default=None, read=True)
-        if handle is None:
-            self._missed(key)
-            return None
+            if handle is None:
+                self._missed(key)
+                return None
         with handle:  # an eviction meanwhile unlinks the file; this open handle still reads it
             data = handle.read()
         if key not in self._trusted and not key_matches(key, data):
             log.error("disk cache entry %s is corrupt; dropping it and fetching again", key[:16])
             self.stats.corrupt += 1
             with self._locked():
-                self._cache.delete(key)
-            self._missed(key)
-            return None
+                if key in self._trusted:
+                    # A good copy was stored while this thread hashed the bad one (the
+                    # fetch another reader started on finding it corrupt): keep that one.
+                    stored_meanwhile = True
+                else:
+                    stored_meanwhile = False
+                    self._cache.delete(key)
+                    self._missed(key)
+            return self.get(key) if stored_meanwhile else None
         self._trusted.add(key)
         self.stats.hits += 1
         self.stats.hit_bytes += len(data)
@@ -269,18 +275,14 @@ class DiskCache:
     def adopt(self, key: str, path: str) -> None:
         """Take over the file at ``path`` (a hard link; the caller may then unlink it), a
         sealed block whose key was computed from these very bytes."""
-        self._set(key, _Adopt(path))
-        self._stored(key)
-
-    def _stored(self, key: str) -> None:
-        self._absent.discard(key)
-        self._trusted.add(key)
-
-    def _set(self, key: str, value: object) -> None:
         with self._locked():
             before = len(self._cache)
-            self._cache.set(key, value)
+            self._cache.set(key, _Adopt(path))
             evicted = before + 1 - len(self._cache)
+            # Under the same lock as the insert: a reader that missed, or found a corrupt
+            # copy, decides under it too, so it cannot mark this good entry absent or drop it.
+            self._absent.discard(key)
+            self._trusted.add(key)
         if evicted > 0:
             self.stats.evictions += evicted
 

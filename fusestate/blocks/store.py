@@ -298,12 +298,15 @@ class BlockStore:
         warmup command, cache warming); True if it had to be fetched. ``run`` runs the
         blocking fetch (default: a remote-store thread; cache warming passes its own
         lower-priority threads). Reads of the block meanwhile wait for it."""
-        while key in self._fetching:
-            await self._fetching[key].wait()
-        if self.uploader.is_pending(key):
-            return False
-        if await trio.to_thread.run_sync(self.disk.__contains__, key, limiter=self._local_io):
-            return False
+        while True:
+            while key in self._fetching:
+                await self._fetching[key].wait()
+            if self.uploader.is_pending(key):
+                return False
+            if await trio.to_thread.run_sync(self.disk.__contains__, key, limiter=self._local_io):
+                return False
+            if key not in self._fetching:  # a reader may have started fetching it meanwhile
+                break
         with _in_flight(self._fetching, key):
             await (run or self.remote.run)(functools.partial(self._fetch_to_disk_sync, key))
         return True
