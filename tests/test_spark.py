@@ -147,7 +147,7 @@ def _run_until_batches(cmd: list[str], k: int, timeout: float = 240) -> list[int
     err.seek(0)
     stderr = err.read()
     err.close()
-    assert len(done) >= k, f"pipeline ended after {done} (exit {proc.returncode})"
+    assert len(done) >= k, f"pipeline ended after {done} (exit {proc.returncode}): {stderr[-2000:]}"
     return done
 
 
