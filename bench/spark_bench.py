@@ -33,20 +33,36 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FUSESTATE = str(Path(sys.executable).parent / "fusestate")
+RESULTS = ROOT / "bench" / "results"
 
 
 def fs(*args: str) -> str:
     return subprocess.run([FUSESTATE, *args], check=True, capture_output=True, text=True).stdout
 
 
-def pipeline(state_dir: Path, output: Path, input_dir: Path, batches: int, common: list[str], *extra: str) -> dict:
+def root_cause(stderr: str) -> str:
+    """The innermost exception in a JVM or Python trace: what a one-line error should name."""
+    lines = [ln.strip() for ln in stderr.splitlines()]
+    causes = [ln for ln in lines if ln.startswith("Caused by:")]
+    if causes:
+        return causes[-1][len("Caused by:"):].strip()
+    errors = [ln for ln in lines if "Exception" in ln or "Error" in ln]
+    return errors[-1] if errors else (lines[-1] if lines else "no output")
+
+
+def pipeline(label: str, state_dir: Path, output: Path, input_dir: Path, batches: int, common: list[str],
+             *extra: str) -> dict:
     t0 = time.time()
     proc = subprocess.run([FUSESTATE, "spark-pipeline", "--state-dir", str(state_dir), "--output", str(output),
                            "--input", str(input_dir), "--batches", str(batches), *common, *extra],
                           capture_output=True, text=True)
     if proc.returncode != 0:
+        # The work dir goes away with the run: keep the whole output where results are kept.
+        log = RESULTS / f"spark-failed-{time.strftime('%Y%m%d-%H%M%S')}-{label.replace('+', '-').replace(' ', '-')}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
         sys.stderr.write(proc.stderr[-5000:])
-        raise SystemExit(f"pipeline failed ({proc.returncode})")
+        raise SystemExit(f"{label}: pipeline exited {proc.returncode}: {root_cause(proc.stderr)[:300]} (output in {log})")
     report = next(json.loads(line) for line in reversed(proc.stdout.splitlines()) if line.startswith('{"event": "report"'))
     report["wall_s"] = round(time.time() - t0, 2)
     return report
@@ -96,7 +112,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
            "--metrics-addr", "off", "--durability", args.durability)
     state = (mnt / "job") if mnt else d / "state"
     try:
-        first = pipeline(state, out, input_dir, args.batches, common, *extra)
+        first = pipeline(f"{name} first run", state, out, input_dir, args.batches, common, *extra)
         result = {"first_run": {"wall_s": first["wall_s"], **steady(first),
                                 "state_rows": first["summary"]["state_rows_last"]}}
         ckpt = (mnt or d / "state") / ("job" if mnt else "") / "checkpoints" / "pipeline"
@@ -124,7 +140,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             result["fresh_mount_s"] = round(time.time() - t, 2)
         t = time.time()
         restart_extra = ["--last-batch-events", str(args.restart_events)] if args.restart_events else []
-        again = pipeline(state, out, input_dir, args.batches + 1, common, *extra, *restart_extra)
+        again = pipeline(f"{name} restart", state, out, input_dir, args.batches + 1, common, *extra, *restart_extra)
         b = again["batches"][0] if again["batches"] else {}
         result["restart"] = {
             "to_first_batch_done_s": again["first_batch_done_s"],
@@ -193,7 +209,7 @@ def main() -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    path = Path(args.output) if args.output else ROOT / "bench" / "results" / f"spark-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = Path(args.output) if args.output else RESULTS / f"spark-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, summarize
 from bench.render import bars_from_rows, goal_row, medians_note, ratio_table
+from bench.systems import detach_all_under
 
 NAME = "spark"
 TITLE = "Spark state pipeline"
@@ -77,10 +79,10 @@ def run(ctx: Context) -> dict[str, Any]:
     for repeat in ctx.repetitions():
         if repeat >= p.get("repeats", ctx.repeats):
             break
-        out = ctx.work / f"spark-{repeat}.json"
+        out, work = ctx.work / f"spark-{repeat}.json", ctx.work / f"w{repeat}"
         cmd = [str(BIN / "python"), str(ROOT / "bench" / "spark_bench.py"), "--keys", str(p["keys"]),
                "--payload-bytes", str(p["payload_bytes"]), "--batches", str(p["batches"]),
-               "--setups", ",".join(setups), "--work", str(ctx.work / f"w{repeat}"), "--output", str(out), *p.get("extra", [])]
+               "--setups", ",".join(setups), "--work", str(work), "--output", str(out), *p.get("extra", [])]
         try:
             run_cmd(cmd, timeout=p["timeout"], env=env, cwd=ROOT)
             doc = json.loads(out.read_text())
@@ -88,6 +90,11 @@ def run(ctx: Context) -> dict[str, Any]:
             runs.extend(record(s, repeat, error=error_text(exc)) for s in setups)
             log(f"  spark r{repeat + 1}: ERROR {error_text(exc)}")
             continue
+        finally:
+            # One repetition at full size leaves 20-40 GB (states, buckets that keep every block
+            # for the GC grace, caches): the third one ran out of disk before this went.
+            detach_all_under(work)
+            shutil.rmtree(work, ignore_errors=True)
         raw.append(doc)
         for s in setups:
             if s in doc.get("setups", {}):
