@@ -353,3 +353,22 @@ def test_state_conf_block_size_follows_the_mount(tmp_path: Path) -> None:
     assert state_conf(tmp_path / "local", block_size_kb=16).conf[key] == "16"
     with pytest.raises(ValueError, match="block_size_kb"):
         state_conf(tmp_path / "local", block_size_kb=0)
+
+
+def test_stale_spark_local_dirs_are_removed_and_nothing_else(tmp_path: Path) -> None:
+    """A killed JVM's working dirs and shuffle files go; what the user put there stays."""
+    from fusestate.spark.config import state_conf
+
+    layout = state_conf(tmp_path / "state")
+    stale = [layout.local_dir / "spark-1b2c" / "StateStoreId(opId=0,partId=0)-x", layout.local_dir / "blockmgr-9f" / "0c"]
+    for d in stale:
+        d.mkdir(parents=True)
+        (d / "000012.sst").write_bytes(b"s" * 100)
+    mine = layout.local_dir / "notes"
+    mine.mkdir()
+    (layout.local_dir / "spark-defaults.conf").write_text("a file, not a dir Spark made\n")
+    (layout.local_dir / "spark-link").symlink_to(mine)
+    removed = layout.remove_stale_local_dirs()
+    assert sorted(p.name for p in removed) == ["blockmgr-9f", "spark-1b2c"]
+    assert sorted(p.name for p in layout.local_dir.iterdir()) == ["notes", "spark-defaults.conf", "spark-link"]
+    assert layout.remove_stale_local_dirs() == []

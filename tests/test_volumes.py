@@ -482,6 +482,34 @@ def test_warmup_modes_all_and_off(make_mount, tmp_path: Path) -> None:
     off.umount()
 
 
+def test_warmup_skips_blocks_deleted_after_the_mount(make_mount, tmp_path: Path) -> None:
+    """A restarted job that clears a killed run's scratch files right after the mount: warming
+    fetches none of their blocks it has not started yet, and still warms the rest."""
+    path = tmp_path / "bucket-skip"
+    path.mkdir()
+    bucket = Bucket("file", f"file://{path}")
+    state, scratch = rand(4 * BLOCK, 60), rand(24 * BLOCK, 61)
+    build = make_mount(bucket, name="build-skip", cache="build-cache-skip").mount()
+    (build.path / "state").write_bytes(state)
+    os.utime(build.path / "state", (time.time() - 3600, time.time() - 3600))
+    (build.path / "scratch").write_bytes(scratch)  # the newest file: first in line
+    build.umount()
+
+    # Every fetch waits up to a second, so warming the 28 blocks four at a time takes seconds.
+    slow = {"FUSESTATE_FAULTS": "delay=1.0,ops=get,seed=3"}
+    m = make_mount(bucket, name="mnt-skip", cache="cache-skip").mount("--cache-size", "512M", "--prefetch",
+                                                                      env=slow)
+    (m.path / "scratch").unlink()
+    warm = _settled_warmup(m, timeout=120)["warmup"]
+    assert warm["state"] == "done" and warm["failures"] == 0, warm
+    assert warm["skipped_deleted_blocks"] >= 8, warm
+    assert warm["fetched_blocks"] + warm["skipped_deleted_blocks"] == 28, warm
+    before = m.status()["remote"]["bytes_in"]
+    assert (m.path / "state").read_bytes() == state
+    assert m.status()["remote"]["bytes_in"] == before  # the live file was warmed all the same
+    m.umount()
+
+
 # --- 5. the lease: one writer, read-only readers, takeover, fencing -----------------------------
 
 def _one_writer(make_mount, bucket: Bucket) -> None:

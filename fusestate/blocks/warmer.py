@@ -55,6 +55,7 @@ class WarmupStats:
     blocks: int = 0             # fetched from the bucket
     bytes: int = 0
     already_local: int = 0      # found in the disk cache or the staging area
+    skipped: int = 0            # deleted since the mount (a restarted job clearing its scratch)
     failures: int = 0
     seconds: float = 0.0
 
@@ -95,9 +96,9 @@ class CacheWarmer:
             self._threads.shutdown(wait=False, cancel_futures=True)
             self.stats.seconds = round(time.monotonic() - started, 3)
         self.stats.state = "stopped" if self._disk_full else "done"
-        log.info("cache warmup %s: %d blocks (%d bytes) fetched, %d already local, in %.1f s",
-                 self.stats.state, self.stats.blocks, self.stats.bytes, self.stats.already_local,
-                 self.stats.seconds)
+        log.info("cache warmup %s: %d blocks (%d bytes) fetched, %d already local, %d skipped as deleted, "
+                 "in %.1f s", self.stats.state, self.stats.blocks, self.stats.bytes, self.stats.already_local,
+                 self.stats.skipped, self.stats.seconds)
 
     async def _run(self, fn: Callable[[], int]) -> int:
         """Run ``fn`` in one of the warmer's low-priority threads; the loop is woken when it
@@ -116,6 +117,11 @@ class CacheWarmer:
 
     async def _one(self, key: str, size: int, limiter: trio.CapacityLimiter, token: object) -> None:
         try:
+            info = self.meta.get_object(key)
+            if info is None or info.refcount <= 0:
+                # Its files were deleted after the list was made: nobody will read it.
+                self.stats.skipped += 1
+                return
             if await self.blocks.ensure_cached(key, self._run):
                 self.stats.blocks += 1
                 self.stats.bytes += size

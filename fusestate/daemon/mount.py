@@ -448,6 +448,7 @@ class Daemon:
                 "budget_bytes": self.warmer.budget,
                 "fetched_blocks": self.warmer.stats.blocks, "fetched_bytes": self.warmer.stats.bytes,
                 "already_local_blocks": self.warmer.stats.already_local,
+                "skipped_deleted_blocks": self.warmer.stats.skipped,
                 "failures": self.warmer.stats.failures, "seconds": self.warmer.stats.seconds,
             },
         }

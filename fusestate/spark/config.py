@@ -21,6 +21,7 @@ writer only. See docs/spark.md.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -33,6 +34,8 @@ SHIM_FS_CLASS = "io.fusestate.hadoop.FusestateFileSystem"
 SHIM_AFS_CLASS = "io.fusestate.hadoop.FusestateFs"
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 ROCKSDB_PREFIX = "spark.sql.streaming.stateStore.rocksdb."
+# What Spark names the dirs it makes in spark.local.dir (Utils.createTempDir, DiskBlockManager).
+SPARK_LOCAL_PREFIXES = ("spark-", "blockmgr-")
 
 # RocksDB opens every SST with POSIX_FADV_RANDOM, which turns off the kernel's readahead: a scan
 # (the deduplication store's eviction pass, a compaction) then reaches the daemon as one FUSE
@@ -84,6 +87,23 @@ class StateLayout:
     checkpoint_uri: str
     conf: dict[str, str] = field(default_factory=dict)
     jars: list[str] = field(default_factory=list)
+
+    def remove_stale_local_dirs(self) -> list[Path]:
+        """Delete the local dirs a killed Spark JVM left in ``spark.local.dir``; the removed paths.
+
+        Spark deletes its ``spark-*`` (state store working dirs) and ``blockmgr-*`` (shuffle
+        files) dirs when its JVM exits, but a killed JVM leaves them. On a mount they are part
+        of the volume: they follow it to the next node, and cache warming fetches them first
+        (they are its newest files). A restarted query needs none of it: its state is loaded
+        from the checkpoint. Call this before the session starts, and only when no other Spark
+        process uses this state dir.
+        """
+        removed = []
+        for entry in sorted(self.local_dir.iterdir()):
+            if entry.is_dir() and not entry.is_symlink() and entry.name.startswith(SPARK_LOCAL_PREFIXES):
+                shutil.rmtree(entry)
+                removed.append(entry)
+        return removed
 
 
 def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: bool = False,

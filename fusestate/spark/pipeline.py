@@ -314,6 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
                         shuffle_partitions=args.partitions, compression=args.state_compression,
                         block_size_kb=args.block_size_kb)
+    stale = layout.remove_stale_local_dirs()  # a killed run's working dirs and shuffle files
     status_before = fusestate_status(mount)
     spark = build_session(layout.conf, layout.jars, args.driver_memory, args.master)
     t_session = time.time()
@@ -350,6 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "checkpoint": layout.checkpoint_uri, "keys": args.keys, "payload_bytes": args.payload_bytes,
         "state_store_conf": {k: v for k, v in layout.conf.items() if k.startswith("spark.sql.streaming.stateStore.")},
         "batches_in_input": args.batches, "input_rows": rows,
+        "stale_local_dirs_removed": len(stale),
         "session_start_s": round(t_session - t0, 3), "query_start_s": round(t_started - t0, 3),
         "first_batch_done_s": batches[0]["seen_at"] if batches else None,
         "total_s": round(t_end - t0, 3),
