@@ -145,6 +145,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
         result["restart"] = {
             "to_first_batch_done_s": again["first_batch_done_s"],
             "jvm_and_session_s": again["session_start_s"],
+            "session_start_parts_s": again.get("session_start_parts_s"),
             "query_start_to_first_batch_done_s": round(again["first_batch_done_s"] - again["query_start_s"], 2)
             if again["first_batch_done_s"] else None,
             "first_batch_ms": b.get("duration_ms"),

@@ -235,3 +235,16 @@ def test_warmup_fills_the_cache(tmp_path: Path, make_mount, file_bucket: Bucket)
     assert after["remote"]["range_reads"] == 0
     m.umount()
     assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("backend,expected", [("file", "off"), ("s3", "recent"), ("gs", "recent")])
+def test_prefetch_auto_warms_object_stores_only(tmp_path: Path, make_mount, request, backend: str,
+                                                 expected: str) -> None:
+    """The default: a bucket that is a local directory is as fast to read as the cache, so
+    nothing is warmed; an object store gets the newest files warmed in the background."""
+    from conftest import new_bucket
+
+    bucket = new_bucket(backend, tmp_path, request)
+    m = make_mount(bucket).mount("--prefetch", "auto")
+    assert m.status()["warmup"]["mode"] == expected
+    m.umount()

@@ -163,7 +163,7 @@ def test_kill_spark_and_node_then_resume_on_fresh_node(make_mount, file_bucket: 
     m.kill()
     m.wipe_cache()
     assert not m.cache_dir.exists()
-    m.mount("--takeover", "--prefetch", "recent")  # the default a fresh node runs with
+    m.mount("--takeover", "--prefetch", "recent")  # warming, as on an object store by default
     report = pipeline(m.path / "job", out, baseline["input"], *SMALL)
     resumed = [b["batch"] for b in report["batches"]]
     assert resumed and resumed[0] >= 2, f"the query started over instead of resuming: {resumed}"

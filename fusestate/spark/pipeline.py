@@ -314,8 +314,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
                         shuffle_partitions=args.partitions, compression=args.state_compression,
                         block_size_kb=args.block_size_kb)
+    t_setup = time.time()
     stale = layout.remove_stale_local_dirs()  # a killed run's working dirs and shuffle files
+    t_stale = time.time()
     status_before = fusestate_status(mount)
+    t_status = time.time()
     spark = build_session(layout.conf, layout.jars, args.driver_memory, args.master)
     t_session = time.time()
     batches: list[dict] = []
@@ -353,6 +356,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "batches_in_input": args.batches, "input_rows": rows,
         "stale_local_dirs_removed": len(stale),
         "session_start_s": round(t_session - t0, 3), "query_start_s": round(t_started - t0, 3),
+        # where the session start goes: input and layout, clearing a killed run's dirs, the
+        # status call, the JVM and session
+        "session_start_parts_s": {"input_and_layout": round(t_setup - t0, 3), "stale_dirs": round(t_stale - t_setup, 3),
+                                  "status": round(t_status - t_stale, 3), "jvm": round(t_session - t_status, 3)},
         "first_batch_done_s": batches[0]["seen_at"] if batches else None,
         "total_s": round(t_end - t0, 3),
         "summary": summarize(batches), "shim": shim, "batches": batches,
