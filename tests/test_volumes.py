@@ -408,13 +408,14 @@ def test_lazy_restore_fetches_metadata_only_8g(make_mount, tmp_path: Path, recor
     _lazy_restore(make_mount, tmp_path, record_property, 8 * GiB)
 
 
-def _warm_volume(make_mount, tmp_path: Path) -> tuple[Bucket, bytes, bytes]:
-    """A volume with an older 8-block file and a newer 4-block file, every block distinct."""
-    path = tmp_path / "bucket-warm"
+def _warm_volume(make_mount, tmp_path: Path, old_blocks: int = 8, new_blocks: int = 4,
+                 tag: str = "warm") -> tuple[Bucket, bytes, bytes]:
+    """A volume with an older file and a newer one (8 and 4 blocks), every block distinct."""
+    path = tmp_path / f"bucket-{tag}"
     path.mkdir()
     bucket = Bucket("file", f"file://{path}")
-    old, new = rand(8 * BLOCK, 50), rand(4 * BLOCK, 51)
-    build = make_mount(bucket, name="build-warm", cache="build-cache-warm").mount()
+    old, new = rand(old_blocks * BLOCK, 50), rand(new_blocks * BLOCK, 51)
+    build = make_mount(bucket, name=f"build-{tag}", cache=f"build-cache-{tag}").mount()
     (build.path / "old").write_bytes(old)
     os.utime(build.path / "old", (time.time() - 3600, time.time() - 3600))
     (build.path / "new").write_bytes(new)
@@ -485,27 +486,19 @@ def test_warmup_modes_all_and_off(make_mount, tmp_path: Path) -> None:
 def test_warmup_skips_blocks_deleted_after_the_mount(make_mount, tmp_path: Path) -> None:
     """A restarted job that clears a killed run's scratch files right after the mount: warming
     fetches none of their blocks it has not started yet, and still warms the rest."""
-    path = tmp_path / "bucket-skip"
-    path.mkdir()
-    bucket = Bucket("file", f"file://{path}")
-    state, scratch = rand(4 * BLOCK, 60), rand(24 * BLOCK, 61)
-    build = make_mount(bucket, name="build-skip", cache="build-cache-skip").mount()
-    (build.path / "state").write_bytes(state)
-    os.utime(build.path / "state", (time.time() - 3600, time.time() - 3600))
-    (build.path / "scratch").write_bytes(scratch)  # the newest file: first in line
-    build.umount()
-
+    # "new" is the killed run's scratch: the newest file, first in line.
+    bucket, state, _ = _warm_volume(make_mount, tmp_path, old_blocks=4, new_blocks=24, tag="skip")
     # Every fetch waits up to a second, so warming the 28 blocks four at a time takes seconds.
     slow = {"FUSESTATE_FAULTS": "delay=1.0,ops=get,seed=3"}
     m = make_mount(bucket, name="mnt-skip", cache="cache-skip").mount("--cache-size", "512M", "--prefetch",
                                                                       env=slow)
-    (m.path / "scratch").unlink()
+    (m.path / "new").unlink()
     warm = _settled_warmup(m, timeout=120)["warmup"]
     assert warm["state"] == "done" and warm["failures"] == 0, warm
     assert warm["skipped_deleted_blocks"] >= 8, warm
     assert warm["fetched_blocks"] + warm["skipped_deleted_blocks"] == 28, warm
     before = m.status()["remote"]["bytes_in"]
-    assert (m.path / "state").read_bytes() == state
+    assert (m.path / "old").read_bytes() == state
     assert m.status()["remote"]["bytes_in"] == before  # the live file was warmed all the same
     m.umount()
 
