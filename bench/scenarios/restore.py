@@ -168,7 +168,7 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     parts = [f"Volumes of {p['files']} files of distinct 4 MiB blocks, written through a mount and cleanly "
              f"unmounted. *fusestate*: a fresh node (empty cache dir) runs `fusestate mount` and reads the first "
              f"4 KiB of one file (which fetches that file's first 4 MiB block); the mount itself fetches only metadata "
-             f"(background cache warming, on by default, is off here: `--prefetch off`). "
+             f"(background cache warming, on by default for `s3://`, is off here: `--prefetch off`). "
              f"*download first*: fsspec "
              f"`get` of the volume's whole prefix to local disk, then `sync`. " + medians_note(doc, "downloading first"),
              ratio_table(doc["summary"], doc["systems"])]
