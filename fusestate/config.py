@@ -37,7 +37,9 @@ def default_prefetch(url: str) -> str:
     the disk traffic while the job starts: a Spark restart took 4-8 s longer with it), and
     ``recent`` for an object store, where every fetch is a network round trip (``memory://``,
     for tests, is local too)."""
-    return "off" if url.split("://", 1)[0].lower() in ("file", "memory") else "recent"
+    from fusestate.remote.backends import parse_url  # fsspec: only mounts pay for its import
+
+    return "off" if parse_url(url).scheme in ("file", "memory") else "recent"
 
 
 @dataclass

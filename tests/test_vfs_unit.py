@@ -213,6 +213,14 @@ def test_disk_cache_survives_eviction_racing_inserts(tmp_path: Path) -> None:
         assert cache.get(key) is not None
 
 
+def _flip_a_byte_of_the_entry(cache_dir: Path, data: bytes) -> None:
+    """Corrupt the one entry a closed disk cache holds, as a bad disk would (byte 150)."""
+    (value_file,) = cache_dir.rglob("*.val")
+    with open(value_file, "r+b") as f:
+        f.seek(150)
+        f.write(bytes([data[150] ^ 0xFF]))
+
+
 def test_disk_cache_verifies_an_earlier_process_entries_then_serves_ranges(tmp_path: Path) -> None:
     """A block this process stored is read by range without re-hashing 4 MiB; one left by an
     earlier process is verified on its first read, and a corrupt one is dropped as a miss."""
@@ -224,10 +232,7 @@ def test_disk_cache_verifies_an_earlier_process_entries_then_serves_ranges(tmp_p
     assert cache.get_range(key, (1 << 20) - 10, (1 << 20) + 10) == data[-10:]
     cache.close()
 
-    (value_file,) = (tmp_path / "cache").rglob("*.val")
-    with open(value_file, "r+b") as f:
-        f.seek(150)
-        f.write(bytes([data[150] ^ 0xFF]))
+    _flip_a_byte_of_the_entry(tmp_path / "cache", data)
     again = DiskCache(str(tmp_path / "cache"), 64 << 20)
     assert again.get_range(key, 100, 200) is None
     assert again.stats.corrupt == 1
@@ -247,10 +252,7 @@ def test_a_good_copy_stored_while_a_corrupt_one_is_hashed_is_kept(tmp_path: Path
     cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
     cache.put(key, data)
     cache.close()
-    (value_file,) = (tmp_path / "cache").rglob("*.val")
-    with open(value_file, "r+b") as f:
-        f.seek(150)
-        f.write(bytes([data[150] ^ 0xFF]))
+    _flip_a_byte_of_the_entry(tmp_path / "cache", data)
 
     again = DiskCache(str(tmp_path / "cache"), 64 << 20)
     real_matches = caches.key_matches

@@ -242,12 +242,10 @@ class DiskCache:
             log.error("disk cache entry %s is corrupt; dropping it and fetching again", key[:16])
             self.stats.corrupt += 1
             with self._locked():
-                if key in self._trusted:
-                    # A good copy was stored while this thread hashed the bad one (the
-                    # fetch another reader started on finding it corrupt): keep that one.
-                    stored_meanwhile = True
-                else:
-                    stored_meanwhile = False
+                # A good copy may have been stored while this thread hashed the bad one (the
+                # fetch another reader started on finding it corrupt): keep that one.
+                stored_meanwhile = key in self._trusted
+                if not stored_meanwhile:
                     self._cache.delete(key)
                     self._missed(key)
             return self.get(key) if stored_meanwhile else None
