@@ -91,7 +91,14 @@ def steady(report: dict) -> dict:
     return {"records_per_second": round(rows / secs, 1) if secs else None,
             "batch_ms_median": sorted(b["duration_ms"] for b in bs)[len(bs) // 2],
             "state_commit_ms_median": commits[len(commits) // 2], "state_commit_ms_max": commits[-1],
-            "rocksdb_bytes_copied": sum(b["rocksdb"].get("rocksdbBytesCopied", 0) for b in report["batches"])}
+            "rocksdb_bytes_copied": sum(b["rocksdb"].get("rocksdbBytesCopied", 0) for b in report["batches"]),
+            "batches": [{k: b.get(k) for k in ("batch", "rows", "duration_ms", "state_commit_ms", "operators")}
+                        for b in report["batches"]]}
+
+
+def scratch_args(args) -> list[str]:
+    """Spark's shuffle dirs stay on the node (the deploy defaults), unless --no-scratch."""
+    return [] if args.no_scratch else ["--scratch", "blockmgr-*"]
 
 
 def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -> dict:
@@ -109,7 +116,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
         bucket.mkdir()
         mnt.mkdir()
         fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
-           "--metrics-addr", "off", "--durability", args.durability)
+           "--metrics-addr", "off", "--durability", args.durability, *scratch_args(args))
     state = (mnt / "job") if mnt else d / "state"
     try:
         first = pipeline(f"{name} first run", state, out, input_dir, args.batches, common, *extra)
@@ -136,7 +143,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             shutil.rmtree(cache)
             t = time.time()
             fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
-               "--metrics-addr", "off", "--durability", args.durability, "--takeover")
+               "--metrics-addr", "off", "--durability", args.durability, "--takeover", *scratch_args(args))
             result["fresh_mount_s"] = round(time.time() - t, 2)
         t = time.time()
         restart_extra = ["--last-batch-events", str(args.restart_events)] if args.restart_events else []
@@ -185,6 +192,8 @@ def main() -> int:
                    help="state store RocksDB block size, every setup (default: 64 on fusestate, Spark's 4 on local disk)")
     p.add_argument("--durability", choices=["remote", "local"], default="remote",
                    help="fusestate setups: when fsync returns (default remote: in the bucket)")
+    p.add_argument("--no-scratch", action="store_true",
+                   help="mount without --scratch 'blockmgr-*' (shuffle files then go to the bucket too)")
     p.add_argument("--clean-umount", action="store_true", help="unmount cleanly instead of killing the daemon")
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/spark-<time>.json)")

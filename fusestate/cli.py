@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'all' (or the bare flag) as much of the volume as 90%% of the disk cache holds; "
                         "'off' only on demand; 'auto' (default) is 'recent' for s3:// and gs:// and "
                         "'off' for a file:// bucket, which is no slower to read than the cache")
+    m.add_argument("--scratch", action="append", default=[], metavar="PATTERN", dest="scratch_dirs",
+                   help="directories created with a name matching this glob, and all they hold, stay on this "
+                        "node: never uploaded, not part of the volume, emptied at the next mount "
+                        "(for Spark's shuffle dirs: --scratch 'blockmgr-*'); repeatable")
     m.add_argument("--journal-interval", type=float, default=2.0,
                    help="seconds between metadata journal shipments; fsync ships at once (default %(default)s)")
     m.add_argument("--gc-grace", type=float, default=3600.0,
@@ -107,7 +111,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         endpoint_url=args.endpoint_url, metrics_addr=args.metrics_addr,
         allow_other=args.allow_other, read_only=args.read_only, takeover=args.takeover,
         foreground=args.foreground, attr_timeout=args.attr_timeout, debug=args.debug,
-        fuse_options=args.fuse_options, prefetch=args.prefetch,
+        fuse_options=args.fuse_options, prefetch=args.prefetch, scratch_dirs=args.scratch_dirs,
         journal_interval=args.journal_interval, gc_grace=args.gc_grace,
     )
 

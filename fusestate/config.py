@@ -69,6 +69,7 @@ class MountConfig:
     journal_interval: float = 2.0            # seconds between journal shipments (fsync ships at once)
     lease_ttl: float = 30.0                  # seconds a lease stays valid without a heartbeat
     prefetch: str = "auto"                   # auto | off | recent | all: background cache warming after mounting
+    scratch_dirs: list[str] = field(default_factory=list)  # name globs of node-local directories (--scratch)
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
 
@@ -81,6 +82,9 @@ class MountConfig:
             raise UserError(f"bad --prefetch {self.prefetch!r}: expected auto, off, recent or all")
         if self.prefetch == "auto":
             self.prefetch = default_prefetch(self.url)
+        for pattern in self.scratch_dirs:
+            if not pattern or "/" in pattern or pattern in ("*", ".", ".."):
+                raise UserError(f"bad --scratch {pattern!r}: expected a directory name pattern such as 'blockmgr-*'")
         if self.block_size < 64 * 1024 or self.block_size & (self.block_size - 1):
             raise UserError("--block-size must be a power of two of at least 64K")
         if self.max_dirty is None:

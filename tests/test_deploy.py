@@ -608,6 +608,8 @@ def test_daemonset_command_runs_fusestate_mount(rendered, tmp_path: Path):
     assert option("--durability") == volume.get("durability", "remote")
     assert option("--endpoint-url") == volume.get("endpointUrl")
     assert "--foreground" in rest and "--allow-other" in rest
+    scratch = volume.get("scratch", ["blockmgr-*"])
+    assert [rest[i + 1] for i, a in enumerate(rest) if a == "--scratch"] == scratch
     extra = [str(a) for a in volume.get("extraArgs", [])]
     assert rest[len(rest) - len(extra):] == extra
 

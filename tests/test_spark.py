@@ -152,18 +152,23 @@ def _run_until_batches(cmd: list[str], k: int, timeout: float = 240) -> list[int
 
 
 def test_kill_spark_and_node_then_resume_on_fresh_node(make_mount, file_bucket: Bucket, baseline, tmp_path: Path):
-    m = make_mount(file_bucket).mount()
+    m = make_mount(file_bucket, extra=["--scratch", "blockmgr-*"]).mount()  # as deployed
     out = tmp_path / "out"
     cmd = [str(BIN / "fusestate"), "spark-pipeline", "--state-dir", str(m.path / "job"), "--output", str(out),
            "--input", str(baseline["input"]), *HEAP, *SMALL]
     done = _run_until_batches(cmd, 2)
     assert done[:2] == [0, 1]
     # The Spark process is gone (its files closed); let the mount ship what it has, then lose the node.
+    local_dir = m.path / "job" / "spark-local"
+    shuffle_dirs = list(local_dir.glob("blockmgr-*"))
+    assert shuffle_dirs and any(p.is_file() for d in shuffle_dirs for p in d.rglob("*")), "no shuffle files"
     settle(m)
     m.kill()
     m.wipe_cache()
     assert not m.cache_dir.exists()
     m.mount("--takeover", "--prefetch", "recent")  # warming, as on an object store by default
+    # The shuffle files stayed on the lost node (scratch); the state store's dirs came along.
+    assert not list(local_dir.glob("blockmgr-*")) and list(local_dir.glob("spark-*"))
     report = pipeline(m.path / "job", out, baseline["input"], *SMALL)
     resumed = [b["batch"] for b in report["batches"]]
     assert resumed and resumed[0] >= 2, f"the query started over instead of resuming: {resumed}"

@@ -84,6 +84,8 @@ class BlockStore:
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
+        # Blocks of scratch files: in staging for good, never queued for upload.
+        self._scratch: set[str] = set()
         # Latency hook (metrics): called with the source ("local", "remote", "range") and seconds.
         self.read_observer: Optional[Callable[[str, float], None]] = None
 
@@ -126,13 +128,24 @@ class BlockStore:
                 self.uploader.expedite_all()
                 await trio.sleep(0.5)
 
-    def committed(self, key: Optional[str], size: int) -> None:
-        """A sealed key is now referenced by the metadata: queue it if it is new."""
+    def committed(self, key: Optional[str], size: int, upload: bool = True) -> None:
+        """A sealed key is now referenced by the metadata: queue it if it is new.
+
+        ``upload=False`` for a scratch file's block: it stays in staging, outside the
+        write-back queue and its dirty bound, until the file is deleted (or a normal
+        file references the same bytes, which queues it then)."""
         if key is None:
             return
         info = self.meta.get_object(key)
         if info is not None and not info.uploaded:
-            self.uploader.add(key, size)
+            if upload:
+                self.uploader.add(key, size)
+            else:
+                self._scratch.add(key)
+
+    def _staged(self, key: str) -> bool:
+        """Whether the block's bytes are in staging (so, maybe nowhere else)."""
+        return self.uploader.is_pending(key) or key in self._scratch
 
     def abandon(self, key: Optional[str]) -> None:
         """A sealed key that will not be referenced after all: drop its staging file."""
@@ -147,7 +160,12 @@ class BlockStore:
                 continue  # uploaded ones wait for the garbage collector
             if key in self._staging_inflight:
                 continue
-            self.uploader.discard(key)
+            if self.uploader.is_pending(key):
+                self.uploader.discard(key)
+            else:  # never queued: a scratch block, or one left by a crash before recovery
+                self._scratch.discard(key)
+                self.meta.forget_objects([key])
+                self.staging.remove(key)
 
     # --- read side ---------------------------------------------------------
     async def read(self, key: str, start: int, end: int, whole: bool = False) -> bytes:
@@ -159,7 +177,7 @@ class BlockStore:
             return data[start:end]
         started = time.perf_counter()
         small = (end - start) * 4 < self.block_size and not whole
-        maybe_local = self.uploader.is_pending(key) or not self.disk.known_absent(key)
+        maybe_local = self._staged(key) or not self.disk.known_absent(key)
         if small and maybe_local:
             chunk = await trio.to_thread.run_sync(self._read_local_range, key, start, end,
                                                   limiter=self._local_io)
@@ -214,14 +232,14 @@ class BlockStore:
         return data
 
     def _read_local_range(self, key: str, start: int, end: int) -> Optional[bytes]:
-        if self.uploader.is_pending(key):
+        if self._staged(key):
             chunk = self.staging.read_range(key, start, end)
             if chunk is not None:
                 return chunk
         return self.disk.get_range(key, start, end)
 
     def _load_local_sync(self, key: str) -> Optional[bytes]:
-        if self.uploader.is_pending(key):
+        if self._staged(key):
             data = self.staging.read(key)
             if data is not None:
                 return data
@@ -301,7 +319,7 @@ class BlockStore:
         while True:
             while key in self._fetching:
                 await self._fetching[key].wait()
-            if self.uploader.is_pending(key):
+            if self._staged(key):
                 return False
             if await trio.to_thread.run_sync(self.disk.__contains__, key, limiter=self._local_io):
                 return False

@@ -128,7 +128,7 @@ class Daemon:
         self.warmer = CacheWarmer(self.blocks, self.meta, mode=cfg.prefetch, disk_cache_bytes=cfg.read_cache_size)
         self.fs = FileSystem(self.meta, self.blocks, self.uploader, block_size=self.volume.block_size,
                              durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
-                             read_only=cfg.read_only)
+                             read_only=cfg.read_only, scratch_dirs=cfg.scratch_dirs)
         self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
         epoch = self.lease.record.epoch if self.lease and self.lease.record else 0
         self.shipper = JournalShipper(self.meta, self.remote, self.uploader, epoch,
@@ -387,6 +387,7 @@ class Daemon:
             "pid": os.getpid(),
             "uptime_seconds": round(time.time() - self.started_at, 1),
             "durability": self.cfg.durability,
+            "scratch_dirs": list(self.cfg.scratch_dirs),
             "metrics_addr": f"{self.metrics_addr[0]}:{self.metrics_addr[1]}" if self.metrics_addr else None,
             "block_size": self.volume.block_size,
             "volume_id": self.volume.volume_id,

@@ -23,6 +23,7 @@ import gzip
 import json
 import re
 import sqlite3
+import stat
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -40,32 +41,42 @@ _INODE_IMAGE = ("json_array(NEW.id, NEW.mode, NEW.uid, NEW.gid, NEW.size, NEW.nl
 _ENTRY_IMAGE = "json_array(NEW.id, NEW.parent, hex(NEW.name), NEW.inode)"
 _BLOCK_IMAGE = "json_array(NEW.inode, NEW.idx, NEW.key, NEW.size)"
 
-JOURNAL_SCHEMA = f"""
+# Scratch inodes (node-local, see Inode.scratch) never enter the journal: their inode and
+# block rows are skipped, and a name that points at one is journaled as deleted (a rename
+# can move a scratch dir onto a name that was shipped). Replaying the delete of a row that
+# never shipped deletes nothing.
+_NOT_SCRATCH = "(SELECT scratch FROM inodes WHERE id = {}) IS NOT 1"
+_ENTRY_CHANGE = (f"VALUES ('entries', CASE WHEN {_NOT_SCRATCH.format('NEW.inode')} THEN 'put' ELSE 'del' END,"
+                 f" NEW.id, CASE WHEN {_NOT_SCRATCH.format('NEW.inode')} THEN {_ENTRY_IMAGE} END)")
+
+_TRIGGERS = [
+    ("j_inodes_ins", "AFTER INSERT ON inodes", "NEW.scratch = 0",
+     f"VALUES ('inodes', 'put', NEW.id, {_INODE_IMAGE})"),
+    ("j_inodes_upd", "AFTER UPDATE ON inodes", "NEW.scratch = 0",
+     f"VALUES ('inodes', 'put', NEW.id, {_INODE_IMAGE})"),
+    ("j_inodes_del", "AFTER DELETE ON inodes", None, "VALUES ('inodes', 'del', OLD.id, NULL)"),
+    ("j_entries_ins", "AFTER INSERT ON entries", None, _ENTRY_CHANGE),
+    ("j_entries_upd", "AFTER UPDATE ON entries", None, _ENTRY_CHANGE),
+    ("j_entries_del", "AFTER DELETE ON entries", None, "VALUES ('entries', 'del', OLD.id, NULL)"),
+    ("j_blocks_ins", "AFTER INSERT ON blocks", _NOT_SCRATCH.format("NEW.inode"),
+     f"VALUES ('blocks', 'put', NEW.inode || ':' || NEW.idx, {_BLOCK_IMAGE})"),
+    ("j_blocks_upd", "AFTER UPDATE ON blocks", _NOT_SCRATCH.format("NEW.inode"),
+     f"VALUES ('blocks', 'put', NEW.inode || ':' || NEW.idx, {_BLOCK_IMAGE})"),
+    ("j_blocks_del", "AFTER DELETE ON blocks", None,
+     "VALUES ('blocks', 'del', OLD.inode || ':' || OLD.idx, NULL)"),
+]
+
+# Triggers are dropped and made again at every open, so a database written by an older
+# release gets the current ones.
+JOURNAL_SCHEMA = """
 CREATE TABLE IF NOT EXISTS journal (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     tbl TEXT NOT NULL, op TEXT NOT NULL, rowkey TEXT NOT NULL, image TEXT
 );
-CREATE TRIGGER IF NOT EXISTS j_inodes_ins AFTER INSERT ON inodes BEGIN
-    INSERT INTO journal (tbl, op, rowkey, image) VALUES ('inodes', 'put', NEW.id, {_INODE_IMAGE}); END;
-CREATE TRIGGER IF NOT EXISTS j_inodes_upd AFTER UPDATE ON inodes BEGIN
-    INSERT INTO journal (tbl, op, rowkey, image) VALUES ('inodes', 'put', NEW.id, {_INODE_IMAGE}); END;
-CREATE TRIGGER IF NOT EXISTS j_inodes_del AFTER DELETE ON inodes BEGIN
-    INSERT INTO journal (tbl, op, rowkey) VALUES ('inodes', 'del', OLD.id); END;
-CREATE TRIGGER IF NOT EXISTS j_entries_ins AFTER INSERT ON entries BEGIN
-    INSERT INTO journal (tbl, op, rowkey, image) VALUES ('entries', 'put', NEW.id, {_ENTRY_IMAGE}); END;
-CREATE TRIGGER IF NOT EXISTS j_entries_upd AFTER UPDATE ON entries BEGIN
-    INSERT INTO journal (tbl, op, rowkey, image) VALUES ('entries', 'put', NEW.id, {_ENTRY_IMAGE}); END;
-CREATE TRIGGER IF NOT EXISTS j_entries_del AFTER DELETE ON entries BEGIN
-    INSERT INTO journal (tbl, op, rowkey) VALUES ('entries', 'del', OLD.id); END;
-CREATE TRIGGER IF NOT EXISTS j_blocks_ins AFTER INSERT ON blocks BEGIN
-    INSERT INTO journal (tbl, op, rowkey, image)
-    VALUES ('blocks', 'put', NEW.inode || ':' || NEW.idx, {_BLOCK_IMAGE}); END;
-CREATE TRIGGER IF NOT EXISTS j_blocks_upd AFTER UPDATE ON blocks BEGIN
-    INSERT INTO journal (tbl, op, rowkey, image)
-    VALUES ('blocks', 'put', NEW.inode || ':' || NEW.idx, {_BLOCK_IMAGE}); END;
-CREATE TRIGGER IF NOT EXISTS j_blocks_del AFTER DELETE ON blocks BEGIN
-    INSERT INTO journal (tbl, op, rowkey) VALUES ('blocks', 'del', OLD.inode || ':' || OLD.idx); END;
-"""
+""" + "".join(
+    f"DROP TRIGGER IF EXISTS {name};\nCREATE TRIGGER {name} {event}{f' WHEN {when}' if when else ''} BEGIN\n"
+    f"    INSERT INTO journal (tbl, op, rowkey, image) {values}; END;\n"
+    for name, event, when, values in _TRIGGERS)
 
 
 @dataclass(frozen=True)
@@ -216,6 +227,14 @@ def apply_changes(db: sqlite3.Connection, changes: Iterable[Change]) -> None:
                            (inode, idx, key, size))
             else:
                 db.execute("DELETE FROM blocks WHERE inode=? AND idx=?", (inode, idx))
+
+
+def recount_dir_links(db: sqlite3.Connection) -> None:
+    """Directory link counts from the names restored: a scratch dir counted in its parent's
+    nlink on the node that made it, and that nlink was shipped, but the dir was not."""
+    is_dir = f"& {0o170000}) = {stat.S_IFDIR}"  # (st_mode & S_IFMT) = S_IFDIR
+    db.execute("UPDATE inodes SET nlink = 2 + (SELECT COUNT(*) FROM entries e JOIN inodes c ON c.id = e.inode"
+               f" WHERE e.parent = inodes.id AND (c.mode {is_dir}) WHERE (mode {is_dir} AND nlink > 0")
 
 
 def rebuild_objects(db: sqlite3.Connection) -> None:

@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS inodes (
     mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
     size INTEGER NOT NULL DEFAULT 0, nlink INTEGER NOT NULL DEFAULT 0,
     atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,
-    rdev INTEGER NOT NULL DEFAULT 0, symlink_target BLOB
+    rdev INTEGER NOT NULL DEFAULT 0, symlink_target BLOB, scratch INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS entries (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -48,7 +48,16 @@ CREATE TABLE IF NOT EXISTS objects (
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
-_INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target"
+_INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
+
+
+_S_IFMT = 0o170000  # the file type bits of st_mode
+
+
+def _drop_scratch(db: sqlite3.Connection) -> None:
+    """Remove scratch inodes, their names and block maps from a copy shipped to the bucket."""
+    for table, column in (("entries", "inode"), ("blocks", "inode"), ("inodes", "id")):
+        db.execute(f"DELETE FROM {table} WHERE {column} IN (SELECT id FROM inodes WHERE scratch = 1)")
 
 
 class SQLiteEngine:
@@ -83,7 +92,8 @@ class SQLiteEngine:
 
     def _migrate(self) -> None:
         """Bring a database written by an older release up to this schema."""
-        added = {"blocks": [("size", "INTEGER NOT NULL DEFAULT 0")],
+        added = {"inodes": [("scratch", "INTEGER NOT NULL DEFAULT 0")],
+                 "blocks": [("size", "INTEGER NOT NULL DEFAULT 0")],
                  "objects": [("unreferenced_seq", "INTEGER")]}
         for table, columns in added.items():
             present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
@@ -170,6 +180,7 @@ class SQLiteEngine:
             row = target.execute("SELECT seq FROM sqlite_sequence WHERE name='journal'").fetchone()
             seq = row[0] if row else 0
             target.execute("DELETE FROM journal")
+            _drop_scratch(target)
             target.execute("VACUUM")
             return seq
         finally:
@@ -193,7 +204,7 @@ class SQLiteEngine:
         row = self._db.execute(f"SELECT {_INODE_COLUMNS} FROM inodes WHERE id=?", (inode,)).fetchone()
         if row is None:
             raise KeyError(inode)
-        node = Inode(*row)
+        node = Inode(*row[:-1], scratch=bool(row[-1]))
         self._remember(node)
         return node
 
@@ -203,15 +214,15 @@ class SQLiteEngine:
             self._cache.popitem(last=False)
 
     def create_inode(self, mode: int, uid: int, gid: int, rdev: int = 0,
-                     symlink_target: Optional[bytes] = None) -> Inode:
+                     symlink_target: Optional[bytes] = None, scratch: bool = False) -> Inode:
         now = time.time_ns()
         size = len(symlink_target) if symlink_target is not None else 0
         cur = self._db.execute(
-            "INSERT INTO inodes (mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target)"
-            " VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?)",
-            (mode, uid, gid, size, now, now, now, rdev, symlink_target),
+            "INSERT INTO inodes (mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target,"
+            " scratch) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)",
+            (mode, uid, gid, size, now, now, now, rdev, symlink_target, int(scratch)),
         )
-        node = Inode(cur.lastrowid, mode, uid, gid, size, 0, now, now, now, rdev, symlink_target)
+        node = Inode(cur.lastrowid, mode, uid, gid, size, 0, now, now, now, rdev, symlink_target, scratch)
         self._inodes += 1
         self._remember(node)
         return node
@@ -230,6 +241,24 @@ class SQLiteEngine:
             freed = self.truncate_blocks(inode, 0)
             self._inodes -= self._db.execute("DELETE FROM inodes WHERE id=?", (inode,)).rowcount
         self._cache.pop(inode, None)
+        return freed
+
+    def purge_scratch(self) -> list[str]:
+        freed: list[str] = []
+        with self.transaction():
+            # Scratch roots (scratch dirs named in a normal dir) counted in their parent's nlink.
+            for parent, subdirs in self._db.execute(
+                    "SELECT e.parent, COUNT(*) FROM entries e JOIN inodes c ON c.id = e.inode"
+                    " JOIN inodes p ON p.id = e.parent WHERE c.scratch = 1 AND p.scratch = 0"
+                    " AND (c.mode & ?) = ? GROUP BY e.parent", (_S_IFMT, stat.S_IFDIR)).fetchall():
+                node = self.get_inode(parent)
+                node.nlink -= subdirs
+                self.update_inode(node)
+            self._db.execute("DELETE FROM entries WHERE inode IN (SELECT id FROM inodes WHERE scratch = 1)")
+            for (ino,) in self._db.execute("SELECT id FROM inodes WHERE scratch = 1").fetchall():
+                freed += self.truncate_blocks(ino, 0)
+                self._cache.pop(ino, None)
+            self._inodes -= self._db.execute("DELETE FROM inodes WHERE scratch = 1").rowcount
         return freed
 
     def orphaned_inodes(self) -> list[int]:
@@ -335,7 +364,7 @@ class SQLiteEngine:
         try:
             rows = db.execute(
                 "SELECT b.key, o.size FROM blocks b JOIN inodes i ON i.id = b.inode JOIN objects o ON o.key = b.key"
-                " WHERE o.refcount > 0 ORDER BY i.mtime_ns DESC, b.inode, b.idx")
+                " WHERE o.refcount > 0 AND i.scratch = 0 ORDER BY i.mtime_ns DESC, b.inode, b.idx")
             seen: set[str] = set()
             out: list[tuple[str, int]] = []
             total = 0

@@ -36,6 +36,17 @@ ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateS
 ROCKSDB_PREFIX = "spark.sql.streaming.stateStore.rocksdb."
 # What Spark names the dirs it makes in spark.local.dir (Utils.createTempDir, DiskBlockManager).
 SPARK_LOCAL_PREFIXES = ("spark-", "blockmgr-")
+# The mount option that keeps Spark's shuffle dirs on the node (never uploaded). The state
+# store's working dirs are under spark-*: they must stay part of the volume, since the
+# shim's checkpoint links share their SSTs.
+SHUFFLE_SCRATCH = "blockmgr-*"
+
+
+def shuffle_is_scratch(scratch_dirs: list[str]) -> bool:
+    """Whether a mount's ``--scratch`` patterns cover the shuffle dirs Spark makes."""
+    import fnmatch
+
+    return any(fnmatch.fnmatchcase("blockmgr-00000000-0000-0000-0000-000000000000", p) for p in scratch_dirs)
 
 # RocksDB opens every SST with POSIX_FADV_RANDOM, which turns off the kernel's readahead: a scan
 # (the deduplication store's eviction pass, a compaction) then reaches the daemon as one FUSE

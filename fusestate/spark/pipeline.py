@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from fusestate.spark.config import is_fusestate_mount, state_conf
+from fusestate.spark.config import SHUFFLE_SCRATCH, is_fusestate_mount, shuffle_is_scratch, state_conf
 
 EPOCH_MS = 1_700_000_000_000          # event time of the first event
 BATCH_SPAN_MS = 60_000                # event time covered by one input file
@@ -236,6 +236,12 @@ def batch_record(p: dict) -> dict:
         "state_rows": sum(op.get("numRowsTotal", 0) for op in ops),
         "state_memory_bytes": sum(op.get("memoryUsedBytes", 0) for op in ops),
         "state_commit_ms": sum(op.get("commitTimeMs", 0) for op in ops),
+        # per stateful operator: where its time went (updates include reading the state,
+        # removals are the watermark's eviction)
+        "operators": [{"name": op.get("operatorName"), "rows_total": op.get("numRowsTotal", 0),
+                       "rows_updated": op.get("numRowsUpdated", 0), "rows_removed": op.get("numRowsRemoved", 0),
+                       "updates_ms": op.get("allUpdatesTimeMs", 0), "removals_ms": op.get("allRemovalsTimeMs", 0),
+                       "commit_ms": op.get("commitTimeMs", 0)} for op in ops],
         "rocksdb": custom,
     }
 
@@ -318,6 +324,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stale = layout.remove_stale_local_dirs()  # a killed run's working dirs and shuffle files
     t_stale = time.time()
     status_before = fusestate_status(mount)
+    if status_before is not None and not shuffle_is_scratch(status_before.get("scratch_dirs", [])):
+        print(f"note: {mount} was mounted without --scratch '{SHUFFLE_SCRATCH}': Spark's shuffle files will "
+              "be uploaded with the state, and every fsync waits for them", file=sys.stderr, flush=True)
     t_status = time.time()
     spark = build_session(layout.conf, layout.jars, args.driver_memory, args.master)
     t_session = time.time()

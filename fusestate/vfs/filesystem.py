@@ -9,13 +9,14 @@ file system can be driven (and tested) without a mount.
 from __future__ import annotations
 
 import errno
+import fnmatch
 import logging
 import os
 import stat
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterator, Optional
+from typing import Awaitable, Callable, Iterator, Optional, Sequence
 
 import trio
 
@@ -67,7 +68,7 @@ class StatFs:
 class FileSystem:
     def __init__(self, meta: MetadataEngine, blocks: BlockStore, uploader: Uploader, *,
                  block_size: int, durability: str = "remote", readahead_blocks: int = 2,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, scratch_dirs: Sequence[str] = ()) -> None:
         self.meta = meta
         self.blocks = blocks
         self.uploader = uploader
@@ -75,6 +76,8 @@ class FileSystem:
         self.durability = durability
         self.readahead_blocks = readahead_blocks
         self.read_only = read_only
+        # Name patterns of directories made scratch when created (see Inode.scratch).
+        self.scratch_dirs = tuple(scratch_dirs)
         self._files: dict[int, OpenFile] = {}
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
@@ -88,6 +91,9 @@ class FileSystem:
     def start(self, nursery: trio.Nursery) -> None:
         """Start background sealing; purge inodes orphaned by a crash."""
         self._nursery = nursery
+        if not self.read_only:
+            # Scratch data belonged to processes the last mount served: gone, like a tmpfs.
+            self.blocks.release(self.meta.purge_scratch())
         for ino in self.meta.orphaned_inodes():
             if ino != ROOT_INODE:
                 self.blocks.release(self.meta.delete_inode(ino))
@@ -228,8 +234,9 @@ class FileSystem:
             gid = parent.gid
             if stat.S_ISDIR(mode):
                 mode |= stat.S_ISGID
+        scratch = parent.scratch or (stat.S_ISDIR(mode) and self._is_scratch_name(name))
         with self.meta.transaction():
-            node = self.meta.create_inode(mode, ctx.uid, gid, rdev, symlink_target)
+            node = self.meta.create_inode(mode, ctx.uid, gid, rdev, symlink_target, scratch=scratch)
             node.nlink = 2 if stat.S_ISDIR(mode) else 1
             self.meta.update_inode(node)
             self.meta.add_entry(parent.id, name, node.id)
@@ -238,6 +245,17 @@ class FileSystem:
             self._touch(parent)
         self._remember(node.id)
         return node
+
+    def _is_scratch_name(self, name: bytes) -> bool:
+        text = os.fsdecode(name)
+        return any(fnmatch.fnmatchcase(text, pattern) for pattern in self.scratch_dirs)
+
+    @staticmethod
+    def _check_scratch_move(node: Inode, new_parent: Inode) -> None:
+        """Nothing crosses between scratch and the volume (EXDEV, as between two file
+        systems: mv then copies), except a whole scratch dir, which stays scratch."""
+        if node.scratch != new_parent.scratch and not (node.scratch and node.is_dir):
+            raise FsError(errno.EXDEV, "scratch and the rest of the volume are separate")
 
     def mkdir(self, parent: int, name: bytes, mode: int, ctx: RequestContext) -> Inode:
         return self._new_node(self._node(parent), name, stat.S_IFDIR | (mode & 0o7777), ctx)
@@ -266,6 +284,7 @@ class FileSystem:
             raise enoent()
         parent = self._dir(new_parent)
         self._check_name(new_name)
+        self._check_scratch_move(node, parent)
         if self.meta.lookup(new_parent, new_name) is not None:
             raise FsError(errno.EEXIST)
         with self.meta.transaction():
@@ -332,12 +351,14 @@ class FileSystem:
         if ino is None:
             raise enoent()
         node = self._node(ino)
+        self._check_scratch_move(node, dst_dir)
         target = self.meta.lookup(new_parent, new_name)
         if flags & RENAME_NOREPLACE and target is not None:
             raise FsError(errno.EEXIST)
         if flags & RENAME_EXCHANGE:
             if target is None:
                 raise enoent()
+            self._check_scratch_move(self._node(target), src_dir)
             self._exchange(src_dir, old_name, node, dst_dir, new_name, self._node(target))
             return
         if target == ino:
@@ -635,7 +656,7 @@ class FileSystem:
             else:
                 f.keys[index] = key
             del f.sealing[index]
-            self.blocks.committed(key, len(data))
+            self.blocks.committed(key, len(data), upload=not f.node.scratch)
             self.blocks.release(freed)
         finally:
             f.seal_finished()
@@ -677,6 +698,8 @@ class FileSystem:
     async def fsync(self, fh: int, datasync: bool = False) -> None:
         f = self._handle(fh).file
         await self._flush_file(f)
+        if f.node.scratch:
+            return  # on the cache disk, and gone at the next mount whatever is synced
         keys = [k for k in f.keys.values() if self.uploader.is_pending(k)]
         try:
             if self.durability == "remote":
@@ -697,8 +720,8 @@ class FileSystem:
                 raise FsError(errno.EIO, str(exc)) from exc
 
     async def fsyncdir(self, ino: int) -> None:
-        self._dir(ino)
-        await self.sync_metadata()
+        if not self._dir(ino).scratch:
+            await self.sync_metadata()
 
     async def _expire_dirty_loop(self) -> None:
         """Seal blocks that stayed dirty too long, so data reaches staging (and the bucket)."""

@@ -1,0 +1,177 @@
+"""Scratch directories (``--scratch PATTERN``): node-local data inside the mount.
+
+Spark keeps its shuffle files under ``spark.local.dir`` next to the state store's working
+dirs, so they land on the mount too; they are worthless after the JVM that wrote them is
+gone. What a user checks: such files read back while mounted, nothing of them reaches the
+bucket, an fsync elsewhere does not wait for them, and they are gone after the next mount,
+on the same node or a fresh one, while everything else is intact.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import sqlite3
+import stat
+from pathlib import Path
+
+import pytest
+
+from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, sha
+from fusestate.meta import journal
+from fusestate.meta.sqlite_engine import SQLiteEngine
+
+MiB = 1 << 20
+SCRATCH = ["--scratch", "blockmgr-*"]
+
+
+def rand(size: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def write(path: Path, data: bytes, fsync: bool = True) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_cold(path: Path) -> bytes:
+    """The file's bytes as the daemon serves them (the kernel's page cache dropped first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return b"".join(iter(lambda: os.read(fd, 1 << 20), b""))
+    finally:
+        os.close(fd)
+
+
+def settle(m: Mount) -> dict:
+    """Status once nothing is waiting for upload (the volume's own data is in the bucket)."""
+    os.sync()
+    fd = os.open(m.path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # fsyncdir: ships the journal, after every block it references
+    finally:
+        os.close(fd)
+    return m.status()
+
+
+def spark_like_tree(m: Mount) -> tuple[bytes, bytes]:
+    """A state file and a shuffle file, as a Spark executor leaves them under its local dir."""
+    state, shuffle = rand(6 * MiB + 123, 1), rand(9 * MiB + 5, 2)
+    write(m.path / "job" / "state" / "000012.sst", state)
+    tmp = m.path / "job" / "blockmgr-5f1c" / "0c" / "temp_shuffle_1"
+    write(tmp, shuffle)
+    os.rename(tmp, tmp.with_name("shuffle_0_1_0.data"))  # inside scratch: an ordinary rename
+    return state, shuffle
+
+
+def test_scratch_data_reads_back_and_never_reaches_the_bucket(make_mount, file_bucket: Bucket) -> None:
+    # A memory cache smaller than the data: reads must find scratch blocks on the cache disk.
+    m: Mount = make_mount(file_bucket, extra=[*SCRATCH, "--memory-cache-size", "4M"]).mount()
+    assert m.status()["scratch_dirs"] == ["blockmgr-*"]
+    state, shuffle = spark_like_tree(m)
+    shuffle_file = m.path / "job" / "blockmgr-5f1c" / "0c" / "shuffle_0_1_0.data"
+    st = settle(m)
+    assert read_cold(shuffle_file) == shuffle
+    assert m.status()["cache"]["reads_from_disk"] > st["cache"]["reads_from_disk"]
+    st = m.status()
+    assert file_bucket.block_objects() == block_keys(state)
+    assert st["writeback"]["uploaded_bytes"] == len(state)
+    assert st["writeback"]["staged_blocks"] == 0  # scratch blocks are outside the write-back queue
+
+    # Nothing crosses the boundary: EXDEV, as between two file systems (mv then copies).
+    with pytest.raises(OSError) as exc:
+        os.rename(shuffle_file, m.path / "job" / "shuffle.data")
+    assert exc.value.errno == errno.EXDEV
+    with pytest.raises(OSError) as exc:
+        os.link(m.path / "job" / "state" / "000012.sst", shuffle_file.with_name("linked.sst"))
+    assert exc.value.errno == errno.EXDEV
+    # A whole scratch dir may move, and stays scratch.
+    os.rename(m.path / "job" / "blockmgr-5f1c", m.path / "job" / "blockmgr-moved")
+    assert read_cold(m.path / "job" / "blockmgr-moved" / "0c" / "shuffle_0_1_0.data") == shuffle
+    assert os.stat(m.path / "job").st_nlink == 4  # ., .., state, blockmgr-moved
+
+    m.umount()  # flushes everything: still nothing of the shuffle file
+    assert file_bucket.block_objects() == block_keys(state)
+    assert not block_keys(shuffle) & file_bucket.block_objects()
+    code = fusestate("fsck", file_bucket.url, check=False)
+    assert code.returncode == 0, code.stdout + code.stderr
+
+    # The same node again: scratch is emptied at the mount, the rest is as it was.
+    m.mount()
+    assert sorted(os.listdir(m.path / "job")) == ["state"]
+    assert os.stat(m.path / "job").st_nlink == 3
+    assert digest(m.path / "job" / "state" / "000012.sst") == sha(state)
+    m.umount()
+
+    # A fresh node (empty cache dir): the volume never had the scratch dir.
+    m.wipe_cache()
+    m.mount()
+    assert sorted(os.listdir(m.path / "job")) == ["state"]
+    assert os.stat(m.path / "job").st_nlink == 3
+    assert (m.path / "job" / "state" / "000012.sst").read_bytes() == state
+
+
+def test_fsync_does_not_wait_for_scratch_and_a_crash_leaves_none(make_mount, file_bucket: Bucket) -> None:
+    """Slow uploads: an fsync of a state file waits for its own blocks, not for the much
+    larger shuffle data written before it; after SIGKILL the shuffle data is dropped, not
+    uploaded, and the fsynced state is there."""
+    m: Mount = make_mount(file_bucket, extra=SCRATCH).mount(env={"FUSESTATE_FAULTS": "delay=0.3,ops=put"})
+    shuffle = rand(24 * MiB, 3)
+    write(m.path / "blockmgr-1" / "shuffle_0_0_0.data", shuffle, fsync=False)
+    state = rand(4 * MiB + 7, 4)
+    write(m.path / "000007.sst", state)  # fsync: two blocks at 0.3 s each, not eight
+    st = m.status()
+    assert st["writeback"]["uploaded_bytes"] == len(state)
+    assert not block_keys(shuffle) & file_bucket.block_objects()
+    m.kill()
+
+    m.mount()
+    assert os.listdir(m.path) == ["000007.sst"]
+    assert (m.path / "000007.sst").read_bytes() == state
+    st = settle(m)
+    assert st["writeback"]["staged_blocks"] == 0
+    assert not block_keys(shuffle) & file_bucket.block_objects()
+    m.umount()
+
+
+def test_bad_scratch_pattern_is_refused(make_mount, file_bucket: Bucket) -> None:
+    m: Mount = make_mount(file_bucket, extra=["--scratch", "a/b"])
+    assert_one_line_error(m.try_mount(), "--scratch", "a/b")
+
+
+def test_snapshot_and_restore_leave_scratch_out(tmp_path: Path) -> None:
+    """The metadata snapshot shipped to the bucket has no scratch rows, and a restore counts
+    a directory's links from the names it really has."""
+    engine = SQLiteEngine(str(tmp_path / "meta.db"))
+    root = engine.get_inode(1)
+    d = engine.create_inode(stat.S_IFDIR | 0o755, 0, 0, scratch=True)
+    d.nlink = 2
+    engine.update_inode(d)
+    engine.add_entry(1, b"blockmgr-1", d.id)
+    f = engine.create_inode(stat.S_IFREG | 0o644, 0, 0, scratch=True)
+    f.nlink = 1
+    engine.update_inode(f)
+    engine.add_entry(d.id, b"shuffle.data", f.id)
+    engine.set_block(f.id, 0, "k-scratch", 10)
+    root.nlink += 1
+    engine.update_inode(root)
+    shipped = journal.compact(engine.journal_tail(0))
+    assert all(c.op == "del" for c in shipped if c.table != "inodes" or c.rowkey != "1"), shipped
+    engine.snapshot_copy(str(tmp_path / "snap.db"))
+    db = sqlite3.connect(tmp_path / "snap.db")
+    assert db.execute("SELECT COUNT(*) FROM inodes WHERE scratch = 1").fetchone()[0] == 0
+    assert db.execute("SELECT COUNT(*) FROM entries").fetchone()[0] == 0
+    assert db.execute("SELECT COUNT(*) FROM blocks").fetchone()[0] == 0
+    assert db.execute("SELECT nlink FROM inodes WHERE id = 1").fetchone()[0] == 3  # as shipped
+    journal.recount_dir_links(db)
+    assert db.execute("SELECT nlink FROM inodes WHERE id = 1").fetchone()[0] == 2
+    db.close()
+    assert engine.purge_scratch() == ["k-scratch"]
+    assert engine.get_inode(1).nlink == 2 and engine.count_inodes() == 1
+    engine.close()
