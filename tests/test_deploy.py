@@ -303,12 +303,13 @@ def test_mount_helper_translates_options(tmp_path: Path):
     helper = str(SYSTEMD / "mount.fusestate")
     opts = ("rw,_netdev,nofail,x-systemd.requires=network-online.target,comment=x,cache_dir=/var/cache/fs/a,"
             "cache_size=50G,max_dirty=1G,allow_other,ro,endpoint_url=http://127.0.0.1:9000/x?a=b,"
-            "metrics_addr=0.0.0.0:9567,readahead=4,takeover,nosuid,nodev")
+            "metrics_addr=0.0.0.0:9567,readahead=4,takeover,scratch=blockmgr-*,nosuid,nodev")
     subprocess.run([helper, "s3://bucket/vol", "/mnt/a b", "-n", "-o", opts, "-t", "fusestate"], check=True, env=env)
     assert _calls(log) == [[
         "mount", "s3://bucket/vol", "/mnt/a b", "--cache-dir", "/var/cache/fs/a", "--cache-size", "50G",
         "--max-dirty", "1G", "--allow-other", "--read-only", "--endpoint-url", "http://127.0.0.1:9000/x?a=b",
-        "--metrics-addr", "0.0.0.0:9567", "--readahead", "4", "--takeover", "-o", "nosuid", "-o", "nodev"]]
+        "--metrics-addr", "0.0.0.0:9567", "--readahead", "4", "--takeover", "--scratch", "blockmgr-*",
+        "-o", "nosuid", "-o", "nodev"]]
     # Every option of the fstab example is understood.
     for line in (SYSTEMD / "fstab.example").read_text().splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
