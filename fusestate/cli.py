@@ -264,6 +264,8 @@ def _print_status(status: dict) -> None:
                    f"oldest {wb['oldest_staged_seconds']} s, queue {wb['upload_queue']}"),
         ("uploaded", f"{wb['uploaded_blocks']} blocks, {format_size(wb['uploaded_bytes'])}, "
                      f"{wb['dedup_skipped']} skipped by dedup, {wb['upload_failures']} failures"),
+        ("scratch", f"{cache['scratch_blocks']} blocks, {format_size(cache['scratch_bytes'])} on the cache disk "
+                    f"({', '.join(status['scratch_dirs']) or 'no --scratch'})"),
         ("remote", f"{format_size(remote['bytes_in'])} in, {format_size(remote['bytes_out'])} out, "
                    f"{remote['retries']} retries"),
     ]

@@ -408,7 +408,7 @@ def test_stats_prints_tables(make_mount, file_bucket: Bucket) -> None:
     # The human status output has its rows too.
     text = fusestate("status", str(m.path)).stdout
     assert [line.split("  ")[0] for line in text.splitlines()] == [
-        "volume", "files / used", "memory cache", "disk cache", "dirty", "staged", "uploaded", "remote"]
+        "volume", "files / used", "memory cache", "disk cache", "dirty", "staged", "uploaded", "scratch", "remote"]
     m.umount()
 
 

@@ -14,7 +14,9 @@ import os
 import random
 import sqlite3
 import stat
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -37,6 +39,13 @@ def write(path: Path, data: bytes, fsync: bool = True) -> None:
         if fsync:
             f.flush()
             os.fsync(f.fileno())
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
 
 
 def read_cold(path: Path) -> bytes:
@@ -77,6 +86,7 @@ def test_scratch_data_reads_back_and_never_reaches_the_bucket(make_mount, file_b
     state, shuffle = spark_like_tree(m)
     shuffle_file = m.path / "job" / "blockmgr-5f1c" / "0c" / "shuffle_0_1_0.data"
     st = settle(m)
+    assert (st["cache"]["scratch_blocks"], st["cache"]["scratch_bytes"]) == (3, len(shuffle))
     assert read_cold(shuffle_file) == shuffle
     assert m.status()["cache"]["reads_from_disk"] > st["cache"]["reads_from_disk"]
     st = m.status()
@@ -95,6 +105,14 @@ def test_scratch_data_reads_back_and_never_reaches_the_bucket(make_mount, file_b
     os.rename(m.path / "job" / "blockmgr-5f1c", m.path / "job" / "blockmgr-moved")
     assert read_cold(m.path / "job" / "blockmgr-moved" / "0c" / "shuffle_0_1_0.data") == shuffle
     assert os.stat(m.path / "job").st_nlink == 4  # ., .., state, blockmgr-moved
+
+    scratch_copy = m.path / "job" / "blockmgr-moved" / "copy"
+    scratch_copy.write_bytes(shuffle)  # the same bytes again: stored once
+    assert m.status()["cache"]["scratch_bytes"] == len(shuffle)
+    os.unlink(scratch_copy)
+    os.unlink(m.path / "job" / "blockmgr-moved" / "0c" / "shuffle_0_1_0.data")
+    wait_for(lambda: m.status()["cache"]["scratch_blocks"] == 0,  # once the kernel forgets the inodes
+             what="the deleted scratch files' blocks to go")
 
     m.umount()  # flushes everything: still nothing of the shuffle file
     assert file_bucket.block_objects() == block_keys(state)

@@ -84,8 +84,8 @@ class BlockStore:
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
-        # Blocks of scratch files: in staging for good, never queued for upload.
-        self._scratch: set[str] = set()
+        # Blocks of scratch files (key -> size): in staging for good, never queued for upload.
+        self._scratch: dict[str, int] = {}
         # Latency hook (metrics): called with the source ("local", "remote", "range") and seconds.
         self.read_observer: Optional[Callable[[str, float], None]] = None
 
@@ -141,7 +141,16 @@ class BlockStore:
             if upload:
                 self.uploader.add(key, size)
             else:
-                self._scratch.add(key)
+                self._scratch[key] = size
+
+    @property
+    def scratch_blocks(self) -> int:
+        return len(self._scratch)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Cache disk taken by scratch files, on top of the read cache and --max-dirty."""
+        return sum(self._scratch.values())
 
     def _staged(self, key: str) -> bool:
         """Whether the block's bytes are in staging (so, maybe nowhere else)."""
@@ -163,7 +172,7 @@ class BlockStore:
             if self.uploader.is_pending(key):
                 self.uploader.discard(key)
             else:  # never queued: a scratch block, or one left by a crash before recovery
-                self._scratch.discard(key)
+                self._scratch.pop(key, None)
                 self.meta.forget_objects([key])
                 self.staging.remove(key)
 

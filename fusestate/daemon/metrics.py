@@ -133,6 +133,10 @@ class DaemonCollector(Collector):
         yield _gauge("fusestate_staged_blocks", "Sealed blocks waiting in staging", up.staged_blocks)
         yield _gauge("fusestate_staged_bytes", "Bytes waiting in staging", up.staged_bytes)
         yield _gauge("fusestate_staged_oldest_age_seconds", "Age of the oldest staged block", up.oldest_staged_age())
+        yield _gauge("fusestate_scratch_blocks", "Blocks of scratch files (--scratch), kept on the cache disk only",
+                     d.blocks.scratch_blocks)
+        yield _gauge("fusestate_scratch_bytes", "Bytes of scratch files (--scratch) on the cache disk",
+                     d.blocks.scratch_bytes)
         yield _gauge("fusestate_upload_queue_length", "Staged blocks not being uploaded yet", up.queue_length)
         yield _counter("fusestate_uploaded_blocks_total", "Blocks uploaded", st.uploaded_blocks)
         yield _counter("fusestate_uploaded_bytes_total", "Bytes uploaded in blocks", st.uploaded_bytes)

@@ -401,6 +401,7 @@ class Daemon:
                 "disk_bytes": self.disk.used, "disk_limit": self.disk.limit,
                 "disk_hits": self.disk.stats.hits, "disk_misses": self.disk.stats.misses,
                 "disk_corrupt": self.disk.stats.corrupt,
+                "scratch_blocks": self.blocks.scratch_blocks, "scratch_bytes": self.blocks.scratch_bytes,
                 "reads_from_memory": self.blocks.stats.reads_from_memory,
                 "reads_from_disk": self.blocks.stats.reads_from_disk,
                 "reads_from_bucket": self.blocks.stats.reads_from_bucket,
