@@ -114,7 +114,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"(per-key aggregation and deduplication on the RocksDB state store, 4 partitions). "
              f"*local*: state and checkpoint on local disk, changelog checkpointing; *fusestate*: on a `file://` "
              f"mount with a `file://` checkpoint; *fusestate+shim*: the same mount with the `fusestate://` "
-             f"checkpoint (the full size runs local and fusestate+shim only). Restart: for fusestate after killing "
+             f"checkpoint (the full size runs local and fusestate+shim only); both mounted with `--scratch 'blockmgr-*'`, "
+             f"so Spark's shuffle files stay on the node. Restart: for fusestate after killing "
              f"the daemon and wiping its cache dir; for every setup with the page cache dropped first (a fresh node "
              f"has none). " + medians_note(doc), ratio_table(rows, names, show_variant=False)]
     by = {r["metric"]: r for r in rows}
