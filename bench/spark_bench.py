@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fusestate.spark.config import SHUFFLE_SCRATCH
+
 ROOT = Path(__file__).resolve().parent.parent
 FUSESTATE = str(Path(sys.executable).parent / "fusestate")
 RESULTS = ROOT / "bench" / "results"
@@ -96,9 +98,11 @@ def steady(report: dict) -> dict:
                         for b in report["batches"]]}
 
 
-def scratch_args(args) -> list[str]:
-    """Spark's shuffle dirs stay on the node (the deploy defaults), unless --no-scratch."""
-    return [] if args.no_scratch else ["--scratch", "blockmgr-*"]
+def mount(bucket: Path, mnt: Path, cache: Path, args, *more: str) -> None:
+    """Spark's shuffle dirs stay on the node, as deployed, unless --no-scratch."""
+    scratch = [] if args.no_scratch else ["--scratch", SHUFFLE_SCRATCH]
+    fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
+       "--metrics-addr", "off", "--durability", args.durability, *scratch, *more)
 
 
 def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -> dict:
@@ -115,8 +119,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
         bucket, mnt, cache = d / "bucket", d / "mnt", d / "cache"
         bucket.mkdir()
         mnt.mkdir()
-        fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
-           "--metrics-addr", "off", "--durability", args.durability, *scratch_args(args))
+        mount(bucket, mnt, cache, args)
     state = (mnt / "job") if mnt else d / "state"
     try:
         first = pipeline(f"{name} first run", state, out, input_dir, args.batches, common, *extra)
@@ -142,8 +145,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
             shutil.rmtree(cache)
             t = time.time()
-            fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
-               "--metrics-addr", "off", "--durability", args.durability, "--takeover", *scratch_args(args))
+            mount(bucket, mnt, cache, args, "--takeover")
             result["fresh_mount_s"] = round(time.time() - t, 2)
         t = time.time()
         restart_extra = ["--last-batch-events", str(args.restart_events)] if args.restart_events else []

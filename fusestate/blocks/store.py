@@ -163,6 +163,7 @@ class BlockStore:
 
     def release(self, keys: list[str]) -> None:
         """Objects whose refcount fell to zero: drop them if they never left staging."""
+        unqueued: list[str] = []  # a scratch block, or one left by a crash before recovery
         for key in keys:
             info = self.meta.get_object(key)
             if info is None or info.refcount > 0 or info.uploaded:
@@ -171,9 +172,12 @@ class BlockStore:
                 continue
             if self.uploader.is_pending(key):
                 self.uploader.discard(key)
-            else:  # never queued: a scratch block, or one left by a crash before recovery
+            else:
+                unqueued.append(key)
+        if unqueued:
+            self.meta.forget_objects(unqueued)  # one transaction: a mount's purge frees many
+            for key in unqueued:
                 self._scratch.pop(key, None)
-                self.meta.forget_objects([key])
                 self.staging.remove(key)
 
     # --- read side ---------------------------------------------------------

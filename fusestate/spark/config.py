@@ -20,8 +20,10 @@ writer only. See docs/spark.md.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -35,18 +37,19 @@ SHIM_AFS_CLASS = "io.fusestate.hadoop.FusestateFs"
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 ROCKSDB_PREFIX = "spark.sql.streaming.stateStore.rocksdb."
 # What Spark names the dirs it makes in spark.local.dir (Utils.createTempDir, DiskBlockManager).
-SPARK_LOCAL_PREFIXES = ("spark-", "blockmgr-")
+SHUFFLE_PREFIX = "blockmgr-"
+SPARK_LOCAL_PREFIXES = ("spark-", SHUFFLE_PREFIX)
 # The mount option that keeps Spark's shuffle dirs on the node (never uploaded). The state
 # store's working dirs are under spark-*: they must stay part of the volume, since the
 # shim's checkpoint links share their SSTs.
-SHUFFLE_SCRATCH = "blockmgr-*"
+SHUFFLE_SCRATCH = SHUFFLE_PREFIX + "*"
 
 
 def shuffle_is_scratch(scratch_dirs: list[str]) -> bool:
-    """Whether a mount's ``--scratch`` patterns cover the shuffle dirs Spark makes."""
-    import fnmatch
-
-    return any(fnmatch.fnmatchcase("blockmgr-00000000-0000-0000-0000-000000000000", p) for p in scratch_dirs)
+    """Whether a mount's ``--scratch`` patterns cover the shuffle dirs Spark makes
+    (``blockmgr-<uuid>``)."""
+    name = SHUFFLE_PREFIX + str(uuid.UUID(int=0))
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in scratch_dirs)
 
 # RocksDB opens every SST with POSIX_FADV_RANDOM, which turns off the kernel's readahead: a scan
 # (the deduplication store's eviction pass, a compaction) then reaches the daemon as one FUSE
