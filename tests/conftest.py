@@ -252,6 +252,16 @@ def mnt(make_mount, file_bucket: Bucket) -> Mount:
     return make_mount(file_bucket).mount()
 
 
+@pytest.fixture
+def small_cache_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs for the cache dir: far less than --cache-size (4G) says it may use."""
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 # --- helpers shared by the test files ------------------------------------------------
 
 BLOCK_SIZE = 4 << 20

@@ -12,8 +12,11 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
 import sqlite3
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -155,6 +158,63 @@ def test_fsync_does_not_wait_for_scratch_and_a_crash_leaves_none(make_mount, fil
     st = settle(m)
     assert st["writeback"]["staged_blocks"] == 0
     assert not block_keys(shuffle) & file_bucket.block_objects()
+    m.umount()
+
+
+FILL_UNTIL_FULL = """
+import errno, os, sys
+path, total = sys.argv[1], int(sys.argv[2])
+written, failed = 0, None
+try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        while written < total:
+            written += os.write(fd, os.urandom(1 << 20))  # distinct blocks: no dedup
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+except OSError as exc:
+    failed = exc.errno
+print(written, failed)
+"""
+
+
+def rss(pid: int) -> int:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024
+
+
+def test_scratch_filling_the_cache_disk_fails_with_enospc(make_mount, file_bucket: Bucket,
+                                                          small_cache_disk: Path) -> None:
+    """Scratch data leaves the cache disk only when it is deleted, so a shuffle larger than
+    the disk gets ENOSPC, as on a full local disk, instead of waiting forever for room or
+    piling up in the daemon's memory; the metadata keeps its room, the state is intact, and
+    once the scratch file is deleted the volume takes data again."""
+    m: Mount = make_mount(file_bucket, cache="small-disk/cache", extra=SCRATCH).mount("--memory-cache-size", "16M")
+    state = rand(4 * MiB + 3, 5)
+    write(m.path / "000009.sst", state)
+    pid = m.status()["pid"]
+    rss_before = rss(pid)
+    shuffle = m.path / "blockmgr-1" / "shuffle_0_0_0.data"
+    shuffle.parent.mkdir()
+    proc = subprocess.run([sys.executable, "-c", FILL_UNTIL_FULL, str(shuffle), str(512 * MiB)],
+                          capture_output=True, text=True, timeout=120)  # 8x the disk
+    written, failed = proc.stdout.split()
+    # With the kernel's write-back cache the error may come from a write or from the fsync.
+    assert failed == str(errno.ENOSPC), (proc.stdout, proc.stderr)
+    # What could not be stored was refused, not kept: sealing is bounded (once 1.4 GiB here).
+    assert rss(pid) - rss_before < 160 * MiB
+    assert shutil.disk_usage(small_cache_disk).free >= 8 * MiB  # the metadata's room is left
+    st = m.status()
+    assert st["cache"]["scratch_bytes"] > 16 * MiB, st["cache"]
+    assert "cache disk full" in (m.cache_dir / "fusestate.log").read_text()
+    assert read_cold(m.path / "000009.sst") == state
+
+    shuffle.unlink()
+    wait_for(lambda: m.status()["cache"]["scratch_bytes"] == 0, "the scratch blocks to be freed")
+    more = rand(16 * MiB, 6)
+    write(m.path / "000010.sst", more)
+    assert read_cold(m.path / "000010.sst") == more
     m.umount()
 
 

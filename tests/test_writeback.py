@@ -379,18 +379,6 @@ def test_crash_after_fsync_then_losing_the_cache_dir(make_mount, file_bucket: Bu
     _check_files(m, files)
 
 
-@pytest.fixture
-def small_cache_disk(tmp_path: Path):
-    """A 64 MiB tmpfs for the cache dir: far less than --cache-size (4G) says it may use."""
-    import subprocess
-
-    disk = tmp_path / "small-disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], check=True)
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
 def test_full_cache_disk_waits_for_uploads_and_loses_nothing(make_mount, file_bucket: Bucket,
                                                              small_cache_disk: Path) -> None:
     """--cache-size larger than the cache disk: the daemon fits the cache to the disk, keeping

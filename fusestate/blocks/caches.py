@@ -284,13 +284,14 @@ class DiskCache:
         if evicted > 0:
             self.stats.evictions += evicted
 
-    def evict(self, nbytes: int) -> None:
-        """Make room on a full disk: cull least-recently-used entries."""
+    def evict(self, nbytes: int) -> int:
+        """Make room on a full disk: cull least-recently-used entries; returns bytes freed."""
         with self._locked():
-            target = max(0, self._cache.volume() - nbytes)
-            self._cache.reset("size_limit", target)
+            before = self._cache.volume()
+            self._cache.reset("size_limit", max(0, before - nbytes))
             self._cache.cull()
             self._cache.reset("size_limit", self.limit)
+            return max(0, before - self._cache.volume())
 
     @property
     def used(self) -> int:

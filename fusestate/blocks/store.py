@@ -17,6 +17,7 @@ import contextlib
 import errno
 import functools
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator, Optional
@@ -27,6 +28,7 @@ from fusestate.blocks.caches import DiskCache, KeySet, MemoryCache
 from fusestate.blocks.keys import key_matches, object_name, seal_digest
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.uploader import Uploader
+from fusestate.config import format_size
 from fusestate.meta.engine import MetadataEngine
 from fusestate.remote.store import RemoteError, RemoteStore
 
@@ -67,7 +69,7 @@ class BlockStore:
     def __init__(self, meta: MetadataEngine, remote: RemoteStore, staging: Staging,
                  memory: MemoryCache, disk: DiskCache, uploader: Uploader, *,
                  block_size: int, local_io: trio.CapacityLimiter,
-                 prefetch_concurrency: int = 4) -> None:
+                 prefetch_concurrency: int = 4, disk_reserve: int = 0) -> None:
         self.meta = meta
         self.remote = remote
         self.staging = staging
@@ -75,6 +77,8 @@ class BlockStore:
         self.disk = disk
         self.uploader = uploader
         self.block_size = block_size
+        # Free space staging never takes: the metadata's room on the cache disk.
+        self.disk_reserve = disk_reserve
         self.stats = ReadStats()
         self._local_io = local_io
         self._fetching: dict[str, trio.Event] = {}
@@ -97,7 +101,8 @@ class BlockStore:
         """Store a block's final bytes; returns its key (None for an all-zero hole).
 
         The caller must reference the key in the metadata (set_block) without
-        awaiting in between, so the object cannot be discarded under it.
+        awaiting in between, so the object cannot be discarded under it. Raises
+        OSError(ENOSPC) when the cache disk is full and nothing will free it.
         """
         key = await trio.to_thread.run_sync(seal_digest, data, limiter=self._local_io)
         if key is None:
@@ -114,19 +119,40 @@ class BlockStore:
             await self._write_staging(key, data)
         return key
 
+    def _stage_sync(self, key: str, data: bytes | bytearray) -> None:
+        # The metadata (SQLite) must always be able to write: the reserve counts as full.
+        if shutil.disk_usage(self.staging.directory).free - len(data) < self.disk_reserve:
+            raise OSError(errno.ENOSPC, "cache disk full (the space kept free for the metadata reached)")
+        self.staging.write(key, data)
+
     async def _write_staging(self, key: str, data: bytes | bytearray) -> None:
         while True:
             try:
-                await trio.to_thread.run_sync(self.staging.write, key, data, limiter=self._local_io)
+                await trio.to_thread.run_sync(self._stage_sync, key, data, limiter=self._local_io)
                 return
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                # A full cache disk: free read cache and wait for uploads, never fail.
+                # A full cache disk: free read cache and wait for uploads while either
+                # can make room. Scratch files' blocks leave only when they are deleted,
+                # so a disk full of them fails the write instead of waiting forever.
+                freed = await trio.to_thread.run_sync(self.disk.evict, 16 * self.block_size)
+                if not freed and not self.uploader.staged_blocks:
+                    raise OSError(errno.ENOSPC, f"cache disk full: {format_size(self.scratch_bytes)} of "
+                                                "scratch files, no read cache to evict, nothing to upload") from exc
                 log.warning("cache disk full while staging a block; evicting and waiting for uploads")
-                await trio.to_thread.run_sync(self.disk.evict, 16 * self.block_size)
                 self.uploader.expedite_all()
                 await trio.sleep(0.5)
+
+    async def has_room(self) -> bool:
+        """Whether a block could be staged now or soon: free space above the reserve, read
+        cache to evict, or uploads that will move staged blocks out."""
+        if self.uploader.staged_blocks:
+            return True
+        if await trio.to_thread.run_sync(len, self.disk, limiter=self._local_io):
+            return True
+        usage = await trio.to_thread.run_sync(shutil.disk_usage, self.staging.directory, limiter=self._local_io)
+        return usage.free - self.block_size >= self.disk_reserve
 
     def committed(self, key: Optional[str], size: int, upload: bool = True) -> None:
         """A sealed key is now referenced by the metadata: queue it if it is new.

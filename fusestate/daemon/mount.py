@@ -96,6 +96,7 @@ class Daemon:
         self._finished: Optional[trio.Event] = None  # created inside trio.run
         self.gc_deleted = 0
         self.restored = None
+        self.disk_reserve = 0  # kept free on the cache disk for the metadata (set by prepare)
         self.lease: Optional[Lease] = None
         self._umount_requests = 0  # control requests still inside unmount()
 
@@ -124,7 +125,8 @@ class Daemon:
                                  max_dirty=cfg.max_dirty, upload_delay=cfg.upload_delay,
                                  concurrency=cfg.upload_concurrency, local_io=self.local_io)
         self.blocks = BlockStore(self.meta, self.remote, self.staging, self.memory, self.disk,
-                                 self.uploader, block_size=self.volume.block_size, local_io=self.local_io)
+                                 self.uploader, block_size=self.volume.block_size, local_io=self.local_io,
+                                 disk_reserve=self.disk_reserve)
         self.warmer = CacheWarmer(self.blocks, self.meta, mode=cfg.prefetch, disk_cache_bytes=cfg.read_cache_size)
         self.fs = FileSystem(self.meta, self.blocks, self.uploader, block_size=self.volume.block_size,
                              durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
@@ -190,7 +192,7 @@ class Daemon:
         """Never let the cache fill its disk: the metadata (SQLite) must always be able to
         write, or a full disk would fail writes instead of making them wait for uploads."""
         usage = shutil.disk_usage(self.cfg.cache_dir)
-        reserve = max(CACHE_DISK_RESERVE_MIN, min(CACHE_DISK_RESERVE_MAX, usage.total // 20))
+        reserve = self.disk_reserve = max(CACHE_DISK_RESERVE_MIN, min(CACHE_DISK_RESERVE_MAX, usage.total // 20))
         owned = _tree_bytes(self.layout.read_cache) + _tree_bytes(self.layout.staging)
         room = usage.free + owned - reserve
         if room < self.cfg.cache_size:

@@ -33,6 +33,7 @@ REMOTE_CAPACITY = 1 << 50  # what statfs reports: the bucket has no practical li
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 DIRTY_EXPIRE_SECONDS = 5.0
+SEALING_LIMIT_BLOCKS = 16  # blocks being hashed and staged at once, beyond which writers wait
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class FileSystem:
         self._next_fh = 1
         self._lookups: dict[int, int] = {}
         self._nursery: Optional[trio.Nursery] = None
+        # Blocks being sealed hold their bytes in memory until staged: writers wait past a bound.
+        self._sealing_bytes = 0
+        self._sealed = trio.Event()
         # Set by the daemon: waits until the metadata journal is in the bucket.
         self.ship_metadata: Optional[Callable[[], Awaitable[None]]] = None
         uploader.memory_dirty_bytes = self.memory_dirty_bytes
@@ -569,6 +573,13 @@ class FileSystem:
             raise FsError(errno.EBADF)
         self._check_writable()
         f = h.file
+        if f.out_of_space:
+            # A block of this file found the cache disk full: fail as a full disk does until
+            # there is room again, rather than pile more data up in memory.
+            if not await self.blocks.has_room():
+                raise FsError(errno.ENOSPC, "cache disk full")
+            f.out_of_space = False
+        await self._wait_for_sealing(len(data))
         await self.uploader.wait_for_room(len(data))
         bs = self.block_size
         async with f.lock:
@@ -616,6 +627,13 @@ class FileSystem:
         f.mark_dirty(index, buf)
         return buf
 
+    async def _wait_for_sealing(self, nbytes: int) -> None:
+        """Backpressure on sealing: its blocks count against no other bound until they are
+        staged (scratch blocks never are), and a full cache disk fails them only once hashed."""
+        limit = SEALING_LIMIT_BLOCKS * self.block_size
+        while self._sealing_bytes and self._sealing_bytes + nbytes > limit:
+            await self._sealed.wait()
+
     def _seal(self, f: OpenFile, index: int) -> None:
         """Freeze a dirty block and store it in the background."""
         # The dirty buffer itself becomes the sealed block: nothing writes to it once taken
@@ -630,10 +648,12 @@ class FileSystem:
         generation = f.next_generation(index)
         f.sealing[index] = Sealing(data, generation)
         f.seal_started()
+        self._sealing_bytes += len(data)
         assert self._nursery is not None, "FileSystem.start() was not called"
         self._nursery.start_soon(self._store_sealed, f, index, generation, data)
 
     async def _store_sealed(self, f: OpenFile, index: int, generation: int, data: bytearray) -> None:
+        size = len(data)
         try:
             try:
                 key = await self.blocks.seal(data) if data else None
@@ -645,8 +665,8 @@ class FileSystem:
                     freed = self.meta.set_block(f.inode, index, key, len(data))
                     self.meta.update_inode(f.node)
             except Exception as exc:  # noqa: BLE001 - never take the daemon down; fsync reports it
-                log.exception("could not store block %d of inode %d", index, f.inode)
-                f.error = str(exc)
+                f.error = self._seal_error(f, index, exc, quiet=f.out_of_space)
+                f.out_of_space = f.error.errno == errno.ENOSPC
                 if f.is_current(index, generation) and index not in f.dirty:
                     f.mark_dirty(index, bytearray(data))  # keep it; a later flush retries
                     f.sealing.pop(index, None)
@@ -660,6 +680,21 @@ class FileSystem:
             self.blocks.release(freed)
         finally:
             f.seal_finished()
+            self._sealing_bytes -= size
+            self._sealed.set()
+            self._sealed = trio.Event()
+
+    @staticmethod
+    def _seal_error(f: OpenFile, index: int, exc: Exception, quiet: bool = False) -> FsError:
+        """What flush and fsync report for a block that could not be stored (write, too, for
+        a full disk). ``quiet``: the file already found the disk full, and said so."""
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if not quiet:
+                log.warning("block %d of inode %d stays in memory, its writes fail: %s",
+                            index, f.inode, exc.strerror)
+            return FsError(errno.ENOSPC, exc.strerror or "")
+        log.error("could not store block %d of inode %d", index, f.inode, exc_info=exc)
+        return FsError(errno.EIO, str(exc))
 
     async def _flush_file(self, f: OpenFile) -> None:
         async with f.lock:
@@ -671,7 +706,7 @@ class FileSystem:
             self.meta.update_inode(f.node)
         if f.error is not None:
             error, f.error = f.error, None
-            raise FsError(errno.EIO, error)
+            raise error
 
     async def flush(self, fh: int) -> None:
         f = self._handle(fh).file

@@ -15,6 +15,7 @@ from typing import Optional
 import trio
 
 from fusestate.meta.engine import Inode
+from fusestate.vfs.errors import FsError
 
 
 @dataclass
@@ -35,7 +36,8 @@ class OpenFile:
     lock: trio.Lock = field(default_factory=trio.Lock)
     in_flight: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
-    error: Optional[str] = None                # a seal that failed; reported by flush/fsync
+    error: Optional[FsError] = None            # a seal that failed; reported by flush/fsync
+    out_of_space: bool = False                 # a seal found the cache disk full: writes retry first
     attrs_dirty: bool = False                  # size/mtime changed in memory since last persisted
 
     def __post_init__(self) -> None:
