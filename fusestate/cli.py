@@ -258,7 +258,9 @@ def _print_status(status: dict) -> None:
                          f"{cache['memory_hits']} hits, {cache['memory_misses']} misses"),
         ("disk cache", f"{format_size(cache['disk_bytes'])} of {format_size(cache['disk_limit'])}, "
                        f"{cache['disk_hits']} hits, {cache['disk_misses']} misses; "
-                       f"{format_size(cache['cache_dir_free_bytes'])} free on the cache disk"),
+                       f"{format_size(cache['cache_dir_free_bytes'])} free on the cache disk"
+                       + (f"; {cache['disk_full_failures']} blocks refused, disk full" if cache.get("disk_full_failures")
+                          else "")),
         ("dirty", f"{format_size(wb['dirty_bytes'])} of {format_size(wb['max_dirty'])}"),
         ("staged", f"{wb['staged_blocks']} blocks, {format_size(wb['staged_bytes'])}, "
                    f"oldest {wb['oldest_staged_seconds']} s, queue {wb['upload_queue']}"),

@@ -90,6 +90,8 @@ class BlockStore:
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
         # Blocks of scratch files (key -> size): in staging for good, never queued for upload.
         self._scratch: dict[str, int] = {}
+        # Blocks refused because the cache disk was full and nothing could make room.
+        self.disk_full_failures = 0
         # Latency hook (metrics): called with the source ("local", "remote", "range") and seconds.
         self.read_observer: Optional[Callable[[str, float], None]] = None
 
@@ -138,6 +140,7 @@ class BlockStore:
                 # so a disk full of them fails the write instead of waiting forever.
                 freed = await trio.to_thread.run_sync(self.disk.evict, 16 * self.block_size)
                 if not freed and not self.uploader.staged_blocks:
+                    self.disk_full_failures += 1
                     raise OSError(errno.ENOSPC, f"cache disk full: {format_size(self.scratch_bytes)} of "
                                                 "scratch files, no read cache to evict, nothing to upload") from exc
                 log.warning("cache disk full while staging a block; evicting and waiting for uploads")

@@ -137,6 +137,8 @@ class DaemonCollector(Collector):
                      d.blocks.scratch_blocks)
         yield _gauge("fusestate_scratch_bytes", "Bytes of scratch files (--scratch) on the cache disk",
                      d.blocks.scratch_bytes)
+        yield _counter("fusestate_cache_disk_full_total", "Blocks refused with ENOSPC: the cache disk was full "
+                       "and neither eviction nor uploads could make room", d.blocks.disk_full_failures)
         yield _gauge("fusestate_upload_queue_length", "Staged blocks not being uploaded yet", up.queue_length)
         yield _counter("fusestate_uploaded_blocks_total", "Blocks uploaded", st.uploaded_blocks)
         yield _counter("fusestate_uploaded_bytes_total", "Bytes uploaded in blocks", st.uploaded_bytes)

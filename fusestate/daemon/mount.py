@@ -402,7 +402,7 @@ class Daemon:
                 "memory_misses": self.memory.stats.misses,
                 "disk_bytes": self.disk.used, "disk_limit": self.disk.limit,
                 "disk_hits": self.disk.stats.hits, "disk_misses": self.disk.stats.misses,
-                "disk_corrupt": self.disk.stats.corrupt,
+                "disk_corrupt": self.disk.stats.corrupt, "disk_full_failures": self.blocks.disk_full_failures,
                 "scratch_blocks": self.blocks.scratch_blocks, "scratch_bytes": self.blocks.scratch_bytes,
                 "reads_from_memory": self.blocks.stats.reads_from_memory,
                 "reads_from_disk": self.blocks.stats.reads_from_disk,
