@@ -8,7 +8,9 @@ are uploaded by the next mount.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 
 from fusestate.localio import write_file
@@ -17,14 +19,22 @@ from fusestate.localio import write_file
 class Staging:
     """Blocking file operations; call them from worker threads."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, reserve: int = 0) -> None:
         self.directory = directory
+        # Free space on the disk that staging never takes: the metadata (SQLite) must always
+        # be able to write, so reaching it counts as a full disk.
+        self.reserve = reserve
         os.makedirs(directory, exist_ok=True)
+
+    def has_room(self, nbytes: int) -> bool:
+        return shutil.disk_usage(self.directory).free - nbytes >= self.reserve
 
     def path(self, key: str) -> str:
         return os.path.join(self.directory, key)
 
     def write(self, key: str, data: bytes | bytearray, fsync: bool = False) -> None:
+        if self.reserve and not self.has_room(len(data)):
+            raise OSError(errno.ENOSPC, "cache disk full (the space kept free for the metadata reached)")
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:

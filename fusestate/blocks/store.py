@@ -17,7 +17,6 @@ import contextlib
 import errno
 import functools
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator, Optional
@@ -69,7 +68,7 @@ class BlockStore:
     def __init__(self, meta: MetadataEngine, remote: RemoteStore, staging: Staging,
                  memory: MemoryCache, disk: DiskCache, uploader: Uploader, *,
                  block_size: int, local_io: trio.CapacityLimiter,
-                 prefetch_concurrency: int = 4, disk_reserve: int = 0) -> None:
+                 prefetch_concurrency: int = 4) -> None:
         self.meta = meta
         self.remote = remote
         self.staging = staging
@@ -77,8 +76,6 @@ class BlockStore:
         self.disk = disk
         self.uploader = uploader
         self.block_size = block_size
-        # Free space staging never takes: the metadata's room on the cache disk.
-        self.disk_reserve = disk_reserve
         self.stats = ReadStats()
         self._local_io = local_io
         self._fetching: dict[str, trio.Event] = {}
@@ -121,16 +118,10 @@ class BlockStore:
             await self._write_staging(key, data)
         return key
 
-    def _stage_sync(self, key: str, data: bytes | bytearray) -> None:
-        # The metadata (SQLite) must always be able to write: the reserve counts as full.
-        if shutil.disk_usage(self.staging.directory).free - len(data) < self.disk_reserve:
-            raise OSError(errno.ENOSPC, "cache disk full (the space kept free for the metadata reached)")
-        self.staging.write(key, data)
-
     async def _write_staging(self, key: str, data: bytes | bytearray) -> None:
         while True:
             try:
-                await trio.to_thread.run_sync(self._stage_sync, key, data, limiter=self._local_io)
+                await trio.to_thread.run_sync(self.staging.write, key, data, limiter=self._local_io)
                 return
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -154,8 +145,7 @@ class BlockStore:
             return True
         if await trio.to_thread.run_sync(len, self.disk, limiter=self._local_io):
             return True
-        usage = await trio.to_thread.run_sync(shutil.disk_usage, self.staging.directory, limiter=self._local_io)
-        return usage.free - self.block_size >= self.disk_reserve
+        return await trio.to_thread.run_sync(self.staging.has_room, self.block_size, limiter=self._local_io)
 
     def committed(self, key: Optional[str], size: int, upload: bool = True) -> None:
         """A sealed key is now referenced by the metadata: queue it if it is new.

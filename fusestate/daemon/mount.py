@@ -96,7 +96,6 @@ class Daemon:
         self._finished: Optional[trio.Event] = None  # created inside trio.run
         self.gc_deleted = 0
         self.restored = None
-        self.disk_reserve = 0  # kept free on the cache disk for the metadata (set by prepare)
         self.lease: Optional[Lease] = None
         self._umount_requests = 0  # control requests still inside unmount()
 
@@ -106,6 +105,7 @@ class Daemon:
         check_mountpoint(cfg.mountpoint)
         self.layout = prepare_cache_dir(cfg.cache_dir)
         self._lock_fd = lock_cache_dir(self.layout)
+        self.disk_reserve = metadata_reserve(shutil.disk_usage(cfg.cache_dir).total)
         self._fit_cache_to_disk()
         fs, location = open_bucket(cfg.url, cfg.endpoint_url, cfg.remote_timeout)
         self.location = location
@@ -119,14 +119,13 @@ class Daemon:
         self.local_io = trio.CapacityLimiter(8)
         self.memory = MemoryCache(cfg.memory_cache_size)
         self.disk = DiskCache(self.layout.read_cache, cfg.read_cache_size)
-        self.staging = Staging(self.layout.staging)
+        self.staging = Staging(self.layout.staging, reserve=self.disk_reserve)
         assert cfg.max_dirty is not None
         self.uploader = Uploader(self.meta, self.remote, self.staging, self.disk,
                                  max_dirty=cfg.max_dirty, upload_delay=cfg.upload_delay,
                                  concurrency=cfg.upload_concurrency, local_io=self.local_io)
         self.blocks = BlockStore(self.meta, self.remote, self.staging, self.memory, self.disk,
-                                 self.uploader, block_size=self.volume.block_size, local_io=self.local_io,
-                                 disk_reserve=self.disk_reserve)
+                                 self.uploader, block_size=self.volume.block_size, local_io=self.local_io)
         self.warmer = CacheWarmer(self.blocks, self.meta, mode=cfg.prefetch, disk_cache_bytes=cfg.read_cache_size)
         self.fs = FileSystem(self.meta, self.blocks, self.uploader, block_size=self.volume.block_size,
                              durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
@@ -191,8 +190,7 @@ class Daemon:
     def _fit_cache_to_disk(self) -> None:
         """Never let the cache fill its disk: the metadata (SQLite) must always be able to
         write, or a full disk would fail writes instead of making them wait for uploads."""
-        usage = shutil.disk_usage(self.cfg.cache_dir)
-        reserve = self.disk_reserve = max(CACHE_DISK_RESERVE_MIN, min(CACHE_DISK_RESERVE_MAX, usage.total // 20))
+        usage, reserve = shutil.disk_usage(self.cfg.cache_dir), self.disk_reserve
         owned = _tree_bytes(self.layout.read_cache) + _tree_bytes(self.layout.staging)
         room = usage.free + owned - reserve
         if room < self.cfg.cache_size:
@@ -466,6 +464,11 @@ class Daemon:
 
 CACHE_DISK_RESERVE_MIN = 16 << 20   # kept free on the cache dir's disk: 5% of it, within these bounds
 CACHE_DISK_RESERVE_MAX = 1 << 30
+
+
+def metadata_reserve(disk_total: int) -> int:
+    """Free space the cache dir's disk keeps for the metadata: neither the cache nor staging takes it."""
+    return max(CACHE_DISK_RESERVE_MIN, min(CACHE_DISK_RESERVE_MAX, disk_total // 20))
 
 
 def _tree_bytes(path: str) -> int:

@@ -37,7 +37,7 @@ class OpenFile:
     in_flight: int = 0
     idle: trio.Event = field(default_factory=trio.Event)
     error: Optional[FsError] = None            # a seal that failed; reported by flush/fsync
-    out_of_space: bool = False                 # a seal found the cache disk full: writes retry first
+    out_of_space: bool = False                 # a seal found the cache disk full: writes check for room first
     attrs_dirty: bool = False                  # size/mtime changed in memory since last persisted
 
     def __post_init__(self) -> None:
