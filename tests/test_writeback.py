@@ -25,12 +25,6 @@ def rand(size: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-
-
-
-
-
-
 def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -105,6 +99,18 @@ def test_fsync_remote_uploads_before_returning(make_mount, file_bucket: Bucket) 
     st = m.status()["writeback"]
     assert st["staged_blocks"] == 0
     assert st["uploaded_blocks"] == len(keys)
+
+
+def test_new_blocks_are_uploaded_without_asking_the_bucket_first(make_mount, file_bucket: Bucket) -> None:
+    """A content-addressed PUT of a new block rewrites the same bytes if they were there: a
+    HEAD before each one would cost every upload a round trip to S3 for nothing."""
+    m: Mount = make_mount(file_bucket).mount()
+    heads = m.status()["remote"]["requests"].get("head", 0)
+    data = rand(64 * MiB, 14)
+    write_file(m.path / "f", data, fsync=True)
+    st = m.status()
+    assert st["writeback"]["uploaded_blocks"] == len(block_keys(data)) == 16
+    assert st["remote"]["requests"].get("head", 0) - heads <= 2, st["remote"]  # the lease's checks at most
 
 
 def test_fsync_local_stages_and_survives_a_crash(make_mount, file_bucket: Bucket) -> None:
@@ -305,6 +311,33 @@ def test_small_cold_read_uses_a_range_read(make_mount, file_bucket: Bucket) -> N
     # A second read in the same block: now the whole block is worth fetching.
     _point_read(m.path / "f", offset + MiB, data)
     _wait_full_fetch(m)
+
+
+def test_point_reads_do_not_wait_for_the_block_being_fetched_whole(make_mount, file_bucket: Bucket) -> None:
+    """A fresh node's point lookups while their block is on its way whole (every whole-block
+    GET takes 6 s here): each read takes its own range instead of waiting for the 4 MiB."""
+    m: Mount = make_mount(file_bucket)
+    data = rand(16 * MiB, 13)
+    m.mount()
+    write_file(m.path / "f", data)
+    m.umount()
+    m.wipe_cache()
+    m.mount(env={"FUSESTATE_FAULTS": "pause=6,ops=get,under=blocks/"})
+    offsets = [4 * MiB + k * 256 * 1024 for k in range(4)]
+    _point_read(m.path / "f", offsets[0], data)
+    _point_read(m.path / "f", offsets[1], data)  # read again soon: the whole block is fetched behind it
+    time.sleep(1)  # that fetch is under way now, for five more seconds
+    for offset in offsets[2:]:
+        _point_read(m.path / "f", offset, data)
+    st = m.status()["remote"]
+    assert st["full_fetches"] == 0, st  # still on its way: none of the reads waited for it
+    assert st["range_reads"] == len(offsets), st
+    _wait_full_fetch(m)
+    before = m.status()
+    _point_read(m.path / "f", 4 * MiB + 3 * MiB, data)  # now served on the node
+    after = m.status()
+    assert after["remote"]["bytes_in"] == before["remote"]["bytes_in"], after["remote"]
+    assert after["cache"]["reads_from_bucket"] == before["cache"]["reads_from_bucket"], after["cache"]
 
 
 def test_random_reads_over_more_blocks_than_the_cache_holds_stay_range_reads(make_mount,

@@ -2,13 +2,14 @@
 
 Reads are served from memory, then the staging area or the disk cache, then the
 bucket. A small read takes only its range from local disk or, for a block that is
-nowhere local, from the bucket; a second small read of such a block soon after the
-first also fetches the whole block in the background. "Soon" is measured in blocks:
-the last ones read by range are remembered, a quarter as many as the disk cache holds
-(a 2Q-style ghost list), so a state many times the cache, read at random, is not
-churned through it 4 MiB at a time. Larger reads, and small reads that are part of a
-sequential scan (the vfs says so), load or fetch the whole block, verify its hash and
-keep it in both caches.
+nowhere local, from the bucket, even while that block is being fetched whole: a point
+lookup waits for what it reads, not for 4 MiB queued behind other fetches. A second
+small read of such a block soon after the first also fetches the whole block into the
+disk cache, in low-priority background threads. "Soon" is measured in blocks: the last
+ones read by range are remembered, a quarter as many as the disk cache holds (a 2Q-style
+ghost list), so a state many times the cache, read at random, is not churned through it
+4 MiB at a time. Larger reads, and small reads that are part of a sequential scan (the
+vfs says so), load or fetch the whole block, verify its hash and keep it in both caches.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Awaitable, Callable, Iterator, Optional
 
 import trio
 
+from fusestate.blocks.background import BackgroundThreads
 from fusestate.blocks.caches import DiskCache, KeySet, MemoryCache
 from fusestate.blocks.keys import key_matches, object_name, seal_digest
 from fusestate.blocks.staging import Staging
@@ -83,6 +85,7 @@ class BlockStore:
         # Cold blocks read once by a range read (the ghost list).
         self._range_read_blocks = KeySet(max(1, disk.limit // block_size // RANGE_READ_MEMORY_SHARE))
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
+        self._background = BackgroundThreads(prefetch_concurrency, "refetch")
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
         # Blocks of scratch files (key -> size): in staging for good, never queued for upload.
@@ -94,6 +97,9 @@ class BlockStore:
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+
+    def close(self) -> None:
+        self._background.close()
 
     # --- write side --------------------------------------------------------
     async def seal(self, data: bytes | bytearray) -> Optional[str]:
@@ -221,17 +227,18 @@ class BlockStore:
             if data is not None:
                 self._observe("local", started)
                 return data[start:end]
-        if key in self._fetching or not small:
+        if not small:
             data = await self.fetch(key)
             self._observe("remote", started)
             return data[start:end]
         # Small cold read: answer from a range read. Only a block read again while still
         # remembered is fetched whole in the background: scattered point lookups (RocksDB on
         # a fresh node) then cost what they read, not 4 MiB each.
-        if self._range_read_blocks.take(key):
-            self.prefetch([key])
-        else:
-            self._range_read_blocks.add(key)
+        if key not in self._fetching:
+            if self._range_read_blocks.take(key):
+                self._fetch_in_background(key)
+            else:
+                self._range_read_blocks.add(key)
         try:
             chunk = await self.remote.aget_range(object_name(key), start, end)
         except (RemoteError, FileNotFoundError) as exc:
@@ -333,6 +340,20 @@ class BlockStore:
                 await self.fetch(key)
             except Exception as exc:  # noqa: BLE001 - a background fetch must never stop the daemon
                 log.warning("prefetch of block %s failed: %s", key[:16], exc)
+
+    def _fetch_in_background(self, key: str) -> None:
+        """Bring a block that range reads keep coming back to into the disk cache, at low
+        priority: the reads go on by range meanwhile."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self._background_fetch, key)
+
+    async def _background_fetch(self, key: str) -> None:
+        async with self._prefetch_limiter:
+            try:
+                if await self.ensure_cached(key, self._background.run):
+                    self.stats.prefetches += 1
+            except Exception as exc:  # noqa: BLE001 - a background fetch must never stop the daemon
+                log.warning("background fetch of block %s failed: %s", key[:16], exc)
 
     def _fetch_to_disk_sync(self, key: str) -> int:
         data = self._fetch_verified_sync(key)

@@ -4,10 +4,10 @@ A fresh node has an empty cache, and a restarted RocksDB reads much of its state
 it opens it (point lookups spread over every file, eviction scans, resumed compactions).
 Fetching whole blocks in the background, in parallel, while the job is still starting, is
 several times faster than fetching them one request at a time later. The mount is ready
-before any of this: warming never delays it, and a read of a block being warmed waits for
-that one fetch. The fetching, hashing and writing run in the warmer's own threads at a
-lower CPU priority (nice 10) and in the idle I/O class, so the restarting job's JVM gets
-the cores and the disk first.
+before any of this: warming never delays it. A small read of a block being warmed takes
+its range from the bucket instead of waiting for the 4 MiB; a larger read waits for that
+one fetch. The fetching, hashing and writing run in low-priority threads of the warmer's
+own (see background), so the restarting job's JVM gets the cores and the disk first.
 
 Order: files modified most recently first (the live state), each file's blocks in order.
 ``recent`` stops at half the disk cache, so a volume much larger than the cache is not
@@ -16,37 +16,18 @@ churned through it; ``all`` stops at 90% of it.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import trio
 
+from fusestate.blocks.background import BackgroundThreads
 from fusestate.blocks.store import BlockStore
 from fusestate.meta.engine import MetadataEngine
-from fusestate.localio import libc
 
 log = logging.getLogger(__name__)
-
-WARM_NICE = 10  # warming runs while the restarted job's JVM starts: let the job have the CPU first
-# ioprio_set(2): the idle I/O class, so the JVM's own reads (jars, after a fresh boot) go first.
-SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}.get(os.uname().machine)
-IOPRIO_WHO_PROCESS, IOPRIO_CLASS_IDLE, IOPRIO_CLASS_SHIFT = 1, 3, 13
-
-
-def _lower_priority() -> None:
-    """Runs in each warming thread: on Linux a thread's nice value and I/O class are its own."""
-    tid = threading.get_native_id()
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, tid, WARM_NICE)
-    if SYS_IOPRIO_SET is not None and libc is not None:
-        libc.syscall(SYS_IOPRIO_SET, IOPRIO_WHO_PROCESS, tid, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT)
 
 
 @dataclass
@@ -72,8 +53,7 @@ class CacheWarmer:
         self.concurrency = concurrency
         self.stats = WarmupStats()
         self._disk_full = False
-        # Threads of its own: their lower priority must not leak into the shared worker threads.
-        self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="warmup", initializer=_lower_priority)
+        self._threads = BackgroundThreads(concurrency, "warmup")
 
     async def run(self) -> None:
         """Warm the newest files' blocks, in order, up to the budget."""
@@ -93,27 +73,12 @@ class CacheWarmer:
             self.stats.state = "failed"
             raise
         finally:
-            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads.close()
             self.stats.seconds = round(time.monotonic() - started, 3)
         self.stats.state = "stopped" if self._disk_full else "done"
         log.info("cache warmup %s: %d blocks (%d bytes) fetched, %d already local, %d skipped as deleted, "
                  "in %.1f s", self.stats.state, self.stats.blocks, self.stats.bytes, self.stats.already_local,
                  self.stats.skipped, self.stats.seconds)
-
-    async def _run(self, fn: Callable[[], int]) -> int:
-        """Run ``fn`` in one of the warmer's low-priority threads; the loop is woken when it
-        is done (no second thread parked on the result)."""
-        finished = trio.Event()
-        token = trio.lowlevel.current_trio_token()
-
-        def wake(_: object) -> None:
-            with contextlib.suppress(trio.RunFinishedError):  # the daemon stopped meanwhile
-                token.run_sync_soon(finished.set)
-
-        future = self._threads.submit(fn)
-        future.add_done_callback(wake)
-        await finished.wait()
-        return future.result()
 
     async def _one(self, key: str, size: int, limiter: trio.CapacityLimiter, token: object) -> None:
         try:
@@ -122,7 +87,7 @@ class CacheWarmer:
                 # Its files were deleted after the list was made: nobody will read it.
                 self.stats.skipped += 1
                 return
-            if await self.blocks.ensure_cached(key, self._run):
+            if await self.blocks.ensure_cached(key, self._threads.run):
                 self.stats.blocks += 1
                 self.stats.bytes += size
             else:

@@ -457,6 +457,8 @@ class Daemon:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
+            self.blocks.close()
+        with contextlib.suppress(Exception):
             self.disk.close()
         with contextlib.suppress(Exception):
             self.meta.close()
