@@ -49,6 +49,8 @@ class _Pending:
     error: Optional[str] = None
     uploading: bool = False
     synced: bool = False
+    # Requeued by crash recovery: its upload may have finished before the crash.
+    maybe_in_bucket: bool = False
 
 
 class UploadFailed(IOError):
@@ -99,13 +101,14 @@ class Uploader:
         return self.staged_bytes + self.memory_dirty_bytes()
 
     # --- enqueue / discard -------------------------------------------------
-    def add(self, key: str, size: int, synced: bool = False) -> None:
+    def add(self, key: str, size: int, synced: bool = False, maybe_in_bucket: bool = False) -> None:
         """A freshly staged block; upload it after the delay (or now under pressure)."""
         if key in self._pending:
             return
         now = time.monotonic()
         delay = 0.0 if self.dirty_bytes() + size > self.max_dirty else self.upload_delay
-        self._pending[key] = _Pending(size=size, staged_at=now, ready_at=now + delay, synced=synced)
+        self._pending[key] = _Pending(size=size, staged_at=now, ready_at=now + delay, synced=synced,
+                                      maybe_in_bucket=maybe_in_bucket)
         self.staged_bytes += size
         self._push(key, now + delay)
 
@@ -197,7 +200,7 @@ class Uploader:
         for key in keys:
             info = wanted.pop(key, None)
             if info is not None and info.refcount > 0:
-                self.add(key, info.size, synced=True)
+                self.add(key, info.size, synced=True, maybe_in_bucket=True)
                 self.expedite([key])
                 requeued += 1
             else:
@@ -259,7 +262,10 @@ class Uploader:
                 name = object_name(key)
                 if key in self.deleting:  # same bytes written again while being collected
                     await self.deleting[key].wait()
-                if await self.remote.aexists(name):
+                # Only a block recovered after a crash can be in the bucket already; asking
+                # for every block would cost each upload a round trip. A new block's PUT
+                # rewrites the same bytes if they are there after all (content addressing).
+                if p.maybe_in_bucket and await self.remote.aexists(name):
                     self.stats.dedup_skipped += 1
                 else:
                     try:
