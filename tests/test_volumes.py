@@ -228,7 +228,8 @@ def write_until_killed(m: Mount, log: Path, tag: str, seed: int, kill_after: tup
 # --- 1. crash: every fsynced file survives a SIGKILL ------------------------------------------
 
 @pytest.mark.parametrize("durability", ["local", "remote"])
-@pytest.mark.parametrize("seed", [1, 2, 3])
+# One seed by default; more kill points with -m slow.
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_sigkill_keeps_every_fsynced_file(make_mount, file_bucket: Bucket, tmp_path: Path,
                                           durability: str, seed: int) -> None:
     m: Mount = make_mount(file_bucket, extra=["--durability", durability]).mount()

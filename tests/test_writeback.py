@@ -315,18 +315,18 @@ def test_small_cold_read_uses_a_range_read(make_mount, file_bucket: Bucket) -> N
 
 def test_point_reads_do_not_wait_for_the_block_being_fetched_whole(make_mount, file_bucket: Bucket) -> None:
     """A fresh node's point lookups while their block is on its way whole (every whole-block
-    GET takes 6 s here): each read takes its own range instead of waiting for the 4 MiB."""
+    GET takes 4 s here): each read takes its own range instead of waiting for the 4 MiB."""
     m: Mount = make_mount(file_bucket)
     data = rand(16 * MiB, 13)
     m.mount()
     write_file(m.path / "f", data)
     m.umount()
     m.wipe_cache()
-    m.mount(env={"FUSESTATE_FAULTS": "pause=6,ops=get,under=blocks/"})
+    m.mount(env={"FUSESTATE_FAULTS": "pause=4,ops=get,under=blocks/"})
     offsets = [4 * MiB + k * 256 * 1024 for k in range(4)]
     _point_read(m.path / "f", offsets[0], data)
     _point_read(m.path / "f", offsets[1], data)  # read again soon: the whole block is fetched behind it
-    time.sleep(1)  # that fetch is under way now, for five more seconds
+    time.sleep(1)  # that fetch is under way now, for three more seconds
     for offset in offsets[2:]:
         _point_read(m.path / "f", offset, data)
     st = m.status()["remote"]
