@@ -234,11 +234,10 @@ class BlockStore:
         # Small cold read: answer from a range read. Only a block read again while still
         # remembered is fetched whole in the background: scattered point lookups (RocksDB on
         # a fresh node) then cost what they read, not 4 MiB each.
-        if key not in self._fetching:
-            if self._range_read_blocks.take(key):
-                self._fetch_in_background(key)
-            else:
-                self._range_read_blocks.add(key)
+        if self._range_read_blocks.take(key):
+            self.prefetch([key], to_disk=True)
+        else:
+            self._range_read_blocks.add(key)
         try:
             chunk = await self.remote.aget_range(object_name(key), start, end)
         except (RemoteError, FileNotFoundError) as exc:
@@ -320,40 +319,31 @@ class BlockStore:
         raise BlockReadError(f"block {key[:16]}: hash mismatch")
 
     # --- prefetch ------------------------------------------------------------
-    def prefetch(self, keys: list[str]) -> None:
-        """Fetch blocks into the caches in the background (readahead, warmup)."""
+    def prefetch(self, keys: list[str], to_disk: bool = False) -> None:
+        """Fetch blocks in the background: into both caches for a reader about to want them
+        (readahead), or, with ``to_disk``, into the disk cache only, in the low-priority
+        threads (a block that range reads keep coming back to; they go on by range)."""
         if self._nursery is None:
             return
         for key in keys:
             if key in self.memory or key in self._fetching or key in self._loading:
                 continue
-            self._nursery.start_soon(self._prefetch_one, key)
+            self._nursery.start_soon(self._prefetch_one, key, to_disk)
 
-    async def _prefetch_one(self, key: str) -> None:
-        async with self._prefetch_limiter:
-            if key in self.memory or key in self._fetching:
-                return
-            if await self._load_local(key) is not None:
-                return
-            self.stats.prefetches += 1
-            try:
-                await self.fetch(key)
-            except Exception as exc:  # noqa: BLE001 - a background fetch must never stop the daemon
-                log.warning("prefetch of block %s failed: %s", key[:16], exc)
-
-    def _fetch_in_background(self, key: str) -> None:
-        """Bring a block that range reads keep coming back to into the disk cache, at low
-        priority: the reads go on by range meanwhile."""
-        if self._nursery is not None:
-            self._nursery.start_soon(self._background_fetch, key)
-
-    async def _background_fetch(self, key: str) -> None:
+    async def _prefetch_one(self, key: str, to_disk: bool) -> None:
         async with self._prefetch_limiter:
             try:
-                if await self.ensure_cached(key, self._background.run):
+                if to_disk:
+                    fetched = await self.ensure_cached(key, self._background.run)
+                else:
+                    fetched = (key not in self.memory and key not in self._fetching
+                               and await self._load_local(key) is None)
+                    if fetched:
+                        await self.fetch(key)
+                if fetched:
                     self.stats.prefetches += 1
             except Exception as exc:  # noqa: BLE001 - a background fetch must never stop the daemon
-                log.warning("background fetch of block %s failed: %s", key[:16], exc)
+                log.warning("prefetch of block %s failed: %s", key[:16], exc)
 
     def _fetch_to_disk_sync(self, key: str) -> int:
         data = self._fetch_verified_sync(key)

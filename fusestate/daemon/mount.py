@@ -105,8 +105,9 @@ class Daemon:
         check_mountpoint(cfg.mountpoint)
         self.layout = prepare_cache_dir(cfg.cache_dir)
         self._lock_fd = lock_cache_dir(self.layout)
-        self.disk_reserve = metadata_reserve(shutil.disk_usage(cfg.cache_dir).total)
-        self._fit_cache_to_disk()
+        usage = shutil.disk_usage(cfg.cache_dir)
+        self.disk_reserve = metadata_reserve(usage.total)
+        self._fit_cache_to_disk(usage.free)
         fs, location = open_bucket(cfg.url, cfg.endpoint_url, cfg.remote_timeout)
         self.location = location
         self.remote = RemoteStore(fs, location.root, retries=cfg.remote_retries,
@@ -187,15 +188,15 @@ class Daemon:
                        "epoch": record.epoch}, f)
         return meta
 
-    def _fit_cache_to_disk(self) -> None:
+    def _fit_cache_to_disk(self, free: int) -> None:
         """Never let the cache fill its disk: the metadata (SQLite) must always be able to
         write, or a full disk would fail writes instead of making them wait for uploads."""
-        usage, reserve = shutil.disk_usage(self.cfg.cache_dir), self.disk_reserve
+        reserve = self.disk_reserve
         owned = _tree_bytes(self.layout.read_cache) + _tree_bytes(self.layout.staging)
-        room = usage.free + owned - reserve
+        room = free + owned - reserve
         if room < self.cfg.cache_size:
             log.warning("--cache-size %s does not fit on the cache dir's disk (%s free, %s kept free for "
-                        "metadata): using %s", format_size(self.cfg.cache_size), format_size(usage.free),
+                        "metadata): using %s", format_size(self.cfg.cache_size), format_size(free),
                         format_size(reserve), format_size(max(room, 0)))
             self.cfg.fit_cache_size(room)
 
