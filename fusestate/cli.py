@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--upload-delay", type=float, default=1.0, help="seconds a block waits before upload (default %(default)s)")
     m.add_argument("--upload-concurrency", type=int, default=8, help="parallel uploads (default %(default)s)")
     m.add_argument("--readahead", type=int, default=2, dest="readahead_blocks", help="blocks read ahead on sequential reads (default %(default)s)")
+    m.add_argument("--kernel-readahead", default="1M",
+                   help="the kernel's read-ahead window for the mount, up to FUSE's 1M requests; "
+                        "0 keeps the kernel's 128K (default %(default)s)")
     m.add_argument("--endpoint-url", default=None, help="S3-compatible or GCS emulator endpoint")
     m.add_argument("--metrics-addr", default=f"127.0.0.1:{DEFAULT_METRICS_PORT}",
                    help="HOST:PORT of the Prometheus exporter, or 'off' (default %(default)s)")
@@ -108,6 +111,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         block_size=parse_size(args.block_size, "--block-size") if args.block_size else 4 << 20,
         durability=args.durability, upload_delay=args.upload_delay,
         upload_concurrency=args.upload_concurrency, readahead_blocks=args.readahead_blocks,
+        kernel_readahead=parse_size(args.kernel_readahead, "--kernel-readahead"),
         endpoint_url=args.endpoint_url, metrics_addr=args.metrics_addr,
         allow_other=args.allow_other, read_only=args.read_only, takeover=args.takeover,
         foreground=args.foreground, attr_timeout=args.attr_timeout, debug=args.debug,

@@ -55,6 +55,7 @@ class MountConfig:
     upload_delay: float = 1.0                # seconds a sealed block waits before upload
     upload_concurrency: int = 8
     readahead_blocks: int = 2
+    kernel_readahead: int = 1 * MiB          # the kernel's read-ahead window for the mount; 0 keeps its own
     endpoint_url: Optional[str] = None
     allow_other: bool = False
     read_only: bool = False

@@ -160,10 +160,11 @@ def test_cache_dir_in_use(tmp_path: Path, make_mount, file_bucket: Bucket) -> No
     assert_nothing_left(tmp_path)
 
 
-def test_bad_cache_size(tmp_path: Path, mp: Path, file_bucket: Bucket) -> None:
+@pytest.mark.parametrize("option", ["--cache-size", "--kernel-readahead"])
+def test_bad_size(tmp_path: Path, mp: Path, file_bucket: Bucket, option: str) -> None:
     proc = fusestate("mount", file_bucket.url, str(mp), "--cache-dir", str(tmp_path / "cache"),
-                     "--cache-size", "lots", check=False)
-    assert_one_line_error(proc, "--cache-size", "lots")
+                     option, "lots", check=False)
+    assert_one_line_error(proc, option, "lots")
     assert_nothing_left(tmp_path)
 
 

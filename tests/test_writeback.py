@@ -313,6 +313,50 @@ def test_small_cold_read_uses_a_range_read(make_mount, file_bucket: Bucket) -> N
     _wait_full_fetch(m)
 
 
+def _read_requests(m: Mount, path: Path, random_access: bool) -> tuple[bytes, int]:
+    """Read a file from the daemon (page cache dropped) in 2 MiB preads, as RocksDB's
+    compaction does, or as a plain scan; returns its bytes and the FUSE requests it took."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if random_access:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        before = m.status()["fuse"]["operations"]
+        chunks, offset = [], 0
+        while chunk := os.pread(fd, 2 * MiB, offset):
+            chunks.append(chunk)
+            offset += len(chunk)
+        return b"".join(chunks), m.status()["fuse"]["operations"] - before - 1  # less the status call's getattr
+    finally:
+        os.close(fd)
+
+
+def test_large_reads_reach_the_daemon_in_1mib_requests(make_mount, file_bucket: Bucket) -> None:
+    """The kernel's read-ahead for the mount is raised from 128 KiB to FUSE's 1 MiB request
+    size, so 16 MiB read in 2 MiB preads is about 16 read requests instead of 128, for a
+    scan and for a file advised as read at random (RocksDB's SST files)."""
+    data = rand(16 * MiB, 11)
+    m: Mount = make_mount(file_bucket).mount()
+    write_file(m.path / "f", data, fsync=True)
+    dev = os.stat(m.path).st_dev
+    assert Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text().strip() == "1024"
+    assert m.status()["fuse"]["kernel_readahead"] == MiB
+    for random_access in (False, True):
+        got, requests = _read_requests(m, m.path / "f", random_access)
+        assert got == data
+        assert requests <= 24, (random_access, requests)
+    m.umount()
+
+    # --kernel-readahead 0 keeps the kernel's window: the same reads take 8 times the requests.
+    m.mount("--kernel-readahead", "0")
+    assert m.status()["fuse"]["kernel_readahead"] == 128 * 1024
+    for random_access in (False, True):
+        got, requests = _read_requests(m, m.path / "f", random_access)
+        assert got == data
+        assert requests >= 120, (random_access, requests)
+    m.umount()
+
+
 def test_point_reads_do_not_wait_for_the_block_being_fetched_whole(make_mount, file_bucket: Bucket) -> None:
     """A fresh node's point lookups while their block is on its way whole (every whole-block
     GET takes 4 s here): each read takes its own range instead of waiting for the 4 MiB."""

@@ -31,6 +31,7 @@ from fusestate.daemon.lease import Lease, LeaseLost, read_leases
 from fusestate.daemon.paths import CacheLayout, control_socket
 from fusestate.errors import UserError
 from fusestate.localio import libc
+from fusestate.fuse import kernel
 from fusestate.fuse.adapter import FuseOperations
 from fusestate.blocks.keys import object_name
 from fusestate.meta.restore import restore_metadata
@@ -97,6 +98,7 @@ class Daemon:
         self.gc_deleted = 0
         self.restored = None
         self.lease: Optional[Lease] = None
+        self.kernel_readahead: Optional[int] = None  # bytes, once mounted (None: unknown)
         self._umount_requests = 0  # control requests still inside unmount()
 
     # --- setup (before trio) ------------------------------------------------------
@@ -255,7 +257,8 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _announce_ready(self) -> None:
-        await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
+        st = await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
+        self._tune_kernel(st.st_dev)
         log.info("mounted %s on %s", self.cfg.url, self.cfg.mountpoint)
         if self.ready_fd is not None:
             with contextlib.suppress(OSError):
@@ -263,6 +266,17 @@ class Daemon:
                 os.close(self.ready_fd)
             self.ready_fd = None
         notify_systemd("READY=1")
+
+    def _tune_kernel(self, st_dev: int) -> None:
+        """Before anything opens a file: the read-ahead window is copied into each open file."""
+        try:
+            if self.cfg.kernel_readahead:
+                self.kernel_readahead = kernel.set_read_ahead(st_dev, self.cfg.kernel_readahead)
+            else:
+                self.kernel_readahead = kernel.read_ahead_bytes(st_dev)
+        except (OSError, ValueError) as exc:
+            log.info("kernel read-ahead left as it is (%s): sequential reads arrive in 128 KiB requests", exc)
+            self.kernel_readahead = None
 
     async def _flush_everything(self) -> None:
         await self.fs.flush_all()
@@ -421,6 +435,7 @@ class Daemon:
             },
             "fuse": {
                 "operations": sum(self.ops.counters.values()),
+                "kernel_readahead": self.kernel_readahead,
                 "bytes_read": self.ops.bytes_read, "bytes_written": self.ops.bytes_written,
             },
             "metadata": {
