@@ -249,3 +249,16 @@ def test_prefetch_auto_warms_object_stores_only(tmp_path: Path, make_mount, requ
     m = make_mount(bucket).mount("--prefetch", "auto")
     assert m.status()["warmup"]["mode"] == expected
     m.umount()
+
+
+def test_every_mount_option_is_documented() -> None:
+    """docs/configuration.md's table names every option `fusestate mount` accepts."""
+    import argparse
+
+    from fusestate.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = [o for a in sub.choices["mount"]._actions for o in a.option_strings if o.startswith("--")]
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert "--kernel-readahead" in options
+    assert [o for o in options if o != "--help" and f"`{o}" not in doc] == []
