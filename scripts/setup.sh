@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything fusestate needs on a fresh Debian machine (run as root):
 # FUSE 3, RocksDB's tools, the tools the deployment and metrics tests use (Prometheus,
-# ShellCheck, systemd-analyze), what the benchmarks compare against (fio, rclone, s3fs-fuse),
+# ShellCheck, systemd-analyze, strace), what the benchmarks compare against (fio, rclone, s3fs-fuse),
 # and a virtualenv with fusestate and its test and benchmark dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ stop_packaged_prometheus() {
 }
 
 need_apt=0
-for cmd in fusermount3 db_bench ldb pkg-config prometheus promtool shellcheck systemd-analyze fio rclone s3fs; do
+for cmd in fusermount3 db_bench ldb pkg-config prometheus promtool shellcheck systemd-analyze fio rclone s3fs strace; do
     command -v "$cmd" >/dev/null 2>&1 || need_apt=1
 done
 [ -e /usr/include/fuse3/fuse_lowlevel.h ] || need_apt=1
@@ -35,7 +35,7 @@ if [ "$need_apt" = 1 ]; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends \
         fuse3 libfuse3-dev pkg-config rocksdb-tools prometheus shellcheck systemd \
-        fio rclone s3fs >/dev/null
+        fio rclone s3fs strace >/dev/null
     # Only a server this script brought: one installed on purpose is left as it is.
     [ "$had_prometheus" = 1 ] || stop_packaged_prometheus
 fi

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -229,6 +230,72 @@ def shim() -> Path:
         return shim_jar()
     except (FileNotFoundError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"the shim jar cannot be built here: {exc}")
+
+
+SHIM_CHECK = """
+import org.apache.hadoop.conf.Configuration;
+import org.apache.hadoop.fs.FileStatus;
+import org.apache.hadoop.fs.Path;
+import org.apache.hadoop.fs.permission.FsPermission;
+import io.fusestate.hadoop.FusestateFileSystem;
+
+public class ShimCheck {
+    public static void main(String[] args) throws Exception {
+        FusestateFileSystem fs = new FusestateFileSystem();
+        fs.initialize(java.net.URI.create("fusestate:///"), new Configuration());
+        fs.setPermission(new Path("fusestate://" + args[0]), new FsPermission((short) 0640));
+        for (String a : args) {
+            FileStatus s = fs.getFileLinkStatus(new Path("fusestate://" + a));
+            FileStatus followed = fs.getFileStatus(new Path("fusestate://" + a));
+            if (followed.isSymlink() || followed.getLen() != fs.getFileStatus(new Path("fusestate://" + args[0])).getLen()
+                    && !followed.isDirectory()) {
+                throw new AssertionError("getFileStatus did not follow " + a);
+            }
+            System.out.println(s.getLen() + " " + s.isDirectory() + " " + s.isSymlink() + " "
+                + Integer.toOctalString(s.getPermission().toShort()) + " " + s.getOwner() + " "
+                + s.getModificationTime() + " " + (s.isSymlink() ? s.getSymlink().toUri().getPath() : "-"));
+        }
+        try {
+            fs.getFileLinkStatus(new Path("fusestate://" + args[0] + ".missing"));
+            System.out.println("no error");
+        } catch (java.io.FileNotFoundException e) {
+            System.out.println("FileNotFoundException");
+        }
+    }
+}
+"""
+
+
+def test_shim_permissions_and_link_status_start_no_process(make_mount, file_bucket: Bucket, tmp_path: Path, shim):
+    """Hadoop's local file system runs chmod(1), readlink(1) and ls(1) for these (no native
+    library in PySpark); the shim answers them with system calls, as correctly."""
+    m = make_mount(file_bucket).mount()
+    f, d, link = m.path / "f", m.path / "d", m.path / "l"
+    f.write_bytes(b"x" * 1234)
+    d.mkdir()
+    link.symlink_to("f")
+    (tmp_path / "ShimCheck.java").write_text(SHIM_CHECK)
+    classpath = f"{shim}:{Path(pyspark.__file__).parent / 'jars'}/*:{tmp_path}"
+    subprocess.run(["javac", "-nowarn", "-d", str(tmp_path), "-cp", classpath, str(tmp_path / "ShimCheck.java")],
+                   check=True, capture_output=True, timeout=120)
+    trace = tmp_path / "execve.txt"
+    proc = subprocess.run(["strace", "-f", "-qq", "-e", "trace=execve", "-o", str(trace),
+                           "java", "-cp", classpath, "ShimCheck", str(f), str(d), str(link)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.stat(f).st_mode & 0o7777 == 0o640
+    lines = proc.stdout.split("\n")
+    for line, path in zip(lines, (f, d, link)):
+        st = os.lstat(path)
+        size, is_dir, is_link, mode, owner, mtime, target = line.split(" ")
+        assert (int(size), is_dir, is_link) == (st.st_size, str(path == d).lower(), str(path == link).lower())
+        assert int(mode, 8) == st.st_mode & 0o777 and owner == pwd.getpwuid(st.st_uid).pw_name and int(mtime) == st.st_mtime_ns // 1_000_000
+        assert target == (str(f) if path == link else "-")
+    assert lines[3] == "FileNotFoundException"
+    spawned = [ln for ln in trace.read_text().splitlines()
+               if "execve(" in ln and any(tool in ln for tool in ('/chmod"', '/readlink"', '/ls"', '/stat"'))]
+    assert spawned == []
+    m.umount()
 
 
 @pytest.mark.parametrize("use_shim", [True, False], ids=["shim", "plain-file-scheme"])

@@ -2,6 +2,7 @@ package io.fusestate.hadoop;
 
 import java.io.BufferedReader;
 import java.io.File;
+import java.io.FileNotFoundException;
 import java.io.IOException;
 import java.net.URI;
 import java.nio.channels.FileChannel;
@@ -9,16 +10,23 @@ import java.nio.charset.StandardCharsets;
 import java.nio.file.FileAlreadyExistsException;
 import java.nio.file.Files;
 import java.nio.file.LinkOption;
+import java.nio.file.NoSuchFileException;
 import java.nio.file.Paths;
 import java.nio.file.StandardOpenOption;
+import java.nio.file.attribute.PosixFileAttributes;
+import java.nio.file.attribute.PosixFilePermission;
+import java.util.EnumSet;
+import java.util.Set;
 import java.util.concurrent.atomic.AtomicLong;
 
 import org.apache.commons.logging.Log;
 import org.apache.commons.logging.LogFactory;
 import org.apache.hadoop.conf.Configuration;
+import org.apache.hadoop.fs.FSLinkResolver;
 import org.apache.hadoop.fs.FileStatus;
 import org.apache.hadoop.fs.Path;
 import org.apache.hadoop.fs.RawLocalFileSystem;
+import org.apache.hadoop.fs.permission.FsPermission;
 
 /**
  * A local file system for paths on a fusestate mount, under the {@code fusestate://} scheme.
@@ -39,6 +47,14 @@ import org.apache.hadoop.fs.RawLocalFileSystem;
  * never syncs it. After the rename this fsyncs the target's directory, which fusestate answers
  * once the rename and everything before it is as durable as the mount's {@code --durability}
  * says. A batch Spark has recorded as committed then survives the loss of the node.
+ *
+ * <p>Without Hadoop's native library (PySpark ships none), {@link RawLocalFileSystem} starts a
+ * process for two calls Spark makes on every state store commit: {@code chmod} to set a new
+ * file's or directory's permission, and {@code readlink} for a file's link status (the
+ * FileContext rename of every checkpoint file asks for it), and {@code ls} for the owner and
+ * permission of any status (which then fails on a {@code fusestate://} path). A small state's
+ * commits started about a hundred such processes per micro-batch, 8-9 ms each on the 2-core
+ * test machine. Here all of them are system calls through java.nio.
  */
 public class FusestateFileSystem extends RawLocalFileSystem {
     public static final String SCHEME = "fusestate";
@@ -214,6 +230,86 @@ public class FusestateFileSystem extends RawLocalFileSystem {
         try (FileChannel channel = FileChannel.open(dir, StandardOpenOption.READ)) {
             channel.force(true);
         }
+    }
+
+    /** The mode bits of a permission as java.nio's set, in the enum's owner-to-others order. */
+    static Set<PosixFilePermission> posixPermissions(int mode) {
+        Set<PosixFilePermission> set = EnumSet.noneOf(PosixFilePermission.class);
+        PosixFilePermission[] all = PosixFilePermission.values();
+        for (int i = 0; i < all.length; i++) {
+            if ((mode & (0400 >> i)) != 0) {
+                set.add(all[i]);
+            }
+        }
+        return set;
+    }
+
+    static int modeOf(Set<PosixFilePermission> set) {
+        int mode = 0;
+        for (PosixFilePermission p : set) {
+            mode |= 0400 >> p.ordinal();
+        }
+        return mode;
+    }
+
+    @Override
+    public void setPermission(Path p, FsPermission permission) throws IOException {
+        java.nio.file.Path local = localPath(p);
+        int mode = permission.toShort();
+        if (local == null || (mode & ~0777) != 0) {
+            super.setPermission(p, permission); // sticky bit and the like: chmod(1) knows them
+            return;
+        }
+        try {
+            Files.setPosixFilePermissions(local, posixPermissions(mode));
+        } catch (NoSuchFileException e) {
+            throw new FileNotFoundException("File " + p + " does not exist");
+        } catch (UnsupportedOperationException e) {
+            super.setPermission(p, permission);
+        }
+    }
+
+    @Override
+    public FileStatus getFileStatus(Path f) throws IOException {
+        FileStatus s = status(f, true);
+        return s != null ? s : super.getFileStatus(f);
+    }
+
+    @Override
+    public FileStatus getFileLinkStatus(Path f) throws IOException {
+        FileStatus s = status(f, false);
+        return s != null ? s : super.getFileLinkStatus(f);
+    }
+
+    /**
+     * A file's status from one stat(2), owner and permission included: Hadoop's own status of a
+     * local file runs ls(1) for those, and fails on a fusestate:// path when asked. Null where
+     * java.nio cannot tell (another scheme, no POSIX attributes).
+     */
+    private FileStatus status(Path f, boolean followLinks) throws IOException {
+        java.nio.file.Path local = localPath(f);
+        if (local == null) {
+            return null;
+        }
+        PosixFileAttributes a;
+        try {
+            a = followLinks ? Files.readAttributes(local, PosixFileAttributes.class)
+                    : Files.readAttributes(local, PosixFileAttributes.class, LinkOption.NOFOLLOW_LINKS);
+        } catch (NoSuchFileException e) {
+            throw new FileNotFoundException("File " + f + " does not exist");
+        } catch (UnsupportedOperationException e) {
+            return null;
+        }
+        Path qualified = f.makeQualified(getUri(), getWorkingDirectory());
+        Path target = null;
+        if (a.isSymbolicLink()) {
+            target = FSLinkResolver.qualifySymlinkTarget(getUri(), qualified,
+                    new Path(Files.readSymbolicLink(local).toString()));
+        }
+        return new FileStatus(a.size(), a.isDirectory(), 1, getDefaultBlockSize(f),
+                a.lastModifiedTime().toMillis(), a.lastAccessTime().toMillis(),
+                new FsPermission((short) modeOf(a.permissions())), a.owner().getName(), a.group().getName(),
+                target, qualified);
     }
 
     @Override
