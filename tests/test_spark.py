@@ -244,11 +244,11 @@ public class ShimCheck {
         FusestateFileSystem fs = new FusestateFileSystem();
         fs.initialize(java.net.URI.create("fusestate:///"), new Configuration());
         fs.setPermission(new Path("fusestate://" + args[0]), new FsPermission((short) 0640));
+        long fileLength = fs.getFileStatus(new Path("fusestate://" + args[0])).getLen();
         for (String a : args) {
             FileStatus s = fs.getFileLinkStatus(new Path("fusestate://" + a));
             FileStatus followed = fs.getFileStatus(new Path("fusestate://" + a));
-            if (followed.isSymlink() || followed.getLen() != fs.getFileStatus(new Path("fusestate://" + args[0])).getLen()
-                    && !followed.isDirectory()) {
+            if (followed.isSymlink() || !followed.isDirectory() && followed.getLen() != fileLength) {
                 throw new AssertionError("getFileStatus did not follow " + a);
             }
             System.out.println(s.getLen() + " " + s.isDirectory() + " " + s.isSymlink() + " "

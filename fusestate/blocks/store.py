@@ -335,11 +335,11 @@ class BlockStore:
             try:
                 if to_disk:
                     fetched = await self.ensure_cached(key, self._background.run)
+                elif key in self.memory or key in self._fetching or await self._load_local(key) is not None:
+                    fetched = False  # a reader got there first, or it was on this node
                 else:
-                    fetched = (key not in self.memory and key not in self._fetching
-                               and await self._load_local(key) is None)
-                    if fetched:
-                        await self.fetch(key)
+                    await self.fetch(key)
+                    fetched = True
                 if fetched:
                     self.stats.prefetches += 1
             except Exception as exc:  # noqa: BLE001 - a background fetch must never stop the daemon

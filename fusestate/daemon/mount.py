@@ -257,8 +257,9 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _announce_ready(self) -> None:
-        st = await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
-        self._tune_kernel(st.st_dev)
+        # The stat goes through this loop's FUSE handlers and the sysfs write is file I/O:
+        # both in a thread, before anything opens a file (each copies the window at open).
+        self.kernel_readahead = await trio.to_thread.run_sync(self._tune_kernel)
         log.info("mounted %s on %s", self.cfg.url, self.cfg.mountpoint)
         if self.ready_fd is not None:
             with contextlib.suppress(OSError):
@@ -267,16 +268,16 @@ class Daemon:
             self.ready_fd = None
         notify_systemd("READY=1")
 
-    def _tune_kernel(self, st_dev: int) -> None:
-        """Before anything opens a file: the read-ahead window is copied into each open file."""
+    def _tune_kernel(self) -> Optional[int]:
+        """Set the mount's read-ahead window (``--kernel-readahead``); the window in force."""
+        st_dev = os.stat(self.cfg.mountpoint).st_dev
         try:
             if self.cfg.kernel_readahead:
-                self.kernel_readahead = kernel.set_read_ahead(st_dev, self.cfg.kernel_readahead)
-            else:
-                self.kernel_readahead = kernel.read_ahead_bytes(st_dev)
+                return kernel.set_read_ahead(st_dev, self.cfg.kernel_readahead)
+            return kernel.read_ahead_bytes(st_dev)
         except (OSError, ValueError) as exc:
             log.info("kernel read-ahead left as it is (%s): sequential reads arrive in 128 KiB requests", exc)
-            self.kernel_readahead = None
+            return None
 
     async def _flush_everything(self) -> None:
         await self.fs.flush_all()

@@ -27,5 +27,5 @@ def read_ahead_bytes(st_dev: int, root: Path = BDI_ROOT) -> int:
 def set_read_ahead(st_dev: int, nbytes: int, root: Path = BDI_ROOT) -> int:
     """Set the mount's read-ahead window; returns what the kernel kept. Raises OSError
     where sysfs is not writable (not root, or a container with a read-only /sys)."""
-    (bdi_dir(st_dev, root) / "read_ahead_kb").write_text(f"{max(nbytes, 0) // 1024}\n")
+    (bdi_dir(st_dev, root) / "read_ahead_kb").write_text(f"{nbytes // 1024}\n")
     return read_ahead_bytes(st_dev, root)

@@ -14,9 +14,7 @@ import java.nio.file.NoSuchFileException;
 import java.nio.file.Paths;
 import java.nio.file.StandardOpenOption;
 import java.nio.file.attribute.PosixFileAttributes;
-import java.nio.file.attribute.PosixFilePermission;
-import java.util.EnumSet;
-import java.util.Set;
+import java.nio.file.attribute.PosixFilePermissions;
 import java.util.concurrent.atomic.AtomicLong;
 
 import org.apache.commons.logging.Log;
@@ -232,36 +230,16 @@ public class FusestateFileSystem extends RawLocalFileSystem {
         }
     }
 
-    /** The mode bits of a permission as java.nio's set, in the enum's owner-to-others order. */
-    static Set<PosixFilePermission> posixPermissions(int mode) {
-        Set<PosixFilePermission> set = EnumSet.noneOf(PosixFilePermission.class);
-        PosixFilePermission[] all = PosixFilePermission.values();
-        for (int i = 0; i < all.length; i++) {
-            if ((mode & (0400 >> i)) != 0) {
-                set.add(all[i]);
-            }
-        }
-        return set;
-    }
-
-    static int modeOf(Set<PosixFilePermission> set) {
-        int mode = 0;
-        for (PosixFilePermission p : set) {
-            mode |= 0400 >> p.ordinal();
-        }
-        return mode;
-    }
-
     @Override
     public void setPermission(Path p, FsPermission permission) throws IOException {
         java.nio.file.Path local = localPath(p);
-        int mode = permission.toShort();
-        if (local == null || (mode & ~0777) != 0) {
-            super.setPermission(p, permission); // sticky bit and the like: chmod(1) knows them
+        if (local == null || permission.getStickyBit()) {
+            super.setPermission(p, permission); // chmod(1) knows the sticky bit
             return;
         }
         try {
-            Files.setPosixFilePermissions(local, posixPermissions(mode));
+            // FsPermission prints rwx triplets, the form PosixFilePermissions parses.
+            Files.setPosixFilePermissions(local, PosixFilePermissions.fromString(permission.toString()));
         } catch (NoSuchFileException e) {
             throw new FileNotFoundException("File " + p + " does not exist");
         } catch (UnsupportedOperationException e) {
@@ -308,7 +286,7 @@ public class FusestateFileSystem extends RawLocalFileSystem {
         }
         return new FileStatus(a.size(), a.isDirectory(), 1, getDefaultBlockSize(f),
                 a.lastModifiedTime().toMillis(), a.lastAccessTime().toMillis(),
-                new FsPermission((short) modeOf(a.permissions())), a.owner().getName(), a.group().getName(),
+                FsPermission.valueOf("-" + PosixFilePermissions.toString(a.permissions())), a.owner().getName(), a.group().getName(),
                 target, qualified);
     }
 
