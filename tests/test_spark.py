@@ -78,6 +78,10 @@ def test_pipeline_on_mount_matches_local_disk(make_mount, file_bucket: Bucket, b
     m = make_mount(file_bucket).mount()
     report = pipeline(m.path / "job", tmp_path / "out", baseline["input"], *SMALL)
     assert read_output(tmp_path / "out") == baseline["output"]
+    # One part file per state partition: the writer left the stateful stage at four tasks
+    # (a coalesce(1) would run the aggregation's four state stores one after another).
+    parts = {d.name: len(list(d.glob("part-*.csv"))) for d in (tmp_path / "out").glob("batch-*")}
+    assert set(parts.values()) == {4}, parts
     assert report["mount"] == str(m.path)
     assert report["checkpoint"].startswith("file://")
     # On a mount the helper asks for 64 KiB RocksDB blocks; local disk keeps Spark's default.
