@@ -486,3 +486,28 @@ def test_full_cache_disk_waits_for_uploads_and_loses_nothing(make_mount, file_bu
     assert "does not fit on the cache dir's disk" in log
     assert sha((fresh.path / "big").read_bytes()) == sha(data)
     fresh.umount()
+
+
+def _minor_faults(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+def test_block_buffers_reuse_their_pages(make_mount, file_bucket: Bucket) -> None:
+    """The daemon keeps freed block buffers mapped (glibc's mmap and trim thresholds
+    raised), so a long write does not fault in and zero new memory for every block:
+    from a fresh mount, 256 MiB cost 1.15 page faults per page written, against 2.6-2.7
+    with glibc's defaults."""
+    m: Mount = make_mount(file_bucket).mount()
+    chunk = rand(MiB, 17)
+    before = _minor_faults(m.pid)
+    size = 256
+    with open(m.path / "f", "wb") as f:
+        for i in range(size):
+            f.write(chunk[:-8] + i.to_bytes(8, "little"))  # distinct blocks: each one is sealed and staged
+        f.flush()
+        os.fsync(f.fileno())
+    faults_per_page = (_minor_faults(m.pid) - before) / (size * MiB / 4096)
+    assert faults_per_page < 1.75, faults_per_page
+    with open(m.path / "f", "rb") as f:
+        assert f.read(MiB)[-8:] == (0).to_bytes(8, "little")
+    m.umount()

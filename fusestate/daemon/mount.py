@@ -26,6 +26,7 @@ from fusestate.blocks.uploader import Uploader
 from fusestate.blocks.warmer import CacheWarmer
 from fusestate.config import MountConfig, format_size
 from fusestate.daemon import control, volume
+from fusestate.daemon.allocator import keep_block_buffers_mapped
 from fusestate.daemon.metrics import Histograms, start_exporter
 from fusestate.daemon.lease import Lease, LeaseLost, read_leases
 from fusestate.daemon.paths import CacheLayout, control_socket
@@ -538,6 +539,7 @@ def notify_systemd(state: str) -> None:
 
 def run_foreground(cfg: MountConfig, ready_fd: Optional[int] = None) -> None:
     """Mount and serve until unmounted. Raises UserError for anything the user can fix."""
+    keep_block_buffers_mapped()
     daemon = Daemon(cfg, ready_fd)
     try:
         daemon.prepare()
