@@ -269,7 +269,9 @@ def _print_status(status: dict) -> None:
         ("staged", f"{wb['staged_blocks']} blocks, {format_size(wb['staged_bytes'])}, "
                    f"oldest {wb['oldest_staged_seconds']} s, queue {wb['upload_queue']}"),
         ("uploaded", f"{wb['uploaded_blocks']} blocks, {format_size(wb['uploaded_bytes'])}, "
-                     f"{wb['dedup_skipped']} skipped by dedup, {wb['upload_failures']} failures"),
+                     f"{wb['dedup_skipped']} skipped by dedup, {wb['upload_failures']} failures; "
+                     f"{wb.get('deduplicated_blocks', 0)} written blocks ({format_size(wb.get('deduplicated_bytes', 0))}) "
+                     f"the volume already had"),
         ("scratch", f"{cache['scratch_blocks']} blocks, {format_size(cache['scratch_bytes'])} on the cache disk "
                     f"({', '.join(status['scratch_dirs']) or 'no --scratch'})"),
         ("remote", f"{format_size(remote['bytes_in'])} in, {format_size(remote['bytes_out'])} out, "

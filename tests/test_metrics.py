@@ -200,6 +200,8 @@ def compared_numbers(st: dict) -> dict[str, float]:
         "writeback.dirty_bytes": wb["dirty_bytes"], "writeback.max_dirty": wb["max_dirty"],
         "writeback.upload_queue": wb["upload_queue"], "writeback.dedup_skipped": wb["dedup_skipped"],
         "writeback.discarded_blocks": wb["discarded_blocks"], "writeback.upload_failures": wb["upload_failures"],
+        "writeback.deduplicated_blocks": wb["deduplicated_blocks"],
+        "writeback.deduplicated_bytes": wb["deduplicated_bytes"],
         "writeback.backpressure_waits": wb["backpressure_waits"],
         "remote.bytes_in": remote["bytes_in"], "remote.bytes_out": remote["bytes_out"],
         "remote.retries": remote["retries"],
@@ -240,6 +242,8 @@ def metric_numbers(s: Scrape, ops: list[str]) -> dict[str, float]:
         "writeback.upload_queue": s.value("fusestate_upload_queue_length"),
         "writeback.dedup_skipped": s.value("fusestate_upload_dedup_skipped_total"),
         "writeback.discarded_blocks": s.value("fusestate_discarded_blocks_total"),
+        "writeback.deduplicated_blocks": s.value("fusestate_deduplicated_blocks_total"),
+        "writeback.deduplicated_bytes": s.value("fusestate_deduplicated_bytes_total"),
         "writeback.upload_failures": s.value("fusestate_upload_failures_total"),
         "writeback.backpressure_waits": s.value("fusestate_backpressure_waits_total"),
         "remote.bytes_in": s.value("fusestate_remote_received_bytes_total"),
@@ -272,7 +276,9 @@ def test_status_json_matches_the_metrics(make_mount, file_bucket: Bucket) -> Non
     url = metrics_url(m)
     assert read_through(m.path / "cold") == cold  # from the bucket
     assert read_through(m.path / "cold") == cold  # from the memory cache
-    write_file(m.path / "new", os.urandom(3 * MiB + 99))
+    new = os.urandom(3 * MiB + 99)
+    write_file(m.path / "new", new)
+    write_file(m.path / "again", new)  # the same bytes: stored once
     (m.path / "small").write_bytes(b"x" * 1000)
     wait_quiet(m)
 
@@ -294,7 +300,8 @@ def test_status_json_matches_the_metrics(make_mount, file_bucket: Bucket) -> Non
     assert before["remote.bytes_in"] >= len(cold) and before["remote.bytes_out"] >= 3 * MiB
     assert before["metadata.shipped_seq"] > 0 and before["lease.epoch"] >= 2 and before["lease.held"] == 1
     assert before["fuse.bytes_read"] >= 2 * len(cold) and before["fuse.bytes_written"] >= 3 * MiB
-    assert before["files"] == 4  # the root and three files
+    assert before["writeback.deduplicated_blocks"] == 1 and before["writeback.deduplicated_bytes"] == len(new)
+    assert before["files"] == 5  # the root and four files
     m.umount()
 
 

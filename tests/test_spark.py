@@ -418,6 +418,11 @@ def test_summary_lines_report_what_a_person_checks() -> None:
     assert "1,500 over 3 batches" in text and "median 200 ms, max 300 ms" in text
     assert "4 state files linked" in text and "3.0 MiB uploaded, 1.0 MiB fetched" in text
     assert "cache hit ratio   0.95" in text
+    assert "already had" not in text
+    # A rerun over the same input writes blocks the volume has: the line says why nothing went up.
+    again = dict(after, writeback={"uploaded_bytes": 0, "deduplicated_bytes": 17 * 2**20})
+    text = "\n".join(summary_lines(dict(report, fusestate_after=again)))
+    assert "0.0 MiB uploaded, 1.0 MiB fetched, 17.0 MiB written that the volume already had" in text
     assert "no batch ran" in summary_lines({"summary": {"batches": 0}, "batches": []})[0]
 
 

@@ -92,6 +92,9 @@ class BlockStore:
         self._scratch: dict[str, int] = {}
         # Blocks refused because the cache disk was full and nothing could make room.
         self.disk_full_failures = 0
+        # Sealed blocks whose bytes the volume already had: neither staged nor uploaded.
+        self.deduplicated_blocks = 0
+        self.deduplicated_bytes = 0
         # Latency hook (metrics): called with the source ("local", "remote", "range") and seconds.
         self.read_observer: Optional[Callable[[str, float], None]] = None
 
@@ -119,7 +122,9 @@ class BlockStore:
                 break
             await writing.wait()  # the same bytes are being staged: wait, then look again
         else:
-            return key  # dedup: the volume has these bytes already
+            self.deduplicated_blocks += 1  # dedup: the volume has these bytes already
+            self.deduplicated_bytes += len(data)
+            return key
         with _in_flight(self._staging_inflight, key):
             await self._write_staging(key, data)
         return key

@@ -144,6 +144,10 @@ class DaemonCollector(Collector):
         yield _counter("fusestate_uploaded_bytes_total", "Bytes uploaded in blocks", st.uploaded_bytes)
         yield _counter("fusestate_upload_dedup_skipped_total", "Uploads skipped: the block was in the bucket",
                        st.dedup_skipped)
+        yield _counter("fusestate_deduplicated_blocks_total", "Sealed blocks the volume already had: "
+                       "neither staged nor uploaded", d.blocks.deduplicated_blocks)
+        yield _counter("fusestate_deduplicated_bytes_total", "Bytes of sealed blocks the volume already had",
+                       d.blocks.deduplicated_bytes)
         yield _counter("fusestate_discarded_blocks_total", "Blocks freed before upload, never uploaded",
                        st.discarded_blocks)
         yield _counter("fusestate_upload_failures_total", "Uploads that failed their retry budget",

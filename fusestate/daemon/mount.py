@@ -431,6 +431,8 @@ class Daemon:
                 "upload_queue": up.queue_length,
                 "uploaded_blocks": up.stats.uploaded_blocks, "uploaded_bytes": up.stats.uploaded_bytes,
                 "dedup_skipped": up.stats.dedup_skipped, "discarded_blocks": up.stats.discarded_blocks,
+                "deduplicated_blocks": self.blocks.deduplicated_blocks,
+                "deduplicated_bytes": self.blocks.deduplicated_bytes,
                 "upload_failures": up.stats.upload_failures,
                 "backpressure_waits": up.stats.backpressure_waits,
                 "backpressure_seconds": round(up.stats.backpressure_seconds, 3),

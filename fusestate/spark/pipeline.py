@@ -405,7 +405,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         hits = reads["reads_from_memory"] + reads["reads_from_disk"]
         lookups = hits + reads["reads_from_bucket"]
         ratio = f"{hits / lookups:.2f}" if lookups else "n/a"
-        lines += [f"bucket            {uploaded / 2**20:,.1f} MiB uploaded, {fetched / 2**20:,.1f} MiB fetched",
+        # A rerun over the same input writes the same blocks: content addressing stores them once.
+        dedup = after["writeback"].get("deduplicated_bytes", 0) - before["writeback"].get("deduplicated_bytes", 0)
+        lines += [f"bucket            {uploaded / 2**20:,.1f} MiB uploaded, {fetched / 2**20:,.1f} MiB fetched"
+                  + (f", {dedup / 2**20:,.1f} MiB written that the volume already had" if dedup else ""),
                   f"cache hit ratio   {ratio} ({hits:,} of {lookups:,} block reads from memory or disk)"]
     return lines
 
