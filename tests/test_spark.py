@@ -377,7 +377,11 @@ def _mean_data_block_bytes(sst: Path) -> float:
     """From RocksDB's own sst_dump: the table's data bytes over its number of data blocks."""
     proc = subprocess.run(["sst_dump", f"--file={sst}", "--show_properties"], capture_output=True, text=True,
                           timeout=60, check=True)
-    props = dict(line.strip().split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    props = {}
+    for line in proc.stdout.splitlines():
+        name, sep, value = line.partition(": ")
+        if sep:  # an empty value ("name: ") is a property too; strip after splitting
+            props[name.strip()] = value.strip()
     return int(props["data block size"]) / int(props["# data blocks"])
 
 
