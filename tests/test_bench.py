@@ -78,7 +78,7 @@ def test_run_list() -> None:
     proc = subprocess.run([str(RUN), "--list"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    assert names == ["rocksdb", "files", "bigstate", "checkpoint", "restore", "spark"]
+    assert names == ["rocksdb", "files", "bigstate", "checkpoint", "restore", "spark", "spark-restart"]
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
@@ -97,3 +97,29 @@ def test_files_scenario_tiny(tmp_path: Path) -> None:
             cell = row["systems"][name]
             assert cell["median"] is not None and cell["median"] > 0, (row["metric"], name, cell)
     assert not any(is_mounted(p) for p in work.rglob("mnt"))
+
+
+def test_spark_restart_fits_and_extrapolates() -> None:
+    """The restart-against-size scenario's arithmetic: batches to build a state, the fitted
+    lines, and the size where their ratio reaches the goal (or that it never does)."""
+    from bench.scenarios import sparkrestart as sr
+
+    assert [sr.batches_for(k, 125_000) for k in (125_000, 500_000, 1_000_000, 1_000_001)] == [2, 5, 9, 10]
+    assert sr.variant_of(500_000, 4096) == "2.05 GB" and sr.gigabytes("2.05 GB") == 2.05
+    assert sr.variant_of(2_000, 256) != sr.variant_of(6_000, 256)
+    intercept, slope = sr.line_fit([(0.5, 12.0), (2.0, 18.0), (4.0, 26.0)])
+    assert slope == pytest.approx(4.0) and intercept == pytest.approx(10.0)
+    assert sr.line_fit([(2.0, 1.0), (2.0, 3.0)]) is None
+    # local 20 s + 10 s/GB against 10 s + 0.5 s/GB: 5x apart once 20 + 10x = 50 + 2.5x, at 4 GB
+    assert sr.size_for_ratio((20.0, 10.0), (10.0, 0.5), 5.0) == pytest.approx(4.0)
+    assert sr.size_for_ratio((20.0, 2.0), (10.0, 0.5), 5.0) is None  # the gap grows too slowly, ever
+
+    def row(variant: str, local: float, shim: float) -> dict:
+        return {"variant": variant, "metric": "restart_s",
+                "systems": {"local": {"median": local}, "fusestate+shim": {"median": shim}}}
+
+    doc = {"summary": [row("4.0 GB", 60.0, 20.0), row("0.5 GB", 25.0, 15.0), row("2.0 GB", 40.0, 18.0)]}
+    assert sr.restart_points(doc, "local") == [(0.5, 25.0), (2.0, 40.0), (4.0, 60.0)]
+    (goal,) = sr.goals(doc)
+    assert goal["met"] is False and "at 4 GB" in goal["goal"] and goal["measured"].startswith("3.00×")
+    assert "per GB on local disk" in sr.slope_sentence(doc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from bench.scenarios import bigstate, checkpoint, files, restore, rocksdb, spark
+from bench.scenarios import bigstate, checkpoint, files, restore, rocksdb, spark, sparkrestart
 
-SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (rocksdb, files, bigstate, checkpoint, restore, spark)}
+SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (rocksdb, files, bigstate, checkpoint, restore, spark,
+                                                          sparkrestart)}

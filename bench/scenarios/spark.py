@@ -63,14 +63,40 @@ def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def chosen_setups(ctx: Context, names: list[str]) -> list[str]:
+    """The setups --systems asks for; fusestate-file stands for every fusestate setup."""
+    return [s for s in names if not ctx.systems or s in ctx.systems
+            or (s.startswith("fusestate") and "fusestate-file" in ctx.systems)]
+
+
+def spark_env(ctx: Context) -> dict[str, str]:
+    (ctx.work / "run").mkdir(parents=True, exist_ok=True)
+    return dict(os.environ, FUSESTATE_RUNTIME_DIR=str(ctx.work / "run"))
+
+
+def run_spark_bench(ctx: Context, p: dict[str, Any], setups: list[str], tag: str,
+                    env: dict[str, str]) -> dict[str, Any]:
+    """One bench/spark_bench.py call (its setups one after the other, over one input); its JSON."""
+    out, work = ctx.work / f"spark-{tag}.json", ctx.work / f"w-{tag}"
+    cmd = [str(BIN / "python"), str(ROOT / "bench" / "spark_bench.py"), "--keys", str(p["keys"]),
+           "--payload-bytes", str(p["payload_bytes"]), "--batches", str(p["batches"]),
+           "--setups", ",".join(setups), "--work", str(work), "--output", str(out), *p.get("extra", [])]
+    try:
+        run_cmd(cmd, timeout=p["timeout"], env=env, cwd=ROOT)
+        return json.loads(out.read_text())
+    finally:
+        # One call at full size leaves 20-40 GB (states, buckets that keep every block for the
+        # GC grace, caches): a third repetition ran out of disk before this went.
+        detach_all_under(work)
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    setups = [s for s in p.get("setups", SETUPS) if not ctx.systems or s in ctx.systems
-              or (s.startswith("fusestate") and "fusestate-file" in ctx.systems)]
+    setups = chosen_setups(ctx, p.get("setups", SETUPS))
     runs: list[dict[str, Any]] = []
     raw: list[dict[str, Any]] = []
-    env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(ctx.work / "run"))
-    (ctx.work / "run").mkdir(parents=True, exist_ok=True)
+    env = spark_env(ctx)
     try:
         ensure_shim()
     except Exception as exc:  # noqa: BLE001
@@ -79,22 +105,12 @@ def run(ctx: Context) -> dict[str, Any]:
     for repeat in ctx.repetitions():
         if repeat >= p.get("repeats", ctx.repeats):
             break
-        out, work = ctx.work / f"spark-{repeat}.json", ctx.work / f"w{repeat}"
-        cmd = [str(BIN / "python"), str(ROOT / "bench" / "spark_bench.py"), "--keys", str(p["keys"]),
-               "--payload-bytes", str(p["payload_bytes"]), "--batches", str(p["batches"]),
-               "--setups", ",".join(setups), "--work", str(work), "--output", str(out), *p.get("extra", [])]
         try:
-            run_cmd(cmd, timeout=p["timeout"], env=env, cwd=ROOT)
-            doc = json.loads(out.read_text())
+            doc = run_spark_bench(ctx, p, setups, f"r{repeat}", env)
         except Exception as exc:  # noqa: BLE001 - the whole call failed: every setup gets the error
             runs.extend(record(s, repeat, error=error_text(exc)) for s in setups)
             log(f"  spark r{repeat + 1}: ERROR {error_text(exc)}")
             continue
-        finally:
-            # One repetition at full size leaves 20-40 GB (states, buckets that keep every block
-            # for the GC grace, caches): the third one ran out of disk before this went.
-            detach_all_under(work)
-            shutil.rmtree(work, ignore_errors=True)
         raw.append(doc)
         for s in setups:
             if s in doc.get("setups", {}):

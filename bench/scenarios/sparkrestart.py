@@ -1,0 +1,182 @@
+"""Scenario 7: the Spark pipeline's restart against state size, local disk vs fusestate+shim.
+
+The ``spark`` scenario measures one state size. Whether a restart waits for the state is
+a question of slope: how the time from the restart to the first completed batch grows
+with the state. Here the batch size stays fixed (so the per-batch work, the deduplication
+store and its eviction, is the same at every size) and only the number of keys grows;
+each state is built by as many batches as it takes for every key to be written, then
+the job is killed and restarted into a small batch (``spark_bench.py``: the page cache
+dropped; for fusestate the daemon killed and a fresh cache dir).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from bench.common import Context, Metric, error_text, log, record, summarize
+from bench.render import goal_row, medians_note, ratio_table, xy_lines
+from bench.scenarios.spark import chosen_setups, ensure_shim, run_spark_bench, spark_env
+
+NAME = "spark-restart"
+TITLE = "Spark restart against state size"
+SUMMARY = "Spark pipeline: restart to the first completed batch for growing state, fixed batch size"
+BUDGET = {"tiny": None, "quick": 420.0, "full": None}
+SETUPS = ["local", "fusestate+shim"]
+EXTRA = ["--state-compression", "none", "--no-changelog"]
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"keys": [2_000, 6_000], "payload_bytes": 256, "events_per_batch": 2_000, "restart_events": 200,
+             "timeout": 900, "repeats": 1},
+    "quick": {"keys": [20_000, 80_000], "payload_bytes": 1024, "events_per_batch": 20_000, "restart_events": 1000,
+              "timeout": 900},
+    # 0.5, 2 and 4 GB of state (4 KiB per key, uncompressed) built by 2, 5 and 9 batches of
+    # 125,000 events; two repetitions take about half an hour.
+    "full": {"keys": [125_000, 500_000, 1_000_000], "payload_bytes": 4096, "events_per_batch": 125_000,
+             "restart_events": 5000, "timeout": 3600, "repeats": 2},
+}
+METRICS = [
+    Metric("restart_s", "s", higher_is_better=False, label="restart to first batch done"),
+    Metric("jvm_s", "s", higher_is_better=False, label="JVM and Spark session start"),
+    Metric("first_batch_s", "s", higher_is_better=False, label="first batch"),
+    Metric("load_s", "s", higher_is_better=False, label="state store load (sum over stores)"),
+    Metric("fetched_bytes", "B", higher_is_better=False, label="bytes fetched by the restart"),
+    Metric("records_per_s", "records/s", label="records/s while building the state"),
+]
+
+
+def variant_of(keys: int, payload: int) -> str:
+    """The state size as a label that keeps small sizes apart: '0.512 GB', '4.1 GB'."""
+    return f"{keys * payload / 1e9:.3g} GB"
+
+
+def gigabytes(variant: str) -> float:
+    return float(variant.split()[0])
+
+
+def batches_for(keys: int, events_per_batch: int) -> int:
+    """Enough batches for every key to be written once, plus one that updates the state."""
+    return -(-keys // events_per_batch) + 1
+
+
+def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
+    first, restart = setup.get("first_run", {}), setup.get("restart", {})
+    ms = {"first_batch_s": restart.get("first_batch_ms"), "load_s": restart.get("rocksdb_load_ms")}
+    out = {"restart_s": restart.get("to_first_batch_done_s"), "jvm_s": restart.get("jvm_and_session_s"),
+           "fetched_bytes": restart.get("fetched_bytes"), "records_per_s": first.get("records_per_second"),
+           **{k: v / 1000 for k, v in ms.items() if v is not None}}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    p = dict(ctx.pick(SIZES))
+    setups = chosen_setups(ctx, SETUPS)
+    variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
+    env = spark_env(ctx)
+    runs: list[dict[str, Any]] = []
+    try:
+        ensure_shim()
+    except Exception as exc:  # noqa: BLE001
+        runs = [record(s, 0, v, error=f"shim: {error_text(exc)}") for s in setups for v in variants]
+        return {"params": p, "systems": setups, "summary": summarize(runs, METRICS, setups, variants), "runs": runs}
+    for repeat in ctx.repetitions():
+        if repeat >= p.get("repeats", ctx.repeats):
+            break
+        for keys, variant in zip(p["keys"], variants):
+            call = {"keys": keys, "payload_bytes": p["payload_bytes"], "timeout": p["timeout"],
+                    "batches": batches_for(keys, p["events_per_batch"]),
+                    "extra": ["--events-per-batch", str(p["events_per_batch"]),
+                              "--restart-events", str(p["restart_events"]), *EXTRA]}
+            try:
+                doc = run_spark_bench(ctx, call, setups, f"{keys}-r{repeat}", env)
+            except Exception as exc:  # noqa: BLE001 - the whole call failed: every setup gets the error
+                runs.extend(record(s, repeat, variant, error=error_text(exc)) for s in setups)
+                log(f"  spark-restart r{repeat + 1} {variant}: ERROR {error_text(exc)}")
+                continue
+            for s in setups:
+                if s not in doc.get("setups", {}):
+                    runs.append(record(s, repeat, variant, error="no result from spark_bench"))
+                    continue
+                m = metrics_of(doc["setups"][s])
+                runs.append(record(s, repeat, variant, m, raw=doc["setups"][s]))
+                log(f"  spark-restart r{repeat + 1} {variant} {s:<15} restart {m.get('restart_s', 0):.1f} s, "
+                    f"load {m.get('load_s', 0):.1f} s, first batch {m.get('first_batch_s', 0):.1f} s")
+    return {"params": {**p, "setups": setups, "extra": EXTRA}, "systems": setups,
+            "summary": summarize(runs, METRICS, setups, variants), "runs": runs}
+
+
+def restart_points(doc: dict[str, Any], system: str, metric: str = "restart_s") -> list[tuple[float, float]]:
+    """(GB, median seconds) of one system, smallest state first."""
+    return sorted((gigabytes(r["variant"]), r["systems"][system]["median"]) for r in doc.get("summary", [])
+                  if r["metric"] == metric and r["systems"].get(system, {}).get("median") is not None)
+
+
+def line_fit(points: list[tuple[float, float]]) -> Optional[tuple[float, float]]:
+    """Least-squares intercept and slope (seconds, seconds per GB), or None under two sizes."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - slope * mx, slope
+
+
+def size_for_ratio(local: tuple[float, float], fused: tuple[float, float], ratio: float) -> Optional[float]:
+    """The state size (GB) where the two fitted lines' ratio reaches ``ratio``, if it ever does."""
+    (a1, b1), (a2, b2) = local, fused
+    denominator = b1 - ratio * b2
+    if denominator <= 0:
+        return None
+    size = (ratio * a2 - a1) / denominator
+    return size if size > 0 else None
+
+
+def slope_sentence(doc: dict[str, Any]) -> str:
+    fits = {s: line_fit(restart_points(doc, s)) for s in SETUPS}
+    if any(f is None for f in fits.values()):
+        return ""
+    local, fused = fits["local"], fits["fusestate+shim"]
+    assert local is not None and fused is not None
+    text = (f"Fitted over the medians, the restart takes {local[0]:.1f} s + {local[1]:.1f} s per GB on local "
+            f"disk and {fused[0]:.1f} s + {fused[1]:.1f} s per GB on fusestate+shim.")
+    at5 = size_for_ratio(local, fused, 5.0)
+    if at5 is not None:
+        text += f" Extended in straight lines, the two would be 5× apart at about {at5:,.0f} GB of state."
+    else:
+        text += " Extended in straight lines, they never get 5× apart."
+    return text
+
+
+def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
+    p = doc["params"]
+    sizes = ", ".join(f"{k:,}" for k in p["keys"])
+    parts = [f"`bench/spark_bench.py` for {sizes} keys × {p['payload_bytes']:,} B, batches of "
+             f"{p['events_per_batch']:,} events (as many as it takes to write every key, plus one), then a kill and a "
+             f"restart into a {p['restart_events']:,}-event batch. *local*: state and checkpoint on local disk, "
+             f"changelog checkpointing; *fusestate+shim*: a `file://` mount with the `fusestate://` checkpoint, "
+             f"snapshots on every commit, restarted on a fresh cache dir after the daemon was killed. The page "
+             f"cache is dropped before every restart. " + medians_note(doc), ratio_table(doc["summary"], doc["systems"])]
+    sentence = slope_sentence(doc)
+    if sentence:
+        parts.append(sentence)
+    series = {}
+    for system in doc["systems"]:
+        for metric, what in (("restart_s", "restart"), ("load_s", "load")):
+            pts = restart_points(doc, system, metric)
+            if pts:
+                series[f"{system} {what}" if what != "restart" else system] = ([x for x, _ in pts], [y for _, y in pts])
+    if series:
+        img = xy_lines(img_dir / "spark-restart-size.png", series, xlabel="state size (GB)", ylabel="seconds",
+                       title="Spark: restart to the first batch, and the state load, against state size")
+        parts.append(f"![spark restart against state size]({img_rel}/{img.name})")
+    return "\n\n".join(parts)
+
+
+def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The restart goal of the Spark issue, at the largest state this scenario measured."""
+    local, fused = restart_points(doc, "local"), restart_points(doc, "fusestate+shim")
+    if not local or not fused or local[-1][0] != fused[-1][0]:
+        return []
+    (size, base), (_, mine) = local[-1], fused[-1]
+    return [goal_row(f"Spark pipeline, restart to the first completed batch at {size:g} GB, fixed batch size, "
+                     f"local (changelog) / fusestate+shim on a fresh cache dir ≥ 5",
+                     f"{base / mine:.2f}× ({mine:.1f} s against {base:.1f} s)", base / mine >= 5)]
