@@ -146,5 +146,15 @@ def xy_lines(path: Path, series: dict[str, tuple[list[float], list[float]]], *, 
     return save(fig, path)
 
 
+def points_plot(path: Path, points: dict[str, list[tuple[float, float]]], img_rel: str, alt: str, *,
+                xlabel: str, ylabel: str, title: str) -> Optional[str]:
+    """Lines through (x, y) points per series, as a markdown image; None when no series has a point."""
+    series = {name: ([x for x, _ in pts], [y for _, y in pts]) for name, pts in points.items() if pts}
+    if not series:
+        return None
+    img = xy_lines(path, series, xlabel=xlabel, ylabel=ylabel, title=title)
+    return f"![{alt}]({img_rel}/{img.name})"
+
+
 def goal_row(goal: str, measured: str, met: Optional[bool]) -> dict[str, Any]:
     return {"goal": goal, "measured": measured, "met": met}

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import Context, Metric, error_text, fmt_num, log, record, summarize
-from bench.render import goal_row, medians_note, ratio_table, xy_lines
+from bench.render import goal_row, medians_note, points_plot, ratio_table
 from bench.systems import FusestateSystem, Moto, make_system, moto_if_needed
 
 NAME = "restore"
@@ -175,16 +175,14 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     series: dict[str, tuple[list[float], list[float]]] = {}
     for backend in sorted({k.split()[0] for k in doc["volumes"]}):
         for system in doc["systems"]:
-            pts = [(_size_of(r["variant"]), r["systems"][system]["median"]) for r in doc["summary"]
-                   if r["metric"] == "ready_s" and r["variant"].startswith(backend)
-                   and r["systems"].get(system, {}).get("median") is not None]
-            if pts:
-                label = system if backend == "file://" else f"{system} ({backend})"
-                series[label] = ([x for x, _ in pts], [y for _, y in pts])
-    if series:
-        img = xy_lines(img_dir / "restore-time.png", series, xlabel="state size (GiB)", ylabel="seconds to ready",
-                       title="Restore on a fresh node: time to ready against state size")
-        parts.append(f"![restore time]({img_rel}/{img.name})")
+            label = system if backend == "file://" else f"{system} ({backend})"
+            series[label] = [(_size_of(r["variant"]), r["systems"][system]["median"]) for r in doc["summary"]
+                             if r["metric"] == "ready_s" and r["variant"].startswith(backend)
+                             and r["systems"].get(system, {}).get("median") is not None]
+    plot = points_plot(img_dir / "restore-time.png", series, img_rel, "restore time", xlabel="state size (GiB)",
+                       ylabel="seconds to ready", title="Restore on a fresh node: time to ready against state size")
+    if plot:
+        parts.append(plot)
     return "\n\n".join(parts)
 
 

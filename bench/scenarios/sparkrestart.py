@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import Context, Metric, error_text, log, record, summarize
-from bench.render import goal_row, medians_note, ratio_table, xy_lines
+from bench.render import goal_row, medians_note, points_plot, ratio_table
 from bench.scenarios.spark import chosen_setups, ensure_shim, run_spark_bench, spark_env
 
 NAME = "spark-restart"
@@ -158,16 +158,13 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     sentence = slope_sentence(doc)
     if sentence:
         parts.append(sentence)
-    series = {}
-    for system in doc["systems"]:
-        for metric, what in (("restart_s", "restart"), ("load_s", "load")):
-            pts = restart_points(doc, system, metric)
-            if pts:
-                series[f"{system} {what}" if what != "restart" else system] = ([x for x, _ in pts], [y for _, y in pts])
-    if series:
-        img = xy_lines(img_dir / "spark-restart-size.png", series, xlabel="state size (GB)", ylabel="seconds",
+    series = {**{system: restart_points(doc, system) for system in doc["systems"]},
+              **{f"{system} load": restart_points(doc, system, "load_s") for system in doc["systems"]}}
+    plot = points_plot(img_dir / "spark-restart-size.png", series, img_rel, "spark restart against state size",
+                       xlabel="state size (GB)", ylabel="seconds",
                        title="Spark: restart to the first batch, and the state load, against state size")
-        parts.append(f"![spark restart against state size]({img_rel}/{img.name})")
+    if plot:
+        parts.append(plot)
     return "\n\n".join(parts)
 
 
