@@ -133,7 +133,10 @@ def xy_lines(path: Path, series: dict[str, tuple[list[float], list[float]]], *, 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
     for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", label=name, color=COLORS.get(name))
+        # "<system> <part>" (such as "local load") is drawn dashed in its system's colour.
+        system = name if name in COLORS else name.rsplit(" ", 1)[0]
+        ax.plot(xs, ys, marker="o", label=name, color=COLORS.get(system),
+                linestyle="-" if system == name else "--")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
