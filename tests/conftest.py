@@ -95,6 +95,12 @@ def resident_bytes(paths: list[Path]) -> int:
     return sum(int(line) for line in out.split())
 
 
+def proc_stat(pid: int) -> list[str]:
+    """A process's /proc/<pid>/stat fields after its command name (state, ppid, ... as
+    proc(5) numbers them from 3); the name may hold spaces and parentheses itself."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 @dataclass
 class Bucket:
     """One empty volume location on one backend."""

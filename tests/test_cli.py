@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Bucket, Mount, assert_one_line_error, free_port, fusestate, is_mounted
+from conftest import Bucket, Mount, assert_one_line_error, free_port, fusestate, is_mounted, proc_stat
 
 MiB = 1 << 20
 
@@ -32,8 +32,7 @@ def daemons_under(root: Path) -> list[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+            state = proc_stat(int(entry))[0]
         except OSError:
             continue
         if state != "Z" and b"fusestate" in cmdline and needle in cmdline:

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, summarize
 from bench.render import bars_from_rows, goal_row, medians_note, ratio_table
@@ -91,34 +91,47 @@ def run_spark_bench(ctx: Context, p: dict[str, Any], setups: list[str], tag: str
         shutil.rmtree(work, ignore_errors=True)
 
 
+def shim_error_doc(p: dict[str, Any], setups: list[str], metrics: list[Metric],
+                   variants: list[str], exc: BaseException) -> dict[str, Any]:
+    """The result when the fusestate:// jar cannot be built: every cell says so."""
+    runs = [record(s, 0, v, error=f"shim: {error_text(exc)}") for s in setups for v in variants]
+    return {"params": p, "systems": setups, "summary": summarize(runs, metrics, setups, variants), "runs": runs}
+
+
+def spark_bench_records(ctx: Context, p: dict[str, Any], setups: list[str], env: dict[str, str], *, repeat: int,
+                        variant: str, label: str,
+                        metrics_of: Callable[[dict[str, Any]], dict[str, float]]) -> list[dict[str, Any]]:
+    """One spark_bench call as one record per setup: its metrics, or the error that stopped it."""
+    try:
+        doc = run_spark_bench(ctx, p, setups, f"{p['keys']}-r{repeat}", env)
+    except Exception as exc:  # noqa: BLE001 - the whole call failed: every setup gets the error
+        log(f"  {label}: ERROR {error_text(exc)}")
+        return [record(s, repeat, variant, error=error_text(exc)) for s in setups]
+    records = []
+    for s in setups:
+        if s not in doc.get("setups", {}):
+            records.append(record(s, repeat, variant, error="no result from spark_bench"))
+            continue
+        m = metrics_of(doc["setups"][s])
+        records.append(record(s, repeat, variant, m, raw=doc["setups"][s]))
+        log(f"  {label} {s:<15} " + " ".join(f"{k}={v:,.1f}" for k, v in m.items()))
+    return records
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
     setups = chosen_setups(ctx, p.get("setups", SETUPS))
-    runs: list[dict[str, Any]] = []
-    raw: list[dict[str, Any]] = []
     env = spark_env(ctx)
     try:
         ensure_shim()
     except Exception as exc:  # noqa: BLE001
-        return {"params": p, "systems": setups, "summary": summarize(
-            [record(s, 0, error=f"shim: {error_text(exc)}") for s in setups], METRICS, setups, [""]), "runs": []}
+        return shim_error_doc(p, setups, METRICS, [""], exc)
+    runs: list[dict[str, Any]] = []
     for repeat in ctx.repetitions():
         if repeat >= p.get("repeats", ctx.repeats):
             break
-        try:
-            doc = run_spark_bench(ctx, p, setups, f"r{repeat}", env)
-        except Exception as exc:  # noqa: BLE001 - the whole call failed: every setup gets the error
-            runs.extend(record(s, repeat, error=error_text(exc)) for s in setups)
-            log(f"  spark r{repeat + 1}: ERROR {error_text(exc)}")
-            continue
-        raw.append(doc)
-        for s in setups:
-            if s in doc.get("setups", {}):
-                m = metrics_of(doc["setups"][s])
-                runs.append(record(s, repeat, metrics=m, raw=doc["setups"][s]))
-                log(f"  spark r{repeat + 1} {s:<15} " + " ".join(f"{k}={v:,.1f}" for k, v in m.items()))
-            else:
-                runs.append(record(s, repeat, error="no result from spark_bench"))
+        runs += spark_bench_records(ctx, p, setups, env, repeat=repeat, variant="", label=f"spark r{repeat + 1}",
+                                    metrics_of=metrics_of)
     return {"params": {**p, "setups": setups}, "systems": setups, "summary": summarize(runs, METRICS, setups, [""]),
             "runs": runs, "raw_state_bytes": p["keys"] * p["payload_bytes"]}
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import Context, Metric, error_text, log, record, summarize
+from bench.common import Context, Metric, summarize
 from bench.render import goal_row, medians_note, points_plot, ratio_table
-from bench.scenarios.spark import chosen_setups, ensure_shim, run_spark_bench, spark_env
+from bench.scenarios.spark import chosen_setups, ensure_shim, shim_error_doc, spark_bench_records, spark_env
 
 NAME = "spark-restart"
 TITLE = "Spark restart against state size"
@@ -60,11 +60,14 @@ def batches_for(keys: int, events_per_batch: int) -> int:
 
 def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
     first, restart = setup.get("first_run", {}), setup.get("restart", {})
-    ms = {"first_batch_s": restart.get("first_batch_ms"), "load_s": restart.get("rocksdb_load_ms")}
     out = {"restart_s": restart.get("to_first_batch_done_s"), "jvm_s": restart.get("jvm_and_session_s"),
-           "fetched_bytes": restart.get("fetched_bytes"), "records_per_s": first.get("records_per_second"),
-           **{k: v / 1000 for k, v in ms.items() if v is not None}}
+           "first_batch_s": seconds(restart.get("first_batch_ms")), "load_s": seconds(restart.get("rocksdb_load_ms")),
+           "fetched_bytes": restart.get("fetched_bytes"), "records_per_s": first.get("records_per_second")}
     return {k: v for k, v in out.items() if v is not None}
+
+
+def seconds(ms: Optional[float]) -> Optional[float]:
+    return None if ms is None else ms / 1000
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -72,12 +75,11 @@ def run(ctx: Context) -> dict[str, Any]:
     setups = chosen_setups(ctx, SETUPS)
     variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
     env = spark_env(ctx)
-    runs: list[dict[str, Any]] = []
     try:
         ensure_shim()
     except Exception as exc:  # noqa: BLE001
-        runs = [record(s, 0, v, error=f"shim: {error_text(exc)}") for s in setups for v in variants]
-        return {"params": p, "systems": setups, "summary": summarize(runs, METRICS, setups, variants), "runs": runs}
+        return shim_error_doc(p, setups, METRICS, variants, exc)
+    runs: list[dict[str, Any]] = []
     for repeat in ctx.repetitions():
         if repeat >= p.get("repeats", ctx.repeats):
             break
@@ -86,20 +88,8 @@ def run(ctx: Context) -> dict[str, Any]:
                     "batches": batches_for(keys, p["events_per_batch"]),
                     "extra": ["--events-per-batch", str(p["events_per_batch"]),
                               "--restart-events", str(p["restart_events"]), *EXTRA]}
-            try:
-                doc = run_spark_bench(ctx, call, setups, f"{keys}-r{repeat}", env)
-            except Exception as exc:  # noqa: BLE001 - the whole call failed: every setup gets the error
-                runs.extend(record(s, repeat, variant, error=error_text(exc)) for s in setups)
-                log(f"  spark-restart r{repeat + 1} {variant}: ERROR {error_text(exc)}")
-                continue
-            for s in setups:
-                if s not in doc.get("setups", {}):
-                    runs.append(record(s, repeat, variant, error="no result from spark_bench"))
-                    continue
-                m = metrics_of(doc["setups"][s])
-                runs.append(record(s, repeat, variant, m, raw=doc["setups"][s]))
-                log(f"  spark-restart r{repeat + 1} {variant} {s:<15} restart {m.get('restart_s', 0):.1f} s, "
-                    f"load {m.get('load_s', 0):.1f} s, first batch {m.get('first_batch_s', 0):.1f} s")
+            runs += spark_bench_records(ctx, call, setups, env, repeat=repeat, variant=variant,
+                                        label=f"{NAME} r{repeat + 1} {variant}", metrics_of=metrics_of)
     return {"params": {**p, "setups": setups, "extra": EXTRA}, "systems": setups,
             "summary": summarize(runs, METRICS, setups, variants), "runs": runs}
 
@@ -131,11 +121,9 @@ def size_for_ratio(local: tuple[float, float], fused: tuple[float, float], ratio
 
 
 def slope_sentence(doc: dict[str, Any]) -> str:
-    fits = {s: line_fit(restart_points(doc, s)) for s in SETUPS}
-    if any(f is None for f in fits.values()):
+    local, fused = (line_fit(restart_points(doc, s)) for s in ("local", "fusestate+shim"))
+    if local is None or fused is None:
         return ""
-    local, fused = fits["local"], fits["fusestate+shim"]
-    assert local is not None and fused is not None
     text = (f"Fitted over the medians, the restart takes {local[0]:.1f} s + {local[1]:.1f} s per GB on local "
             f"disk and {fused[0]:.1f} s + {fused[1]:.1f} s per GB on fusestate+shim.")
     at5 = size_for_ratio(local, fused, 5.0)
