@@ -302,25 +302,71 @@ def test_blocks_named_by_sha256_before_blake3_still_verify(tmp_path: Path) -> No
     again.close()
 
 
-def test_disk_cache_knows_what_it_just_missed(tmp_path: Path) -> None:
-    """The event loop skips the worker-thread lookup for a block the cache just missed,
-    until the block is stored: every insert goes through the cache object."""
+def test_disk_cache_knows_what_it_holds_and_what_it_just_missed(tmp_path: Path) -> None:
+    """The event loop skips the worker-thread lookup (an SQLite transaction) for a block that
+    is certainly not here: one never stored (every first read on a fresh node), or one the
+    cache just missed, until it is stored. Every insert goes through the cache object, and a
+    reopened cache knows its entries from the index."""
     data = os.urandom(64 * 1024)
     key = block_key(data)
     cache = DiskCache(str(tmp_path / "cache"), 64 << 20)
-    assert not cache.known_absent(key)
-    assert cache.get_range(key, 0, 10) is None
     assert cache.known_absent(key)
     cache.put(key, data)
     assert not cache.known_absent(key)
     assert cache.get_range(key, 10, 20) == data[10:20]
     staged = tmp_path / "staged"
     other = os.urandom(64 * 1024)
-    assert cache.get(block_key(other)) is None and cache.known_absent(block_key(other))
+    assert cache.known_absent(block_key(other)) and cache.stats.misses == 0
     staged.write_bytes(other)
     cache.adopt(block_key(other), str(staged))
     assert not cache.known_absent(block_key(other))
     cache.close()
+
+    again = DiskCache(str(tmp_path / "cache"), 64 << 20)
+    assert not again.known_absent(key) and not again.known_absent(block_key(other))
+    assert again.get_range(key, 0, 10) == data[:10]
+    # An entry removed behind the object's back (diskcache culling it) is maybe-present until
+    # a read misses it; from then on it is known absent.
+    again._cache.delete(block_key(other))
+    assert not again.known_absent(block_key(other))
+    assert again.get(block_key(other)) is None and again.known_absent(block_key(other))
+    again.close()
+
+
+def test_disk_cache_rebuilds_its_key_set_when_culled_keys_pile_up(tmp_path: Path) -> None:
+    """Keys diskcache evicts stay in the set of maybe-present keys; the set is read again
+    from the index once it doubles, so a long random workload cannot grow it without bound."""
+    cache = DiskCache(str(tmp_path / "cache"), limit_bytes=256 * 1024)
+    keys = []
+    for _ in range(3000):
+        data = os.urandom(8192)
+        keys.append(block_key(data))
+        cache.put(keys[-1], data)
+    assert cache.stats.evictions > 2000
+    assert len(cache._maybe_present) <= 2 * len(cache) + 1024 + 1
+    held = set(cache._cache.iterkeys())
+    assert held <= cache._maybe_present  # never a false "absent"
+    assert all(not cache.known_absent(k) for k in held)
+    cache.close()
+
+
+def test_a_cold_point_read_on_a_fresh_node_goes_straight_to_the_bucket(tmp_path: Path) -> None:
+    """A small read of a block that is nowhere local takes one range read from the bucket,
+    with no disk cache lookup first (still counted as a disk cache miss)."""
+    data = os.urandom(BS)
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        key = block_key(data)
+        remote.put(object_name(key), data)
+        disk, lookups = fs.blocks.disk, []
+        for name in ("get", "get_range"):
+            real = getattr(disk, name)
+            setattr(disk, name, lambda *args, _real=real, _name=name: lookups.append(_name) or _real(*args))
+        assert await fs.blocks.read(key, 100, 200) == data[100:200]
+        assert lookups == [] and disk.stats.misses == 1
+        assert fs.blocks.stats.remote_range_reads == 1
+
+    run_fs(tmp_path, body)
 
 
 def _forget_memory(fs: FileSystem) -> None:

@@ -164,8 +164,8 @@ class DiskCache:
     process wrote or has verified are trusted after that: a small read costs a small
     ``pread`` instead of loading and hashing 4 MiB, and a whole-block read is not hashed
     again. Every insert goes through
-    this object, so it also knows which keys it just missed: ``known_absent`` lets the
-    event loop skip a worker-thread hop for a block that is not here. Methods other
+    this object, so it also knows which keys are certainly not here (never stored, or
+    just missed): ``known_absent`` lets the event loop skip a worker-thread hop for them. Methods other
     than ``known_absent`` block: call them from worker threads.
 
     Every diskcache call holds one lock, and no block's bytes are read or written under
@@ -192,6 +192,12 @@ class DiskCache:
         self.stats = TierStats()
         self._trusted = KeySet(KEY_MEMORY)
         self._absent = KeySet(KEY_MEMORY)
+        # Every key the index may hold: a superset, since entries that diskcache culls to
+        # make room stay in it until a read misses them. A key not in it is certainly not
+        # here, so a fresh node's first read of each block goes straight to the bucket
+        # instead of taking a worker thread and an SQLite transaction to learn that.
+        self._maybe_present: set[str] = set(self._cache.iterkeys())
+        self._rebuild_present_at = self._present_bound()
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -205,13 +211,26 @@ class DiskCache:
                 raise OSError(errno.ENOSPC if full else errno.EIO, f"disk cache index: {exc}") from exc
 
     def known_absent(self, key: str) -> bool:
-        """True when this block was missed here and not stored since (cheap; any thread)."""
-        return key in self._absent
+        """True when this block is certainly not here: never stored, or missed and not
+        stored since (cheap; any thread)."""
+        return key not in self._maybe_present or key in self._absent
 
     def _missed(self, key: str) -> None:
         self._trusted.discard(key)
         self._absent.add(key)
+        self._maybe_present.discard(key)
         self.stats.misses += 1
+
+    def _present_bound(self) -> int:
+        return 2 * len(self._maybe_present) + 1024
+
+    def _note_stored(self, key: str) -> None:
+        """Under the lock: a key just stored. Culled keys pile up in the superset of present
+        keys; past twice what it held last time, it is read again from the index."""
+        self._maybe_present.add(key)
+        if len(self._maybe_present) > self._rebuild_present_at:
+            self._maybe_present = set(self._cache.iterkeys())
+            self._rebuild_present_at = self._present_bound()
 
     def get_range(self, key: str, start: int, end: int) -> Optional[bytes]:
         """Bytes [start, end) of a cached block, or None on a miss."""
@@ -276,6 +295,7 @@ class DiskCache:
         with self._locked():
             before = len(self._cache)
             self._cache.set(key, _Adopt(path))
+            self._note_stored(key)
             evicted = before + 1 - len(self._cache)
             # Under the same lock as the insert: a reader that missed, or found a corrupt
             # copy, decides under it too, so it cannot mark this good entry absent or drop it.

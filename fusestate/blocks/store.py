@@ -221,6 +221,8 @@ class BlockStore:
         started = time.perf_counter()
         small = (end - start) * 4 < self.block_size and not whole
         maybe_local = self._staged(key) or not self.disk.known_absent(key)
+        if not maybe_local:
+            self.disk.stats.misses += 1  # a miss all the same, answered without a lookup
         if small and maybe_local:
             chunk = await trio.to_thread.run_sync(self._read_local_range, key, start, end,
                                                   limiter=self._local_io)
@@ -261,7 +263,10 @@ class BlockStore:
 
     async def _load_local(self, key: str) -> Optional[bytes]:
         """The whole block from staging or the disk cache into memory; one load per key at
-        a time (a scan's reads and its readahead want the same blocks at the same moment)."""
+        a time (a scan's reads and its readahead want the same blocks at the same moment).
+        None, without a worker thread, for a block certainly not on this node."""
+        if not self._staged(key) and self.disk.known_absent(key):
+            return None
         while (loading := self._loading.get(key)) is not None:
             await loading.wait()
             data = self.memory.get(key)
