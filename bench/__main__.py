@@ -1,7 +1,7 @@
 """bench/run: run named benchmark scenarios, write their JSON results, regenerate docs/benchmarks.md.
 
     bench/run --list                      # the scenarios
-    bench/run --quick                     # every scenario, small sizes (under 15 minutes on 2 cores)
+    bench/run --quick                     # every scenario, small sizes and time budgets
     bench/run                             # every scenario, full sizes
     bench/run --scenario rocksdb --scenario files --repeats 3
     bench/run --report-only               # regenerate the report from docs/bench-data/
@@ -32,7 +32,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="size", const="quick",
-                      help="small sizes and time budgets: the whole run in under 15 minutes")
+                      help="small sizes; a scenario repeats only while its time budget allows")
     size.add_argument("--tiny", action="store_const", dest="size", const="tiny",
                       help="smallest sizes, for testing the harness (implies --no-report)")
     p.add_argument("--scenario", action="append", default=[], metavar="NAME",
