@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,47 @@ def test_spark_restart_fits_and_extrapolates() -> None:
     (goal,) = sr.goals(doc)
     assert goal["met"] is False and "at 4 GB" in goal["goal"] and goal["measured"].startswith("3.00×")
     assert "per GB on local disk" in sr.slope_sentence(doc)
+
+
+def test_restart_trials_parse_and_pair() -> None:
+    """The trial tool's pieces: a variant's mount options, the daemon's latency histograms,
+    and the per-round differences from the reference variant."""
+    rt = pytest.importorskip("bench.restart_trials")
+    assert rt.parse_variant("ra0=--readahead 0 --kernel-readahead 0") == ("ra0", ["--readahead", "0", "--kernel-readahead", "0"])
+    assert rt.parse_variant("default=") == ("default", [])
+    with pytest.raises(Exception, match="NAME=MOUNT-OPTIONS"):
+        rt.parse_variant("=--readahead 0")
+    text = ('# TYPE fusestate_block_read_seconds histogram\n'
+            'fusestate_block_read_seconds_bucket{le="+Inf",source="range"} 4.0\n'
+            'fusestate_block_read_seconds_count{source="range"} 4.0\n'
+            'fusestate_block_read_seconds_sum{source="range"} 0.03\n')
+    h = rt.parse_histograms(text)
+    assert rt.mean_ms(h, "fusestate_block_read_seconds", "range") == 7.5
+    assert rt.mean_ms(h, "fusestate_block_read_seconds", "remote") is None
+    trials = [{"variant": v, "restart_s": s, "fetched_bytes": f, "range_read_ms": None}
+              for v, s, f in (("a", 40.0, 3), ("b", 38.5, 2), ("a", 44.0, 3), ("b", 45.0, 2), ("a", 42.0, 5), ("b", 40.0, 2))]
+    out = rt.summarize(trials, ["a", "b"])
+    assert out["restart_minus_first_s"] == {"b": [-1.5, 1.0, -2.0]}
+    assert out["medians"]["a"] == {"restart_s": 42.0, "fetched_bytes": 3}
+    assert out["medians"]["b"]["restart_s"] == 40.0
+
+
+@pytest.mark.slow
+def test_restart_trials_tiny(tmp_path: Path) -> None:
+    """Build a tiny state, then restart it once per variant from identical copies: each trial
+    reports its restart and the bytes it fetched, and none leaves a mount or a copy behind."""
+    tool = [sys.executable, str(ROOT / "bench" / "restart_trials.py")]
+    work = tmp_path / "rt"
+    subprocess.run([*tool, "build", "--work", str(work), "--keys", "2000", "--payload-bytes", "256",
+                    "--events-per-batch", "1000", "--batches", "2"], check=True, capture_output=True, timeout=600)
+    out = subprocess.run([*tool, "run", "--work", str(work), "--rounds", "1", "--restart-events", "200",
+                          "--variant", "default=", "--variant", "no-readahead=--readahead 0"],
+                         check=True, capture_output=True, text=True, timeout=600).stdout
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    trials, summary = lines[:-1], lines[-1]
+    assert [t["variant"] for t in trials] == ["default", "no-readahead"]
+    for t in trials:
+        assert t["restart_s"] > 0 and t["fetched_bytes"] > 0 and t["full_fetches"] + t["range_reads"] > 0
+    assert set(summary["restart_minus_first_s"]) == {"no-readahead"}
+    assert not is_mounted(work / "mnt")
+    assert (work / "base").is_dir() and not (work / "trial-bucket").exists()
