@@ -163,10 +163,10 @@ class DiskCache:
     dropped and reported as a miss, so the caller fetches it again. Entries this
     process wrote or has verified are trusted after that: a small read costs a small
     ``pread`` instead of loading and hashing 4 MiB, and a whole-block read is not hashed
-    again. Every insert goes through
-    this object, so it also knows which keys are certainly not here (never stored, or
-    just missed): ``known_absent`` lets the event loop skip a worker-thread hop for them. Methods other
-    than ``known_absent`` block: call them from worker threads.
+    again. Every insert goes through this object, so it also knows which keys are
+    certainly not here (never stored, or just missed): ``known_absent`` lets the event
+    loop skip a worker-thread hop for them. Methods other than ``known_absent`` block:
+    call them from worker threads.
 
     Every diskcache call holds one lock, and no block's bytes are read or written under
     it: an LRU lookup is a SQLite write transaction, and threads that meet one in SQLite
