@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
-import signal
-import socket
-import statistics
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -36,25 +31,11 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.spark_bench import FUSESTATE, drop_page_cache, fs, pipeline  # noqa: E402
-from fusestate.spark.config import SHUFFLE_SCRATCH  # noqa: E402
+from bench.common import median_or_none  # noqa: E402
+from bench.spark_bench import drop_page_cache, fs, mount_file_bucket, pipeline, stop_daemon, unmount  # noqa: E402
+from bench.systems import free_port  # noqa: E402
 
 PIPELINE_FLAGS = ["--state-compression", "none", "--use-shim", "--no-changelog"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def mount(bucket: Path, mnt: Path, cache: Path, *more: str) -> None:
-    fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--scratch", SHUFFLE_SCRATCH, *more)
-
-
-def unmount(mnt: Path) -> None:
-    subprocess.run([FUSESTATE, "umount", str(mnt)], capture_output=True)
-    subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
 
 def common_args(p: dict[str, Any]) -> list[str]:
@@ -70,13 +51,10 @@ def build(args: argparse.Namespace) -> int:
     mnt, cache = work / "mnt", work / "build-cache"
     for d in (work / "base", mnt):
         d.mkdir(parents=True)
-    mount(work / "base", mnt, cache, "--metrics-addr", "off")
+    mount_file_bucket(work / "base", mnt, cache, "--metrics-addr", "off")
     try:
         report = pipeline("build", mnt / "job", work / "out", work / "input", args.batches, common_args(params))
-        pid = json.loads(fs("status", "--json", str(mnt)))["pid"]
-        os.kill(pid, signal.SIGKILL)  # the node is lost: nothing is flushed on the way out
-        while Path(f"/proc/{pid}").exists():
-            time.sleep(0.1)
+        stop_daemon(json.loads(fs("status", "--json", str(mnt)))["pid"], mnt)  # the node is lost
     finally:
         unmount(mnt)
         shutil.rmtree(cache, ignore_errors=True)
@@ -115,7 +93,7 @@ def trial(work: Path, params: dict[str, Any], variant: str, options: list[str]) 
     subprocess.run(["cp", "-al", str(work / "base"), str(copy)], check=True)
     shutil.copytree(work / "out", out)
     port = free_port()
-    mount(copy, mnt, cache, "--takeover", "--metrics-addr", f"127.0.0.1:{port}", *options)
+    mount_file_bucket(copy, mnt, cache, "--takeover", "--metrics-addr", f"127.0.0.1:{port}", *options)
     try:
         drop_page_cache()
         report = pipeline(f"restart {variant}", mnt / "job", out, work / "input", params["batches"] + 1,
@@ -141,8 +119,8 @@ def trial(work: Path, params: dict[str, Any], variant: str, options: list[str]) 
 def summarize(trials: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
     """Medians per variant; each other variant's restart minus the first's, round by round."""
     by = {v: [t for t in trials if t["variant"] == v] for v in variants}
-    medians = {v: {k: statistics.median(t[k] for t in ts if t[k] is not None)
-                   for k in ("restart_s", "fetched_bytes", "range_read_ms") if any(t[k] is not None for t in ts)}
+    medians = {v: {k: m for k in ("restart_s", "fetched_bytes", "range_read_ms")
+                   if (m := median_or_none(t[k] for t in ts)) is not None}
                for v, ts in by.items() if ts}
     first = by[variants[0]]
     paired = {v: [round(b["restart_s"] - a["restart_s"], 2) for a, b in zip(first, by[v])] for v in variants[1:]}

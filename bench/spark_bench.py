@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,11 +99,34 @@ def steady(report: dict) -> dict:
                         for b in report["batches"]]}
 
 
+def mount_file_bucket(bucket: Path, mnt: Path, cache: Path, *options: str, scratch: bool = True) -> None:
+    """Spark's shuffle dirs stay on the node, as deployed, unless ``scratch`` is off."""
+    fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache),
+       *(["--scratch", SHUFFLE_SCRATCH] if scratch else []), *options)
+
+
 def mount(bucket: Path, mnt: Path, cache: Path, args, *more: str) -> None:
-    """Spark's shuffle dirs stay on the node, as deployed, unless --no-scratch."""
-    scratch = [] if args.no_scratch else ["--scratch", SHUFFLE_SCRATCH]
-    fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache), "--cache-size", args.cache_size,
-       "--metrics-addr", "off", "--durability", args.durability, *scratch, *more)
+    mount_file_bucket(bucket, mnt, cache, "--cache-size", args.cache_size, "--metrics-addr", "off",
+                      "--durability", args.durability, *more, scratch=not args.no_scratch)
+
+
+def stop_daemon(pid: int, mnt: Path, *, kill: bool = True) -> None:
+    """Lose the node (SIGKILL: nothing is flushed on the way out) or unmount cleanly; wait
+    for the daemon to exit, then detach whatever mount it left."""
+    fs("umount", str(mnt)) if not kill else os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+            time.sleep(0.1)
+        except ProcessLookupError:
+            break
+    subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+
+
+def unmount(mnt: Path) -> None:
+    subprocess.run([FUSESTATE, "umount", str(mnt)], capture_output=True)
+    subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
 
 def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -> dict:
@@ -133,16 +157,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             result["first_run"]["fusestate"] = {k: st["writeback"][k] for k in ("uploaded_bytes", "uploaded_blocks")}
             result["first_run"]["fusestate"]["fuse_bytes_written"] = st["fuse"]["bytes_written"]
             # Lose the node: kill the daemon, wipe its cache, take the volume over on a "fresh node".
-            pid = st["pid"]
-            fs("umount", str(mnt)) if args.clean_umount else os.kill(pid, 9)
-            deadline = time.time() + 60
-            while time.time() < deadline:
-                try:
-                    os.kill(pid, 0)
-                    time.sleep(0.1)
-                except ProcessLookupError:
-                    break
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+            stop_daemon(st["pid"], mnt, kill=not args.clean_umount)
             shutil.rmtree(cache)
             t = time.time()
             mount(bucket, mnt, cache, args, "--takeover")
@@ -171,8 +186,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
         return result
     finally:
         if mnt:
-            subprocess.run([FUSESTATE, "umount", str(mnt)], capture_output=True)
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+            unmount(mnt)
 
 
 def main() -> int:

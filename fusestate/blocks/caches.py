@@ -122,7 +122,7 @@ class _BlockDisk(diskcache.Disk):
                     raise
 
 
-KEY_MEMORY = 65536  # keys remembered as known good / known absent (about 8 MB each at most)
+KEY_MEMORY = 65536  # keys remembered as known good (about 8 MB at most)
 
 
 class KeySet:
@@ -191,11 +191,11 @@ class DiskCache:
         self.limit = limit_bytes
         self.stats = TierStats()
         self._trusted = KeySet(KEY_MEMORY)
-        self._absent = KeySet(KEY_MEMORY)
         # Every key the index may hold: a superset, since entries that diskcache culls to
         # make room stay in it until a read misses them. A key not in it is certainly not
-        # here, so a fresh node's first read of each block goes straight to the bucket
-        # instead of taking a worker thread and an SQLite transaction to learn that.
+        # here (never stored, or missed and not stored since), so a fresh node's first read
+        # of each block goes straight to the bucket instead of taking a worker thread and an
+        # SQLite transaction to learn that.
         self._maybe_present: set[str] = set(self._cache.iterkeys())
         self._rebuild_present_at = self._present_bound()
 
@@ -213,11 +213,10 @@ class DiskCache:
     def known_absent(self, key: str) -> bool:
         """True when this block is certainly not here: never stored, or missed and not
         stored since (cheap; any thread)."""
-        return key not in self._maybe_present or key in self._absent
+        return key not in self._maybe_present
 
     def _missed(self, key: str) -> None:
         self._trusted.discard(key)
-        self._absent.add(key)
         self._maybe_present.discard(key)
         self.stats.misses += 1
 
@@ -295,11 +294,10 @@ class DiskCache:
         with self._locked():
             before = len(self._cache)
             self._cache.set(key, _Adopt(path))
-            self._note_stored(key)
             evicted = before + 1 - len(self._cache)
             # Under the same lock as the insert: a reader that missed, or found a corrupt
             # copy, decides under it too, so it cannot mark this good entry absent or drop it.
-            self._absent.discard(key)
+            self._note_stored(key)
             self._trusted.add(key)
         if evicted > 0:
             self.stats.evictions += evicted

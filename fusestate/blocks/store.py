@@ -298,7 +298,7 @@ class BlockStore:
         while key in self._fetching:
             await self._fetching[key].wait()
             data = self.memory.get(key)
-            if data is None and not self.disk.known_absent(key):
+            if data is None:
                 data = await self._load_local(key)  # warming keeps what it fetches on disk only
             if data is not None:
                 return data
