@@ -282,6 +282,10 @@ def _fresh_node_with(m: Mount, name: str, data: bytes) -> None:
     m.mount()
 
 
+# Every range read of a block takes 5 ms longer, as from a remote bucket.
+REMOTE_LIKE_RANGE_READS = {"FUSESTATE_FAULTS": "pause=0.005,ops=get_range,under=blocks/"}
+
+
 def _point_read(path: Path, offset: int, data: bytes) -> None:
     """One 4 KiB read with kernel readahead off, as RocksDB's point lookups do."""
     fd = os.open(path, os.O_RDONLY)
@@ -396,7 +400,8 @@ def test_random_reads_over_more_blocks_than_the_cache_holds_stay_range_reads(mak
     write_file(m.path / "f", data)
     m.umount()
     m.wipe_cache()
-    m.mount("--cache-size", "32M")  # 8 blocks
+    # Range reads that cost 5 ms, as a remote bucket's do: re-read blocks are worth fetching whole.
+    m.mount("--cache-size", "32M", env=REMOTE_LIKE_RANGE_READS)  # 8 blocks
     for within in (3 * 4096, 2 * MiB):
         for b in range(blocks):
             _point_read(m.path / "f", b * BLOCK + within, data)
@@ -404,6 +409,34 @@ def test_random_reads_over_more_blocks_than_the_cache_holds_stay_range_reads(mak
     assert st["full_fetches"] == 0, st
     assert st["bytes_in"] < 2 * blocks * 256 * 1024, st
     _point_read(m.path / "f", (blocks - 1) * BLOCK + MiB, data)  # the last block, read again right away
+    _wait_full_fetch(m)
+    assert m.status()["remote"]["small_read_ms"]["promote"] is True
+
+
+def test_blocks_read_again_stay_range_reads_where_the_bucket_is_as_fast_as_the_cache(
+        make_mount, file_bucket: Bucket) -> None:
+    """A file:// bucket answers a range read about as fast as the cache disk does, so
+    fetching a re-read block whole would only add 4 MiB of disk traffic and hashing per
+    block: once the daemon has timed enough range reads, it stops. ``--promote-blocks
+    always`` fetches them whole all the same."""
+    m: Mount = make_mount(file_bucket)
+    blocks = 20
+    data = rand(blocks * BLOCK, 14)
+    _fresh_node_with(m, "f", data)
+    for b in range(blocks):  # one range read per block, each timed
+        _point_read(m.path / "f", b * BLOCK + 3 * 4096, data)
+    _point_read(m.path / "f", 5 * BLOCK + MiB, data)  # a block read again right away
+    time.sleep(1)
+    st = m.status()["remote"]
+    assert st["full_fetches"] == 0 and st["range_reads"] == blocks + 1, st
+    small = st["small_read_ms"]
+    assert small["promote"] is False and small["bucket_samples"] == blocks + 1, small
+    assert small["bucket"] < 2.0, small
+    m.umount()
+    m.wipe_cache()
+    m.mount("--promote-blocks", "always")
+    for within in (3 * 4096, MiB):
+        _point_read(m.path / "f", 5 * BLOCK + within, data)
     _wait_full_fetch(m)
 
 

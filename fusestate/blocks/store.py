@@ -5,7 +5,8 @@ bucket. A small read takes only its range from local disk or, for a block that i
 nowhere local, from the bucket, even while that block is being fetched whole: a point
 lookup waits for what it reads, not for 4 MiB queued behind other fetches. A second
 small read of such a block soon after the first also fetches the whole block into the
-disk cache, in low-priority background threads. "Soon" is measured in blocks: the last
+disk cache, in low-priority background threads, as long as a range read from the bucket
+costs several times one from local disk (``read_costs``). "Soon" is measured in blocks: the last
 ones read by range are remembered, a quarter as many as the disk cache holds (a 2Q-style
 ghost list), so a state many times the cache, read at random, is not churned through it
 4 MiB at a time. Larger reads, and small reads that are part of a sequential scan (the
@@ -27,6 +28,7 @@ import trio
 from fusestate.blocks.background import BackgroundThreads
 from fusestate.blocks.caches import DiskCache, KeySet, MemoryCache
 from fusestate.blocks.keys import key_matches, object_name, seal_digest
+from fusestate.blocks.read_costs import ReadCosts
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.uploader import Uploader
 from fusestate.config import format_size
@@ -70,7 +72,7 @@ class BlockStore:
     def __init__(self, meta: MetadataEngine, remote: RemoteStore, staging: Staging,
                  memory: MemoryCache, disk: DiskCache, uploader: Uploader, *,
                  block_size: int, local_io: trio.CapacityLimiter,
-                 prefetch_concurrency: int = 4) -> None:
+                 prefetch_concurrency: int = 4, promote_blocks: str = "auto") -> None:
         self.meta = meta
         self.remote = remote
         self.staging = staging
@@ -84,6 +86,7 @@ class BlockStore:
         self._loading: dict[str, trio.Event] = {}  # whole-block loads from local disk
         # Cold blocks read once by a range read (the ghost list).
         self._range_read_blocks = KeySet(max(1, disk.limit // block_size // RANGE_READ_MEMORY_SHARE))
+        self.read_costs = ReadCosts(promote_blocks)
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._background = BackgroundThreads(prefetch_concurrency, "refetch")
         self._nursery: Optional[trio.Nursery] = None
@@ -239,14 +242,16 @@ class BlockStore:
             self._observe("remote", started)
             return data[start:end]
         # Small cold read: answer from a range read. Only a block read again while still
-        # remembered is fetched whole in the background: scattered point lookups (RocksDB on
-        # a fresh node) then cost what they read, not 4 MiB each.
+        # remembered is fetched whole in the background, and only where that pays:
+        # scattered point lookups (RocksDB on a fresh node) then cost what they read, not
+        # 4 MiB each.
         if self._range_read_blocks.take(key):
-            self.prefetch([key], to_disk=True)
+            if self.read_costs.promotion_pays():
+                self.prefetch([key], to_disk=True)
         else:
             self._range_read_blocks.add(key)
         try:
-            chunk = await self.remote.aget_range(object_name(key), start, end)
+            chunk = await self.remote.run(self._get_range_sync, key, start, end)
         except (RemoteError, FileNotFoundError) as exc:
             raise BlockReadError(f"block {key[:16]}: {exc}") from exc
         self.stats.remote_range_reads += 1
@@ -280,11 +285,19 @@ class BlockStore:
         return data
 
     def _read_local_range(self, key: str, start: int, end: int) -> Optional[bytes]:
-        if self._staged(key):
-            chunk = self.staging.read_range(key, start, end)
-            if chunk is not None:
-                return chunk
-        return self.disk.get_range(key, start, end)
+        started = time.perf_counter()
+        chunk = self.staging.read_range(key, start, end) if self._staged(key) else None
+        if chunk is None:
+            chunk = self.disk.get_range(key, start, end)
+        if chunk is not None:
+            self.read_costs.local(time.perf_counter() - started)
+        return chunk
+
+    def _get_range_sync(self, key: str, start: int, end: int) -> bytes:
+        started = time.perf_counter()
+        chunk = self.remote.get_range(object_name(key), start, end)
+        self.read_costs.bucket(time.perf_counter() - started)
+        return chunk
 
     def _load_local_sync(self, key: str) -> Optional[bytes]:
         if self._staged(key):

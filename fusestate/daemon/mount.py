@@ -129,7 +129,8 @@ class Daemon:
                                  max_dirty=cfg.max_dirty, upload_delay=cfg.upload_delay,
                                  concurrency=cfg.upload_concurrency, local_io=self.local_io)
         self.blocks = BlockStore(self.meta, self.remote, self.staging, self.memory, self.disk,
-                                 self.uploader, block_size=self.volume.block_size, local_io=self.local_io)
+                                 self.uploader, block_size=self.volume.block_size, local_io=self.local_io,
+                                 promote_blocks=cfg.promote_blocks)
         self.warmer = CacheWarmer(self.blocks, self.meta, mode=cfg.prefetch, disk_cache_bytes=cfg.read_cache_size)
         self.fs = FileSystem(self.meta, self.blocks, self.uploader, block_size=self.volume.block_size,
                              durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
@@ -464,6 +465,7 @@ class Daemon:
                 "full_fetches": self.blocks.stats.remote_full_fetches,
                 "range_reads": self.blocks.stats.remote_range_reads,
                 "prefetches": self.blocks.stats.prefetches,
+                "small_read_ms": self.blocks.read_costs.summary(),
             },
             "warmup": {
                 "mode": self.cfg.prefetch, "state": self.warmer.stats.state,

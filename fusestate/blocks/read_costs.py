@@ -1,0 +1,79 @@
+"""Whether fetching a re-read block whole pays, from what small reads actually cost.
+
+A block that point lookups keep coming back to can be fetched whole into the disk cache
+so later lookups read it locally. That fetch reads, hashes and writes a whole block (4 MiB
+by default) for reads of a few KiB each. It pays when a range read from the bucket costs
+many times a range read from local disk, as on S3 or GCS. It does not when the bucket is
+a directory on a disk like the cache's own (a ``file://`` bucket): then each promotion
+is 4 MiB of extra disk traffic and CPU on the node, taken from the reads it meant to
+speed up. So the store measures both costs as it reads and asks this estimate.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import statistics
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+PROMOTION_COST_RATIO = 4.0   # promote when a bucket range read costs this many local ones
+LOCAL_COST_FLOOR = 0.0005    # seconds: local reads faster than this count as this fast
+MIN_BUCKET_SAMPLES = 16      # until then, promote (the safe choice for a remote bucket)
+WINDOW = 64                  # recent reads whose median is the cost: one slow read moves nothing
+
+
+class ReadCosts:
+    """Median service time of recent small reads (timed in their worker threads, so waiting
+    for a thread does not count) from the bucket and from local disk.
+
+    Worker threads append to the windows; a deque's append is atomic, and the median is
+    taken over a copy."""
+
+    def __init__(self, mode: str = "auto", ratio: float = PROMOTION_COST_RATIO, local_floor: float = LOCAL_COST_FLOOR,
+                 min_bucket_samples: int = MIN_BUCKET_SAMPLES, window: int = WINDOW) -> None:
+        self.mode = mode  # auto | always | never (--promote-blocks)
+        self.ratio = ratio
+        self.local_floor = local_floor
+        self.min_bucket_samples = min_bucket_samples
+        self._bucket: collections.deque[float] = collections.deque(maxlen=window)
+        self._local: collections.deque[float] = collections.deque(maxlen=window)
+        self._last_verdict: Optional[bool] = None
+
+    def bucket(self, seconds: float) -> None:
+        self._bucket.append(seconds)
+
+    def local(self, seconds: float) -> None:
+        self._local.append(seconds)
+
+    @property
+    def bucket_seconds(self) -> Optional[float]:
+        return statistics.median(list(self._bucket)) if self._bucket else None
+
+    @property
+    def local_seconds(self) -> Optional[float]:
+        return statistics.median(list(self._local)) if self._local else None
+
+    def promotion_pays(self) -> bool:
+        """Whether a block read again by range should be fetched whole into the disk cache."""
+        if self.mode != "auto":
+            return self.mode == "always"
+        bucket = self.bucket_seconds
+        if bucket is None or len(self._bucket) < self.min_bucket_samples:
+            return True
+        local = max(self.local_seconds or 0.0, self.local_floor)
+        verdict = bucket >= self.ratio * local
+        if verdict != self._last_verdict:
+            log.info("a small read costs %.2f ms from the bucket against %.2f ms locally: blocks read "
+                     "again by range %s fetched whole", bucket * 1e3, local * 1e3,
+                     "are" if verdict else "are not")
+            self._last_verdict = verdict
+        return verdict
+
+    def summary(self) -> dict[str, object]:
+        """For ``fusestate status``: the two costs (ms) and what they decide."""
+        def ms(seconds: Optional[float]) -> Optional[float]:
+            return None if seconds is None else round(seconds * 1e3, 3)
+        return {"bucket": ms(self.bucket_seconds), "local": ms(self.local_seconds),
+                "bucket_samples": len(self._bucket), "promote": self.promotion_pays()}
