@@ -108,6 +108,9 @@ def trial(work: Path, params: dict[str, Any], variant: str, options: list[str]) 
     return {
         "variant": variant, "restart_s": report.get("first_batch_done_s"), "jvm_and_session_s": report.get("session_start_s"),
         "first_batch_ms": batch.get("duration_ms"), "load_ms": batch.get("rocksdb", {}).get("rocksdbLoadLatencyMs"),
+        # summed over the stores' tasks: reading the state, the watermark's eviction, the commits
+        **{f"{part}_ms": sum(op[f"{part}_ms"] for op in batch.get("operators", []))
+           for part in ("updates", "removals", "commit")},
         "fetched_bytes": status["remote"]["bytes_in"], "full_fetches": status["remote"]["full_fetches"],
         "background_fetches": status["remote"]["prefetches"], "range_reads": status["remote"]["range_reads"],
         "fuse_bytes_read": status["fuse"]["bytes_read"], "disk_cache_misses": status["cache"]["disk_misses"],

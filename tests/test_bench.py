@@ -165,6 +165,7 @@ def test_restart_trials_tiny(tmp_path: Path) -> None:
     assert [t["variant"] for t in trials] == ["default", "no-readahead"]
     for t in trials:
         assert t["restart_s"] > 0 and t["fetched_bytes"] > 0 and t["full_fetches"] + t["range_reads"] > 0
+        assert t["updates_ms"] >= 0 and t["commit_ms"] > 0
     assert set(summary["restart_minus_first_s"]) == {"no-readahead"}
     assert not is_mounted(work / "mnt")
     assert (work / "base").is_dir() and not (work / "trial-bucket").exists()
