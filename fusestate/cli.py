@@ -11,7 +11,7 @@ import sys
 from typing import Optional, Sequence
 
 from fusestate import __version__
-from fusestate.config import (DEFAULT_CACHE_DIR, DEFAULT_METRICS_PORT, PREFETCH_MODES, PROMOTE_MODES, MountConfig,
+from fusestate.config import (DEFAULT_CACHE_DIR, DEFAULT_METRICS_PORT, PREFETCH_MODES, WHOLE_BLOCK_MODES, MountConfig,
                               format_size, parse_size)
 from fusestate.errors import UserError
 
@@ -51,11 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "'all' (or the bare flag) as much of the volume as 90%% of the disk cache holds; "
                         "'off' only on demand; 'auto' (default) is 'recent' for s3:// and gs:// and "
                         "'off' for a file:// bucket, which is no slower to read than the cache")
-    m.add_argument("--promote-blocks", default="auto", choices=PROMOTE_MODES,
-                   help="when small reads come back to a block not on this node, fetch it whole into the "
-                        "disk cache: 'auto' (default) only while a range read from the bucket costs at "
-                        "least 4 times one from local disk (S3, GCS; not a file:// bucket on a disk like "
-                        "the cache's), 'always', or 'never'")
+    m.add_argument("--whole-blocks", default="auto", choices=WHOLE_BLOCK_MODES,
+                   help="cold reads bring whole blocks to this node (scans and their readahead, blocks "
+                        "small reads come back to) instead of reading only their range: 'auto' (default) "
+                        "while a small range read from the bucket costs at least 4 times one from local "
+                        "disk (S3, GCS; not a file:// bucket on a disk like the cache's), 'always', or "
+                        "'never'")
     m.add_argument("--scratch", action="append", default=[], metavar="PATTERN", dest="scratch_dirs",
                    help="directories created with a name matching this glob, and all they hold, stay on this "
                         "node: never uploaded, not part of the volume, emptied at the next mount "
@@ -120,7 +121,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         endpoint_url=args.endpoint_url, metrics_addr=args.metrics_addr,
         allow_other=args.allow_other, read_only=args.read_only, takeover=args.takeover,
         foreground=args.foreground, attr_timeout=args.attr_timeout, debug=args.debug,
-        fuse_options=args.fuse_options, prefetch=args.prefetch, promote_blocks=args.promote_blocks,
+        fuse_options=args.fuse_options, prefetch=args.prefetch, whole_blocks=args.whole_blocks,
         scratch_dirs=args.scratch_dirs,
         journal_interval=args.journal_interval, gc_grace=args.gc_grace,
     )
@@ -286,8 +287,9 @@ def _print_status(status: dict) -> None:
     small = remote.get("small_read_ms")
     if small and small["bucket"] is not None:
         local = f"{small['local']} ms" if small["local"] is not None else "not measured yet"
-        rows.append(("small reads", f"{small['bucket']} ms from the bucket, {local} locally: blocks read again "
-                                    f"{'are' if small['promote'] else 'are not'} fetched whole"))
+        rows.append(("small reads", f"{small['bucket']} ms from the bucket, {local} locally: "
+                                    + ("cold reads fetch whole blocks" if small["whole_blocks"]
+                                       else "cold reads are range reads")))
     warm = status.get("warmup")
     if warm and warm["mode"] != "off":
         rows.append(("warmup", f"{warm['state']} ({warm['mode']}), {format_size(warm['fetched_bytes'])} fetched "

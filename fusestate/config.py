@@ -15,7 +15,7 @@ GiB = 1 << 30
 
 DEFAULT_BLOCK_SIZE = 4 * MiB
 PREFETCH_MODES = ("auto", "off", "recent", "all")  # cache warming after the mount (--prefetch)
-PROMOTE_MODES = ("auto", "always", "never")  # fetching range-read blocks whole (--promote-blocks)
+WHOLE_BLOCK_MODES = ("auto", "always", "never")  # cold reads fetch whole blocks (--whole-blocks)
 DEFAULT_CACHE_DIR = "/var/cache/fusestate"
 DEFAULT_METRICS_PORT = 9567
 
@@ -71,7 +71,7 @@ class MountConfig:
     journal_interval: float = 2.0            # seconds between journal shipments (fsync ships at once)
     lease_ttl: float = 30.0                  # seconds a lease stays valid without a heartbeat
     prefetch: str = "auto"                   # auto | off | recent | all: background cache warming after mounting
-    promote_blocks: str = "auto"             # auto | always | never: fetch blocks range reads return to whole
+    whole_blocks: str = "auto"               # auto | always | never: cold reads bring whole blocks to the node
     scratch_dirs: list[str] = field(default_factory=list)  # name globs of node-local directories (--scratch)
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
@@ -85,8 +85,8 @@ class MountConfig:
             raise UserError(f"bad --prefetch {self.prefetch!r}: expected auto, off, recent or all")
         if self.prefetch == "auto":
             self.prefetch = default_prefetch(self.url)
-        if self.promote_blocks not in PROMOTE_MODES:
-            raise UserError(f"bad --promote-blocks {self.promote_blocks!r}: expected auto, always or never")
+        if self.whole_blocks not in WHOLE_BLOCK_MODES:
+            raise UserError(f"bad --whole-blocks {self.whole_blocks!r}: expected auto, always or never")
         for pattern in self.scratch_dirs:
             if not pattern or "/" in pattern or pattern in ("*", ".", ".."):
                 raise UserError(f"bad --scratch {pattern!r}: expected a directory name pattern such as 'blockmgr-*'")

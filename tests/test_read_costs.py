@@ -1,40 +1,40 @@
-"""Unit tests of the estimate that decides whether a re-read block is fetched whole."""
+"""Unit tests of the estimate that decides whether cold reads fetch whole blocks."""
 
 from __future__ import annotations
 
 from fusestate.blocks.read_costs import MIN_BUCKET_SAMPLES, ReadCosts
 
 
-def test_promotes_until_the_bucket_has_been_timed() -> None:
+def test_whole_blocks_until_the_bucket_has_been_timed() -> None:
     costs = ReadCosts()
     for _ in range(MIN_BUCKET_SAMPLES - 1):
         costs.bucket(0.0001)
-    assert costs.promotion_pays()  # too few samples: behave as for a remote bucket
+    assert costs.whole_blocks_pay()  # too few samples: behave as for a remote bucket
     costs.bucket(0.0001)
-    assert not costs.promotion_pays()
+    assert not costs.whole_blocks_pay()
 
 
-def test_a_bucket_as_fast_as_local_disk_is_not_worth_promoting_for() -> None:
+def test_a_bucket_as_fast_as_local_disk_is_read_by_range() -> None:
     costs = ReadCosts()
     for _ in range(32):
         costs.bucket(0.0015)  # a file:// bucket on a busy node
         costs.local(0.0009)
-    assert not costs.promotion_pays()
-    assert costs.summary() == {"bucket": 1.5, "local": 0.9, "bucket_samples": 32, "promote": False}
+    assert not costs.whole_blocks_pay()
+    assert costs.summary() == {"bucket": 1.5, "local": 0.9, "bucket_samples": 32, "whole_blocks": False}
 
 
-def test_a_remote_bucket_is_worth_promoting_for_and_one_slow_read_moves_nothing() -> None:
+def test_a_remote_bucket_is_worth_whole_blocks_and_one_slow_read_moves_nothing() -> None:
     remote = ReadCosts()
     for _ in range(32):
         remote.bucket(0.020)
         remote.local(0.0004)  # below the floor: counts as 0.5 ms
-    assert remote.promotion_pays()
+    assert remote.whole_blocks_pay()
 
     local = ReadCosts()
     for _ in range(32):
         local.bucket(0.0003)
     local.bucket(5.0)  # one read stuck behind a burst of writes
-    assert not local.promotion_pays()  # the median, not the mean
+    assert not local.whole_blocks_pay()  # the median, not the mean
 
 
 def test_the_mode_overrides_the_measurement() -> None:
@@ -42,5 +42,5 @@ def test_the_mode_overrides_the_measurement() -> None:
     for costs in (always, never):
         for _ in range(32):
             costs.bucket(0.0001)
-    assert always.promotion_pays() and not never.promotion_pays()
-    assert not ReadCosts("never").promotion_pays()  # not even before any sample
+    assert always.whole_blocks_pay() and not never.whole_blocks_pay()
+    assert not ReadCosts("never").whole_blocks_pay()  # not even before any sample

@@ -410,15 +410,15 @@ def test_random_reads_over_more_blocks_than_the_cache_holds_stay_range_reads(mak
     assert st["bytes_in"] < 2 * blocks * 256 * 1024, st
     _point_read(m.path / "f", (blocks - 1) * BLOCK + MiB, data)  # the last block, read again right away
     _wait_full_fetch(m)
-    assert m.status()["remote"]["small_read_ms"]["promote"] is True
+    assert m.status()["remote"]["small_read_ms"]["whole_blocks"] is True
 
 
-def test_blocks_read_again_stay_range_reads_where_the_bucket_is_as_fast_as_the_cache(
-        make_mount, file_bucket: Bucket) -> None:
+def test_a_bucket_as_fast_as_the_cache_is_read_by_range_at_every_size(make_mount, file_bucket: Bucket) -> None:
     """A file:// bucket answers a range read about as fast as the cache disk does, so
-    fetching a re-read block whole would only add 4 MiB of disk traffic and hashing per
-    block: once the daemon has timed enough range reads, it stops. ``--promote-blocks
-    always`` fetches them whole all the same."""
+    copying whole blocks to the node (a re-read block, a scan and its readahead) would only
+    add 4 MiB of disk traffic and hashing per block: once the daemon has timed enough
+    range reads, cold reads fetch just what they read. ``--whole-blocks always`` fetches
+    whole blocks all the same."""
     m: Mount = make_mount(file_bucket)
     blocks = 20
     data = rand(blocks * BLOCK, 14)
@@ -430,15 +430,20 @@ def test_blocks_read_again_stay_range_reads_where_the_bucket_is_as_fast_as_the_c
     st = m.status()["remote"]
     assert st["full_fetches"] == 0 and st["range_reads"] == blocks + 1, st
     small = st["small_read_ms"]
-    assert small["promote"] is False and small["bucket_samples"] == blocks + 1, small
+    assert small["whole_blocks"] is False and small["bucket_samples"] == blocks + 1, small
     assert small["bucket"] < 2.0, small
+    before = st["bytes_in"]
+    got, _ = _read_requests(m, m.path / "f", random_access=False)  # a cold scan of the file
+    assert got == data
+    st = m.status()["remote"]
+    assert st["full_fetches"] == 0 and st["prefetches"] == 0, st
+    assert st["bytes_in"] - before == len(data), st  # what was read, no block twice, nothing ahead
     m.umount()
     m.wipe_cache()
-    m.mount("--promote-blocks", "always")
+    m.mount("--whole-blocks", "always")
     for within in (3 * 4096, MiB):
         _point_read(m.path / "f", 5 * BLOCK + within, data)
     _wait_full_fetch(m)
-
 
 def test_sequential_read_prefetches(make_mount, file_bucket: Bucket) -> None:
     m: Mount = make_mount(file_bucket)

@@ -1,12 +1,13 @@
-"""Whether fetching a re-read block whole pays, from what small reads actually cost.
+"""Whether copying whole blocks from the bucket to this node pays, from what reads cost.
 
-A block that point lookups keep coming back to can be fetched whole into the disk cache
-so later lookups read it locally. That fetch reads, hashes and writes a whole block (4 MiB
-by default) for reads of a few KiB each. It pays when a range read from the bucket costs
-many times a range read from local disk, as on S3 or GCS. It does not when the bucket is
-a directory on a disk like the cache's own (a ``file://`` bucket): then each promotion
-is 4 MiB of extra disk traffic and CPU on the node, taken from the reads it meant to
-speed up. So the store measures both costs as it reads and asks this estimate.
+The block store fetches whole blocks (4 MiB by default) into its caches: for scans and
+their readahead, and for blocks that point lookups keep coming back to, so later reads
+are local. Each such fetch reads, hashes and writes the whole block. That pays when a
+range read from the bucket costs many times one from local disk, as on S3 or GCS. It
+does not when the bucket is a directory on a disk like the cache's own (a ``file://``
+bucket): then a range read is as cheap as a cache read, and every whole block is disk
+traffic and CPU on the node, taken from the reads it meant to speed up. So the store
+times its small reads from both and asks this estimate.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-PROMOTION_COST_RATIO = 4.0   # promote when a bucket range read costs this many local ones
+COST_RATIO = 4.0             # whole blocks pay when a bucket range read costs this many local ones
 LOCAL_COST_FLOOR = 0.0005    # seconds: local reads faster than this count as this fast
-MIN_BUCKET_SAMPLES = 16      # until then, promote (the safe choice for a remote bucket)
+MIN_BUCKET_SAMPLES = 16      # until then, fetch whole blocks (the safe choice for a remote bucket)
 WINDOW = 64                  # recent reads whose median is the cost: one slow read moves nothing
 
 
@@ -31,9 +32,9 @@ class ReadCosts:
     Worker threads append to the windows; a deque's append is atomic, and the median is
     taken over a copy."""
 
-    def __init__(self, mode: str = "auto", ratio: float = PROMOTION_COST_RATIO, local_floor: float = LOCAL_COST_FLOOR,
+    def __init__(self, mode: str = "auto", ratio: float = COST_RATIO, local_floor: float = LOCAL_COST_FLOOR,
                  min_bucket_samples: int = MIN_BUCKET_SAMPLES, window: int = WINDOW) -> None:
-        self.mode = mode  # auto | always | never (--promote-blocks)
+        self.mode = mode  # auto | always | never (--whole-blocks)
         self.ratio = ratio
         self.local_floor = local_floor
         self.min_bucket_samples = min_bucket_samples
@@ -55,8 +56,8 @@ class ReadCosts:
     def local_seconds(self) -> Optional[float]:
         return statistics.median(list(self._local)) if self._local else None
 
-    def promotion_pays(self) -> bool:
-        """Whether a block read again by range should be fetched whole into the disk cache."""
+    def whole_blocks_pay(self) -> bool:
+        """Whether cold reads should bring whole blocks to this node (else: range reads only)."""
         if self.mode != "auto":
             return self.mode == "always"
         bucket = self.bucket_seconds
@@ -65,9 +66,9 @@ class ReadCosts:
         local = max(self.local_seconds or 0.0, self.local_floor)
         verdict = bucket >= self.ratio * local
         if verdict != self._last_verdict:
-            log.info("a small read costs %.2f ms from the bucket against %.2f ms locally: blocks read "
-                     "again by range %s fetched whole", bucket * 1e3, local * 1e3,
-                     "are" if verdict else "are not")
+            log.info("a small read costs %.2f ms from the bucket against %.2f ms locally: %s",
+                     bucket * 1e3, local * 1e3,
+                     "cold reads fetch whole blocks" if verdict else "cold reads are range reads at any size")
             self._last_verdict = verdict
         return verdict
 
@@ -76,4 +77,4 @@ class ReadCosts:
         def ms(seconds: Optional[float]) -> Optional[float]:
             return None if seconds is None else round(seconds * 1e3, 3)
         return {"bucket": ms(self.bucket_seconds), "local": ms(self.local_seconds),
-                "bucket_samples": len(self._bucket), "promote": self.promotion_pays()}
+                "bucket_samples": len(self._bucket), "whole_blocks": self.whole_blocks_pay()}

@@ -5,12 +5,16 @@ bucket. A small read takes only its range from local disk or, for a block that i
 nowhere local, from the bucket, even while that block is being fetched whole: a point
 lookup waits for what it reads, not for 4 MiB queued behind other fetches. A second
 small read of such a block soon after the first also fetches the whole block into the
-disk cache, in low-priority background threads, as long as a range read from the bucket
-costs several times one from local disk (``read_costs``). "Soon" is measured in blocks: the last
+disk cache, in low-priority background threads. "Soon" is measured in blocks: the last
 ones read by range are remembered, a quarter as many as the disk cache holds (a 2Q-style
 ghost list), so a state many times the cache, read at random, is not churned through it
 4 MiB at a time. Larger reads, and small reads that are part of a sequential scan (the
 vfs says so), load or fetch the whole block, verify its hash and keep it in both caches.
+
+All that whole-block fetching is done only while it pays: while a range read from the
+bucket costs several times one from local disk (``read_costs``). A bucket as fast as the
+cache disk (a ``file://`` bucket on a like disk) is read by range at every size, like a
+local file, and its blocks are not copied to this node.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class BlockStore:
     def __init__(self, meta: MetadataEngine, remote: RemoteStore, staging: Staging,
                  memory: MemoryCache, disk: DiskCache, uploader: Uploader, *,
                  block_size: int, local_io: trio.CapacityLimiter,
-                 prefetch_concurrency: int = 4, promote_blocks: str = "auto") -> None:
+                 prefetch_concurrency: int = 4, whole_blocks: str = "auto") -> None:
         self.meta = meta
         self.remote = remote
         self.staging = staging
@@ -86,7 +90,7 @@ class BlockStore:
         self._loading: dict[str, trio.Event] = {}  # whole-block loads from local disk
         # Cold blocks read once by a range read (the ghost list).
         self._range_read_blocks = KeySet(max(1, disk.limit // block_size // RANGE_READ_MEMORY_SHARE))
-        self.read_costs = ReadCosts(promote_blocks)
+        self.read_costs = ReadCosts(whole_blocks)
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._background = BackgroundThreads(prefetch_concurrency, "refetch")
         self._nursery: Optional[trio.Nursery] = None
@@ -237,19 +241,18 @@ class BlockStore:
             if data is not None:
                 self._observe("local", started)
                 return data[start:end]
-        if not small:
-            data = await self.fetch(key)
-            self._observe("remote", started)
-            return data[start:end]
-        # Small cold read: answer from a range read. Only a block read again while still
-        # remembered is fetched whole in the background, and only where that pays:
-        # scattered point lookups (RocksDB on a fresh node) then cost what they read, not
-        # 4 MiB each.
-        if self._range_read_blocks.take(key):
-            if self.read_costs.promotion_pays():
+        if self.read_costs.whole_blocks_pay():
+            if not small:
+                data = await self.fetch(key)
+                self._observe("remote", started)
+                return data[start:end]
+            # Small cold read: answer from a range read. Only a block read again while still
+            # remembered is fetched whole in the background: scattered point lookups (RocksDB
+            # on a fresh node) then cost what they read, not 4 MiB each.
+            if self._range_read_blocks.take(key):
                 self.prefetch([key], to_disk=True)
-        else:
-            self._range_read_blocks.add(key)
+            else:
+                self._range_read_blocks.add(key)
         try:
             chunk = await self.remote.run(self._get_range_sync, key, start, end)
         except (RemoteError, FileNotFoundError) as exc:
@@ -296,7 +299,8 @@ class BlockStore:
     def _get_range_sync(self, key: str, start: int, end: int) -> bytes:
         started = time.perf_counter()
         chunk = self.remote.get_range(object_name(key), start, end)
-        self.read_costs.bucket(time.perf_counter() - started)
+        if (end - start) * 4 < self.block_size:  # the costs compared are those of small reads
+            self.read_costs.bucket(time.perf_counter() - started)
         return chunk
 
     def _load_local_sync(self, key: str) -> Optional[bytes]:
@@ -345,8 +349,9 @@ class BlockStore:
     def prefetch(self, keys: list[str], to_disk: bool = False) -> None:
         """Fetch blocks in the background: into both caches for a reader about to want them
         (readahead), or, with ``to_disk``, into the disk cache only, in the low-priority
-        threads (a block that range reads keep coming back to; they go on by range)."""
-        if self._nursery is None:
+        threads (a block that range reads keep coming back to; they go on by range). Never
+        from a bucket as fast as local disk: there every read is a range read."""
+        if self._nursery is None or not self.read_costs.whole_blocks_pay():
             return
         for key in keys:
             if key in self.memory or key in self._fetching or key in self._loading:

@@ -130,7 +130,7 @@ class Daemon:
                                  concurrency=cfg.upload_concurrency, local_io=self.local_io)
         self.blocks = BlockStore(self.meta, self.remote, self.staging, self.memory, self.disk,
                                  self.uploader, block_size=self.volume.block_size, local_io=self.local_io,
-                                 promote_blocks=cfg.promote_blocks)
+                                 whole_blocks=cfg.whole_blocks)
         self.warmer = CacheWarmer(self.blocks, self.meta, mode=cfg.prefetch, disk_cache_bytes=cfg.read_cache_size)
         self.fs = FileSystem(self.meta, self.blocks, self.uploader, block_size=self.volume.block_size,
                              durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
