@@ -205,12 +205,6 @@ class RemoteStore:
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    async def aget(self, key: str) -> bytes:
-        return await self.run(self.get, key)
-
-    async def aget_range(self, key: str, start: int, end: int) -> bytes:
-        return await self.run(self.get_range, key, start, end)
-
     async def aput(self, key: str, data: bytes) -> None:
         await self.run(self.put, key, data)
 
