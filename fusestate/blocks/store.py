@@ -274,6 +274,7 @@ class BlockStore:
         a time (a scan's reads and its readahead want the same blocks at the same moment).
         None, without a worker thread, for a block certainly not on this node."""
         if not self._staged(key) and self.disk.known_absent(key):
+            self.disk.stats.misses += 1  # a miss all the same, answered without a lookup
             return None
         while (loading := self._loading.get(key)) is not None:
             await loading.wait()
