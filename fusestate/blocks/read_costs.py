@@ -30,7 +30,9 @@ class ReadCosts:
     for a thread does not count) from the bucket and from local disk.
 
     Worker threads append to the windows; a deque's append is atomic, and the median is
-    taken over a copy."""
+    taken over a copy. The verdict is asked on every cold read and readahead, so it is
+    worked out again only after new samples (a lost count from a race only delays that
+    to the next sample)."""
 
     def __init__(self, mode: str = "auto", ratio: float = COST_RATIO, local_floor: float = LOCAL_COST_FLOOR,
                  min_bucket_samples: int = MIN_BUCKET_SAMPLES, window: int = WINDOW) -> None:
@@ -40,13 +42,17 @@ class ReadCosts:
         self.min_bucket_samples = min_bucket_samples
         self._bucket: collections.deque[float] = collections.deque(maxlen=window)
         self._local: collections.deque[float] = collections.deque(maxlen=window)
-        self._last_verdict: Optional[bool] = None
+        self._samples = 0                      # appended so far, to both windows
+        self._verdict_at = -1                  # ... when the verdict was last worked out
+        self._verdict: Optional[bool] = None
 
     def bucket(self, seconds: float) -> None:
         self._bucket.append(seconds)
+        self._samples += 1
 
     def local(self, seconds: float) -> None:
         self._local.append(seconds)
+        self._samples += 1
 
     @property
     def bucket_seconds(self) -> Optional[float]:
@@ -60,17 +66,23 @@ class ReadCosts:
         """Whether cold reads should bring whole blocks to this node (else: range reads only)."""
         if self.mode != "auto":
             return self.mode == "always"
-        bucket = self.bucket_seconds
-        if bucket is None or len(self._bucket) < self.min_bucket_samples:
+        if len(self._bucket) < self.min_bucket_samples:
             return True
+        if self._verdict_at != self._samples:
+            self._verdict_at = self._samples
+            self._decide()
+        assert self._verdict is not None
+        return self._verdict
+
+    def _decide(self) -> None:
+        bucket = self.bucket_seconds or 0.0
         local = max(self.local_seconds or 0.0, self.local_floor)
         verdict = bucket >= self.ratio * local
-        if verdict != self._last_verdict:
+        if verdict != self._verdict:
             log.info("a small read costs %.2f ms from the bucket against %.2f ms locally: %s",
                      bucket * 1e3, local * 1e3,
                      "cold reads fetch whole blocks" if verdict else "cold reads are range reads at any size")
-            self._last_verdict = verdict
-        return verdict
+        self._verdict = verdict
 
     def summary(self) -> dict[str, object]:
         """For ``fusestate status``: the two costs (ms) and what they decide."""
