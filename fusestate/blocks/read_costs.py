@@ -23,6 +23,7 @@ COST_RATIO = 4.0             # whole blocks pay when a bucket range read costs t
 LOCAL_COST_FLOOR = 0.0005    # seconds: local reads faster than this count as this fast
 MIN_BUCKET_SAMPLES = 16      # until then, fetch whole blocks (the safe choice for a remote bucket)
 WINDOW = 64                  # recent reads whose median is the cost: one slow read moves nothing
+RECHECK_EVERY = 8            # new samples between two workings-out of the verdict
 
 
 class ReadCosts:
@@ -30,9 +31,9 @@ class ReadCosts:
     for a thread does not count) from the bucket and from local disk.
 
     Worker threads append to the windows; a deque's append is atomic, and the median is
-    taken over a copy. The verdict is asked on every cold read and readahead, so it is
-    worked out again only after new samples (a lost count from a race only delays that
-    to the next sample)."""
+    taken over a copy. The verdict is asked on every cold read and readahead, and every
+    cold read adds a sample, so it is worked out again only every few new samples (a
+    count lost to a race only delays that by one)."""
 
     def __init__(self, mode: str = "auto", ratio: float = COST_RATIO, local_floor: float = LOCAL_COST_FLOOR,
                  min_bucket_samples: int = MIN_BUCKET_SAMPLES, window: int = WINDOW) -> None:
@@ -43,7 +44,7 @@ class ReadCosts:
         self._bucket: collections.deque[float] = collections.deque(maxlen=window)
         self._local: collections.deque[float] = collections.deque(maxlen=window)
         self._samples = 0                      # appended so far, to both windows
-        self._verdict_at = -1                  # ... when the verdict was last worked out
+        self._verdict_at = 0                   # ... when the verdict was last worked out
         self._verdict: Optional[bool] = None
 
     def bucket(self, seconds: float) -> None:
@@ -68,7 +69,7 @@ class ReadCosts:
             return self.mode == "always"
         if len(self._bucket) < self.min_bucket_samples:
             return True
-        if self._verdict_at != self._samples:
+        if self._verdict is None or self._samples - self._verdict_at >= RECHECK_EVERY:
             self._verdict_at = self._samples
             self._decide()
         assert self._verdict is not None
