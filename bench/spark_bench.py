@@ -212,6 +212,8 @@ def main() -> int:
                    help="mount without --scratch 'blockmgr-*' (shuffle files then go to the bucket too)")
     p.add_argument("--clean-umount", action="store_true", help="unmount cleanly instead of killing the daemon")
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
+    p.add_argument("--keep", action="store_true",
+                   help="keep each setup's state, bucket and cache under --work (default: removed once measured)")
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/spark-<time>.json)")
     args = p.parse_args()
 
@@ -232,6 +234,8 @@ def main() -> int:
             print(f"== {name}", file=sys.stderr, flush=True)
             results["setups"][name] = run_setup(name, work, input_dir, args, common)
             print(json.dumps(results["setups"][name]), file=sys.stderr, flush=True)
+            if not args.keep:  # 8 GB of state is 20-40 GB on disk per setup: one setup's at a time
+                shutil.rmtree(work / name, ignore_errors=True)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

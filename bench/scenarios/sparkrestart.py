@@ -29,9 +29,9 @@ SIZES: dict[str, dict[str, Any]] = {
              "timeout": 900, "repeats": 1},
     "quick": {"keys": [20_000, 80_000], "payload_bytes": 1024, "events_per_batch": 20_000, "restart_events": 1000,
               "timeout": 900, "repeats": 1},
-    # 0.5, 2 and 4 GB of state (4 KiB per key, uncompressed) built by 2, 5 and 9 batches of
-    # 125,000 events; two repetitions take about half an hour.
-    "full": {"keys": [125_000, 500_000, 1_000_000], "payload_bytes": 4096, "events_per_batch": 125_000,
+    # 0.5, 2, 4 and 8 GB of state (4 KiB per key, uncompressed) built by 2, 5, 9 and 17
+    # batches of 125,000 events; one repetition takes about 40 minutes.
+    "full": {"keys": [125_000, 500_000, 1_000_000, 2_000_000], "payload_bytes": 4096, "events_per_batch": 125_000,
              "restart_events": 5000, "timeout": 3600, "repeats": 2},
 }
 METRICS = [
