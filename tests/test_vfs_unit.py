@@ -425,3 +425,15 @@ def test_concurrent_reads_of_a_block_load_it_from_disk_once(tmp_path: Path) -> N
         assert fs.blocks.disk.stats.hits - hits == 1
 
     run_fs(tmp_path, body)
+
+
+def test_file_bucket_range_reads_clip_at_the_end_and_name_a_missing_object(tmp_path: Path) -> None:
+    remote = RemoteStore(fsspec.filesystem("file"), str(tmp_path / "bucket"), retries=1)
+    data = os.urandom(10_000)
+    remote.put("blocks/ab/cd", data)
+    assert remote.get_range("blocks/ab/cd", 100, 4196) == data[100:4196]
+    assert remote.get_range("blocks/ab/cd", 9_990, 20_000) == data[9_990:]  # past the end: what is there
+    assert remote.get_range("blocks/ab/cd", 20_000, 20_010) == b""
+    assert remote.stats.bytes_in == 4096 + 10
+    with pytest.raises(FileNotFoundError):
+        remote.get_range("blocks/ab/missing", 0, 10)
