@@ -44,3 +44,15 @@ def test_the_mode_overrides_the_measurement() -> None:
             costs.bucket(0.0001)
     assert always.whole_blocks_pay() and not never.whole_blocks_pay()
     assert not ReadCosts("never").whole_blocks_pay()  # not even before any sample
+
+
+def test_the_verdict_follows_the_bucket_when_it_slows_down() -> None:
+    costs = ReadCosts()
+    for _ in range(32):
+        costs.bucket(0.0003)
+    assert not costs.whole_blocks_pay()
+    for _ in range(64):  # the bucket turns remote-like: the window fills with slow reads
+        costs.bucket(0.020)
+        costs.whole_blocks_pay()  # asked all along, as the read path does
+    assert costs.whole_blocks_pay()
+    assert costs.summary()["whole_blocks"] is True
