@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 
-from fusestate.localio import write_file
+from fusestate.localio import read_range, write_file
 
 
 class Staging:
@@ -55,13 +55,9 @@ class Staging:
 
     def read_range(self, key: str, start: int, end: int) -> bytes | None:
         try:
-            fd = os.open(self.path(key), os.O_RDONLY)
+            return read_range(self.path(key), start, end)
         except FileNotFoundError:
             return None
-        try:
-            return os.pread(fd, max(0, end - start), start)
-        finally:
-            os.close(fd)
 
     def fsync(self, keys: list[str]) -> None:
         for key in keys:

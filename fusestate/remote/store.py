@@ -20,7 +20,7 @@ import fsspec
 import tenacity
 import trio
 
-from fusestate.localio import copy_direct, drop_cached, write_all
+from fusestate.localio import copy_direct, drop_cached, read_range, write_all
 from fusestate.remote.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class RemoteStore:
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         if self._is_local:  # a point lookup's read: one pread, without fsspec's file object
-            data = self._call("get_range", key, lambda: _pread_file(self.path(key), start, end))
+            data = self._call("get_range", key, lambda: read_range(self.path(key), start, end))
         else:
             data = self._call("get_range", key, lambda: self.fs.cat_file(self.path(key), start=start, end=end))
         self.stats.bytes_in += len(data)
@@ -219,15 +219,6 @@ class RemoteStore:
 
     async def adelete(self, key: str) -> None:
         await self.run(self.delete, key)
-
-
-def _pread_file(path: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of a local file, shorter at its end."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.pread(fd, max(0, end - start), start)
-    finally:
-        os.close(fd)
 
 
 def _copy_file(path: str, out: BinaryIO) -> int:
