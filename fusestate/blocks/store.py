@@ -193,6 +193,14 @@ class BlockStore:
         """Whether the block's bytes are in staging (so, maybe nowhere else)."""
         return self.uploader.is_pending(key) or key in self._scratch
 
+    def _maybe_local(self, key: str) -> bool:
+        """Whether the block may be on this node (staged, or perhaps in the disk cache);
+        cheap, on the event loop. A no counts a disk-tier miss, as the lookup it saves would."""
+        if self._staged(key) or not self.disk.known_absent(key):
+            return True
+        self.disk.stats.misses += 1
+        return False
+
     def abandon(self, key: Optional[str]) -> None:
         """A sealed key that will not be referenced after all: drop its staging file."""
         if key and self.meta.get_object(key) is None and key not in self._staging_inflight:
@@ -227,9 +235,7 @@ class BlockStore:
             return data[start:end]
         started = time.perf_counter()
         small = (end - start) * 4 < self.block_size and not whole
-        maybe_local = self._staged(key) or not self.disk.known_absent(key)
-        if not maybe_local:
-            self.disk.stats.misses += 1  # a miss all the same, answered without a lookup
+        maybe_local = self._maybe_local(key)
         if small and maybe_local:
             chunk = await trio.to_thread.run_sync(self._read_local_range, key, start, end,
                                                   limiter=self._local_io)
@@ -273,8 +279,7 @@ class BlockStore:
         """The whole block from staging or the disk cache into memory; one load per key at
         a time (a scan's reads and its readahead want the same blocks at the same moment).
         None, without a worker thread, for a block certainly not on this node."""
-        if not self._staged(key) and self.disk.known_absent(key):
-            self.disk.stats.misses += 1  # a miss all the same, answered without a lookup
+        if not self._maybe_local(key):
             return None
         while (loading := self._loading.get(key)) is not None:
             await loading.wait()
