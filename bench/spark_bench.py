@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -107,7 +108,8 @@ def mount_file_bucket(bucket: Path, mnt: Path, cache: Path, *options: str, scrat
 
 def mount(bucket: Path, mnt: Path, cache: Path, args, *more: str) -> None:
     mount_file_bucket(bucket, mnt, cache, "--cache-size", args.cache_size, "--metrics-addr", "off",
-                      "--durability", args.durability, *more, scratch=not args.no_scratch)
+                      "--durability", args.durability, *shlex.split(args.mount_options), *more,
+                      scratch=not args.no_scratch)
 
 
 def stop_daemon(pid: int, mnt: Path, *, kill: bool = True) -> None:
@@ -210,6 +212,9 @@ def main() -> int:
                    help="fusestate setups: when fsync returns (default remote: in the bucket)")
     p.add_argument("--no-scratch", action="store_true",
                    help="mount without --scratch 'blockmgr-*' (shuffle files then go to the bucket too)")
+    p.add_argument("--mount-options", default="", metavar="OPTIONS",
+                   help="more 'fusestate mount' options for the fusestate setups, one string, "
+                        "e.g. --mount-options='--whole-blocks always'")
     p.add_argument("--clean-umount", action="store_true", help="unmount cleanly instead of killing the daemon")
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     p.add_argument("--keep", action="store_true",
