@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -148,6 +149,23 @@ def test_restart_trials_parse_and_pair() -> None:
     assert out["medians"]["a"] == {"restart_s": 42.0, "fetched_bytes": 3}
     assert out["medians"]["b"]["restart_s"] == 40.0
 
+
+def test_spark_bench_mounts_with_extra_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--mount-options reaches every fusestate mount spark_bench makes, the takeover mount too,
+    after the harness's own options (so a variant can override them)."""
+    sb = pytest.importorskip("bench.spark_bench")
+    calls: list[tuple[str, ...]] = []
+    monkeypatch.setattr(sb, "fs", lambda *a: calls.append(a) or "")
+    args = argparse.Namespace(cache_size="1G", durability="remote", no_scratch=False,
+                              mount_options="--whole-blocks always --durability local")
+    sb.mount(tmp_path / "b", tmp_path / "m", tmp_path / "c", args, "--takeover")
+    cmd = list(calls[0])
+    assert cmd[cmd.index("--whole-blocks") + 1] == "always" and cmd[-1] == "--takeover"
+    last = len(cmd) - 1 - cmd[::-1].index("--durability")
+    assert cmd.index("--durability") < last and cmd[last + 1] == "local"  # the variant's comes last
+    args.mount_options = ""
+    sb.mount(tmp_path / "b", tmp_path / "m", tmp_path / "c", args)
+    assert "--whole-blocks" not in calls[1] and calls[1][calls[1].index("--durability") + 1] == "remote"
 
 @pytest.mark.slow
 def test_restart_trials_tiny(tmp_path: Path) -> None:
