@@ -432,12 +432,16 @@ def test_a_bucket_as_fast_as_the_cache_is_read_by_range_at_every_size(make_mount
     small = st["small_read_ms"]
     assert small["whole_blocks"] is False and small["bucket_samples"] == blocks + 1, small
     assert small["bucket"] < 2.0, small
-    before = st["bytes_in"]
+    before, asked_before = st["bytes_in"], m.status()["fuse"]["bytes_read"]
     got, _ = _read_requests(m, m.path / "f", random_access=False)  # a cold scan of the file
     assert got == data
-    st = m.status()["remote"]
+    status = m.status()
+    st, asked = status["remote"], status["fuse"]["bytes_read"] - asked_before
     assert st["full_fetches"] == 0 and st["prefetches"] == 0, st
-    assert st["bytes_in"] - before == len(data), st  # what was read, no block twice, nothing ahead
+    # Exactly what the kernel asked for, by range: no whole block, nothing ahead. The kernel
+    # now and then asks for a few pages twice (its read-ahead racing the read it serves).
+    assert st["bytes_in"] - before == asked, (st, asked)
+    assert len(data) <= asked < len(data) + MiB, asked
     m.umount()
     m.wipe_cache()
     m.mount("--whole-blocks", "always")
