@@ -167,6 +167,7 @@ def test_spark_bench_mounts_with_extra_options(tmp_path: Path, monkeypatch: pyte
     sb.mount(tmp_path / "b", tmp_path / "m", tmp_path / "c", args)
     assert "--whole-blocks" not in calls[1] and calls[1][calls[1].index("--durability") + 1] == "remote"
 
+
 @pytest.mark.slow
 def test_restart_trials_tiny(tmp_path: Path) -> None:
     """Build a tiny state, then restart it once per variant from identical copies: each trial

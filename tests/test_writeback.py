@@ -427,12 +427,13 @@ def test_a_bucket_as_fast_as_the_cache_is_read_by_range_at_every_size(make_mount
         _point_read(m.path / "f", b * BLOCK + 3 * 4096, data)
     _point_read(m.path / "f", 5 * BLOCK + MiB, data)  # a block read again right away
     time.sleep(1)
-    st = m.status()["remote"]
+    status = m.status()
+    st = status["remote"]
     assert st["full_fetches"] == 0 and st["range_reads"] == blocks + 1, st
     small = st["small_read_ms"]
     assert small["whole_blocks"] is False and small["bucket_samples"] == blocks + 1, small
     assert small["bucket"] < 2.0, small
-    before, asked_before = st["bytes_in"], m.status()["fuse"]["bytes_read"]
+    before, asked_before = st["bytes_in"], status["fuse"]["bytes_read"]
     got, _ = _read_requests(m, m.path / "f", random_access=False)  # a cold scan of the file
     assert got == data
     status = m.status()
