@@ -133,23 +133,43 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
+def address_of(data: bytearray | memoryview) -> int:
+    """Where a writable buffer's bytes start in memory."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(data))
+
+
+def _is_aligned(data: bytes | bytearray | memoryview) -> bool:
+    """Whether ``O_DIRECT`` can write ``data`` as it is: a whole number of pages that
+    starts on a page (a full block from a :class:`~fusestate.vfs.block_buffer.BlockBuffer`)."""
+    if not data or len(data) % ALIGN:
+        return False
+    try:
+        return address_of(data) % ALIGN == 0
+    except TypeError:  # read-only (bytes): its address is not ours to take
+        return False
+
+
 def _write_direct(fd: int, data: bytes | bytearray | memoryview) -> bool:
     """Write ``data`` as the whole content of an empty file, bypassing the page cache;
-    False (nothing written) where ``O_DIRECT`` is not available."""
+    False (nothing written) where ``O_DIRECT`` is not available. Written straight from
+    ``data`` where it is aligned, else from a copy in an aligned buffer."""
     n = len(data)
+    if _is_aligned(data):
+        return _write_buffer_direct(fd, data, n)
     buf = _aligned_buffer(n)
     buf[:n] = data
     return _write_buffer_direct(fd, buf, n)
 
 
-def _write_buffer_direct(fd: int, buf: mmap.mmap, n: int) -> bool:
+def _write_buffer_direct(fd: int, buf: mmap.mmap | bytearray | memoryview, n: int) -> bool:
     """Write the first ``n`` bytes of an aligned buffer to an empty file with ``O_DIRECT``.
     The last piece is padded to the alignment and the file cut back to ``n``."""
     if not _set_direct(fd, True):
         return False
     padded = _aligned(n)
     try:
-        buf[n:padded] = bytes(padded - n)
+        if padded != n:
+            buf[n:padded] = bytes(padded - n)
         with memoryview(buf) as view:
             done = 0
             while done < padded:

@@ -51,3 +51,19 @@ def test_a_block_written_past_the_page_cache_is_not_resident(tmp_path: Path) -> 
     with open(path, "wb") as f:
         localio.write_file(f, os.urandom(4 << 20), keep_cached=False, direct=True)
     assert resident_bytes([path]) == 0
+
+
+def test_an_aligned_block_is_written_from_its_own_buffer(tmp_path: Path, direct: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full block from a BlockBuffer needs no copy into the aligned buffer; anything
+    else still gets one."""
+    from fusestate.vfs.block_buffer import BlockBuffer
+    buf = BlockBuffer(4 << 20, os.urandom(4 << 20))
+    copies: list[int] = []
+    real = localio._aligned_buffer
+    monkeypatch.setattr(localio, "_aligned_buffer", lambda size: copies.append(size) or real(size))
+    for name, data in [("aligned", buf.seal()), ("unaligned", buf.seal()[1:])]:
+        with open(tmp_path / name, "wb") as f:
+            localio.write_file(f, data, keep_cached=False, direct=True)
+        assert (tmp_path / name).read_bytes() == data
+    assert copies == [(4 << 20) - 1], "only the unaligned block went through a copy"

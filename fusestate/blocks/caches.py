@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
-from fusestate.blocks.keys import key_matches
+from fusestate.blocks.keys import BlockData, key_matches
 from fusestate.localio import write_file
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class MemoryCache:
         self.limit = limit_bytes
         self.used = 0
         self.stats = TierStats()
-        self._items: OrderedDict[str, bytes | bytearray] = OrderedDict()
+        self._items: OrderedDict[str, BlockData] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -47,7 +47,7 @@ class MemoryCache:
     def __contains__(self, key: str) -> bool:
         return key in self._items
 
-    def get(self, key: str) -> Optional[bytes | bytearray]:
+    def get(self, key: str) -> Optional[BlockData]:
         data = self._items.get(key)
         if data is None:
             self.stats.misses += 1
@@ -57,7 +57,7 @@ class MemoryCache:
         self.stats.hit_bytes += len(data)
         return data
 
-    def put(self, key: str, data: bytes | bytearray) -> None:
+    def put(self, key: str, data: BlockData) -> None:
         """Keep a block; the caller hands it over and never writes to it again."""
         if len(data) > self.limit:
             return

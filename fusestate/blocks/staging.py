@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 
+from fusestate.blocks.keys import BlockData
 from fusestate.localio import read_range, write_file
 
 
@@ -32,7 +33,7 @@ class Staging:
     def path(self, key: str) -> str:
         return os.path.join(self.directory, key)
 
-    def write(self, key: str, data: bytes | bytearray, fsync: bool = False) -> None:
+    def write(self, key: str, data: BlockData, fsync: bool = False) -> None:
         if self.reserve and not self.has_room(len(data)):
             raise OSError(errno.ENOSPC, "cache disk full (the space kept free for the metadata reached)")
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")

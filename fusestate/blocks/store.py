@@ -31,7 +31,7 @@ import trio
 
 from fusestate.blocks.background import BackgroundThreads
 from fusestate.blocks.caches import DiskCache, KeySet, MemoryCache
-from fusestate.blocks.keys import key_matches, object_name, seal_digest
+from fusestate.blocks.keys import BlockData, key_matches, object_name, seal_digest
 from fusestate.blocks.read_costs import ReadCosts
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.uploader import Uploader
@@ -112,7 +112,7 @@ class BlockStore:
         self._background.close()
 
     # --- write side --------------------------------------------------------
-    async def seal(self, data: bytes | bytearray) -> Optional[str]:
+    async def seal(self, data: BlockData) -> Optional[str]:
         """Store a block's final bytes; returns its key (None for an all-zero hole).
 
         The caller must reference the key in the metadata (set_block) without
@@ -136,7 +136,7 @@ class BlockStore:
             await self._write_staging(key, data)
         return key
 
-    async def _write_staging(self, key: str, data: bytes | bytearray) -> None:
+    async def _write_staging(self, key: str, data: BlockData) -> None:
         while True:
             try:
                 await trio.to_thread.run_sync(self.staging.write, key, data, limiter=self._local_io)
@@ -232,7 +232,7 @@ class BlockStore:
         data = self.memory.get(key)
         if data is not None:
             self.stats.reads_from_memory += 1
-            return data[start:end]
+            return bytes(data[start:end])
         started = time.perf_counter()
         small = (end - start) * 4 < self.block_size and not whole
         maybe_local = self._maybe_local(key)
@@ -246,12 +246,12 @@ class BlockStore:
             data = await self._load_local(key)
             if data is not None:
                 self._observe("local", started)
-                return data[start:end]
+                return bytes(data[start:end])
         if self.read_costs.whole_blocks_pay():
             if not small:
                 data = await self.fetch(key)
                 self._observe("remote", started)
-                return data[start:end]
+                return bytes(data[start:end])
             # Small cold read: answer from a range read. Only a block read again while still
             # remembered is fetched whole in the background: scattered point lookups (RocksDB
             # on a fresh node) then cost what they read, not 4 MiB each.
@@ -275,7 +275,7 @@ class BlockStore:
         if self.read_observer is not None:
             self.read_observer(source, time.perf_counter() - started)
 
-    async def _load_local(self, key: str) -> Optional[bytes]:
+    async def _load_local(self, key: str) -> Optional[BlockData]:
         """The whole block from staging or the disk cache into memory; one load per key at
         a time (a scan's reads and its readahead want the same blocks at the same moment).
         None, without a worker thread, for a block certainly not on this node."""
@@ -316,7 +316,7 @@ class BlockStore:
                 return data
         return self.disk.get(key)
 
-    async def fetch(self, key: str) -> bytes:
+    async def fetch(self, key: str) -> BlockData:
         """The whole block, verified, from the bucket (one fetch per key at a time)."""
         while key in self._fetching:
             await self._fetching[key].wait()

@@ -1,7 +1,7 @@
 """In-memory state of a regular file that is open or has unsealed data.
 
-A block being written lives in ``dirty`` (a bytearray). When it fills, or on
-flush, it is *sealed*: its final bytes move to ``sealing`` while they are
+A block being written lives in ``dirty`` (a :class:`BlockBuffer`). When it fills,
+or on flush, it is *sealed*: its final bytes move to ``sealing`` while they are
 hashed and staged, then the block map points at the new object. Generations
 per block index make sure an older seal never overwrites a newer one.
 """
@@ -15,12 +15,13 @@ from typing import Optional
 import trio
 
 from fusestate.meta.engine import Inode
+from fusestate.vfs.block_buffer import BlockBuffer
 from fusestate.vfs.errors import FsError
 
 
 @dataclass
 class Sealing:
-    data: bytearray  # frozen: no one writes to it any more
+    data: memoryview | bytes  # frozen: no one writes to it any more
     generation: int
 
 
@@ -29,7 +30,7 @@ class OpenFile:
     node: Inode
     keys: dict[int, str]                       # block index -> object key (committed)
     handles: int = 0
-    dirty: dict[int, bytearray] = field(default_factory=dict)
+    dirty: dict[int, BlockBuffer] = field(default_factory=dict)
     dirty_since: dict[int, float] = field(default_factory=dict)
     sealing: dict[int, Sealing] = field(default_factory=dict)
     generations: dict[int, int] = field(default_factory=dict)
@@ -69,18 +70,19 @@ class OpenFile:
         if self.in_flight == 0:
             self.idle.set()
 
-    def mark_dirty(self, index: int, buf: bytearray) -> None:
+    def mark_dirty(self, index: int, buf: BlockBuffer) -> None:
         self.dirty[index] = buf
         self.dirty_since.setdefault(index, time.monotonic())
 
-    def take_dirty(self, index: int) -> bytearray:
+    def take_dirty(self, index: int) -> BlockBuffer:
         self.dirty_since.pop(index, None)
         return self.dirty.pop(index)
 
-    def cached_bytes(self, index: int) -> Optional[bytes | bytearray]:
-        """Uncommitted content of a block, newest first."""
+    def cached_bytes(self, index: int) -> Optional[memoryview | bytes]:
+        """Uncommitted content of a block, newest first (copy what you keep: a dirty
+        block's view changes with the next write)."""
         buf = self.dirty.get(index)
         if buf is not None:
-            return buf
+            return buf.view()
         sealing = self.sealing.get(index)
         return sealing.data if sealing is not None else None
