@@ -186,6 +186,47 @@ def _write_buffer_direct(fd: int, buf: mmap.mmap | bytearray | memoryview, n: in
     return True
 
 
+def read_whole(fd: int) -> bytes | memoryview:
+    """The whole content of an open block file. Read with ``O_DIRECT`` into a page-aligned
+    buffer where the filesystem allows it: the disk puts the bytes straight into it, with
+    no page-cache copy to allocate, fill and copy out (the memory cache keeps what is
+    read again). Through the page cache otherwise."""
+    size = os.fstat(fd).st_size
+    if size and _set_direct(fd, True):
+        try:
+            padded = _aligned(size)
+            raw = bytearray(padded + ALIGN)
+            offset = -address_of(raw) % ALIGN
+            view = memoryview(raw)[offset:offset + padded]
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [view[got:]], got)
+                if n == 0:
+                    break
+                got += n
+            return view[:got]
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        finally:
+            _set_direct(fd, False)
+    parts = []
+    got = 0
+    while chunk := os.pread(fd, max(CHUNK, size - got), got):
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def read_file(path: str) -> bytes | memoryview:
+    """A whole block file, as :func:`read_whole` reads it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return read_whole(fd)
+    finally:
+        os.close(fd)
+
+
 def copy_direct(src_path: str, out_fd: int) -> Optional[int]:
     """Copy a whole block file into an empty file, neither side passing through the page
     cache; None (nothing copied) where ``O_DIRECT`` is not available on either side."""

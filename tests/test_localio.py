@@ -45,11 +45,24 @@ def test_block_files_hold_exactly_their_bytes(tmp_path: Path, direct: bool, leng
     else:
         assert copied is None and (tmp_path / "copy").stat().st_size == 0
 
+    fd = os.open(written, os.O_RDONLY)
+    try:
+        assert localio.read_whole(fd) == data
+    finally:
+        os.close(fd)
 
-def test_a_block_written_past_the_page_cache_is_not_resident(tmp_path: Path) -> None:
+
+def test_a_block_written_or_read_past_the_page_cache_is_not_resident(tmp_path: Path) -> None:
     path = tmp_path / "block"
+    data = os.urandom(4 << 20)
     with open(path, "wb") as f:
-        localio.write_file(f, os.urandom(4 << 20), keep_cached=False, direct=True)
+        localio.write_file(f, data, keep_cached=False, direct=True)
+    assert resident_bytes([path]) == 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert localio.read_whole(fd) == data
+    finally:
+        os.close(fd)
     assert resident_bytes([path]) == 0
 
 

@@ -17,7 +17,7 @@ import diskcache
 from diskcache.core import MODE_BINARY, UNKNOWN
 
 from fusestate.blocks.keys import BlockData, key_matches
-from fusestate.localio import write_file
+from fusestate.localio import read_whole, write_file
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ class DiskCache:
         """Bytes [start, end) of a cached block, or None on a miss."""
         if key not in self._trusted:
             data = self.get(key)
-            return None if data is None else data[start:end]
+            return None if data is None else bytes(data[start:end])
         with self._locked():
             handle = self._cache.get(key, default=None, read=True)  # also refreshes its LRU position
             if handle is None:
@@ -248,14 +248,14 @@ class DiskCache:
         self.stats.hit_bytes += len(chunk)
         return chunk
 
-    def get(self, key: str) -> Optional[bytes]:
+    def get(self, key: str) -> Optional[BlockData]:
         with self._locked():
             handle = self._cache.get(key, default=None, read=True)
             if handle is None:
                 self._missed(key)
                 return None
         with handle:  # an eviction meanwhile unlinks the file; this open handle still reads it
-            data = handle.read()
+            data = read_whole(handle.fileno())
         if key not in self._trusted and not key_matches(key, data):
             log.error("disk cache entry %s is corrupt; dropping it and fetching again", key[:16])
             self.stats.corrupt += 1
@@ -276,13 +276,15 @@ class DiskCache:
         with self._locked():
             return key in self._cache
 
-    def put(self, key: str, data: bytes, on_disk_only: bool = False) -> None:
-        """Keep a verified block (its bytes hash to ``key``); ``on_disk_only`` drops its
-        pages from the page cache once written (a prefetch into the disk tier)."""
+    def put(self, key: str, data: BlockData, on_disk_only: bool = False) -> None:
+        """Keep a verified block (its bytes hash to ``key``), never in the page cache: the
+        memory cache has it. ``on_disk_only`` (a prefetch into the disk tier, from a
+        thread in the idle I/O class) writes through the page cache and drops the pages,
+        since direct I/O would wait behind every other reader of the disk."""
         path = os.path.join(self._incoming, f"{key}.{threading.get_ident()}")
         try:
             with open(path, "xb") as f:
-                write_file(f, data, keep_cached=not on_disk_only)
+                write_file(f, data, keep_cached=False, direct=not on_disk_only)
             self.adopt(key, path)
         finally:
             with contextlib.suppress(FileNotFoundError):

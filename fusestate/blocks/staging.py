@@ -14,7 +14,7 @@ import shutil
 import tempfile
 
 from fusestate.blocks.keys import BlockData
-from fusestate.localio import read_range, write_file
+from fusestate.localio import read_file, read_range, write_file
 
 
 class Staging:
@@ -47,10 +47,9 @@ class Staging:
                 os.unlink(tmp)
             raise
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str) -> BlockData | None:
         try:
-            with open(self.path(key), "rb") as f:
-                return f.read()
+            return read_file(self.path(key))
         except FileNotFoundError:
             return None
 

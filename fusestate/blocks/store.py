@@ -309,7 +309,7 @@ class BlockStore:
             self.read_costs.bucket(time.perf_counter() - started)
         return chunk
 
-    def _load_local_sync(self, key: str) -> Optional[bytes]:
+    def _load_local_sync(self, key: str) -> Optional[BlockData]:
         if self._staged(key):
             data = self.staging.read(key)
             if data is not None:
@@ -336,11 +336,11 @@ class BlockStore:
                 log.warning("could not keep block %s in the disk cache: %s", key[:16], exc)
             return data
 
-    def _fetch_verified_sync(self, key: str) -> bytes:
+    def _fetch_verified_sync(self, key: str) -> BlockData:
         """Blocking: the whole block from the bucket, hashed in the same thread."""
         for _ in range(3):
             try:
-                data = self.remote.get(object_name(key))
+                data = self.remote.get_block(object_name(key))
             except FileNotFoundError:
                 raise BlockReadError(f"block {key[:16]} is missing from the bucket") from None
             except RemoteError as exc:

@@ -20,7 +20,7 @@ import fsspec
 import tenacity
 import trio
 
-from fusestate.localio import copy_direct, drop_cached, read_range, write_all
+from fusestate.localio import copy_direct, drop_cached, read_file, read_range, write_all
 from fusestate.remote.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,15 @@ class RemoteStore:
 
     def get(self, key: str) -> bytes:
         data = self._call("get", key, lambda: self.fs.cat_file(self.path(key)))
+        self.stats.bytes_in += len(data)
+        return data
+
+    def get_block(self, key: str) -> bytes | memoryview:
+        """A whole block object; on file:// read past the page cache (``localio.read_file``):
+        the block store keeps what it fetched in its own caches."""
+        if not self._is_local:
+            return self.get(key)
+        data = self._call("get", key, lambda: read_file(self.path(key)))
         self.stats.bytes_in += len(data)
         return data
 
