@@ -188,3 +188,18 @@ def test_restart_trials_tiny(tmp_path: Path) -> None:
     assert set(summary["restart_minus_first_s"]) == {"no-readahead"}
     assert not is_mounted(work / "mnt")
     assert (work / "base").is_dir() and not (work / "trial-bucket").exists()
+
+
+def test_daemon_cpu_reports_every_phase_for_both_trees(tmp_path: Path) -> None:
+    """One GiB through a real mount, for this tree and (run interleaved) a second one: the
+    daemon's CPU is counted in every phase, and no mount or bucket is left behind."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "daemon_cpu.py"), "--gib", "1", "--repeats", "1",
+                          "--against", str(ROOT), "--workdir", str(tmp_path)],
+                         check=True, capture_output=True, text=True, timeout=300).stdout
+    runs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["source"] for r in runs] == ["this tree", str(ROOT)]
+    for r in runs:
+        for name in ("write", "read", "read_fresh"):
+            assert r[name]["user_s_per_gib"] + r[name]["sys_s_per_gib"] > 0, (r["source"], name, r[name])
+    assert "median daemon CPU seconds per GiB" in out
+    assert list(tmp_path.iterdir()) == []
