@@ -142,9 +142,7 @@ class RemoteStore:
         """Write an object from a local file, leaving none of it in the page cache. On
         file:// the bytes go disk to disk (O_DIRECT, else copy_file_range), never through Python."""
         def upload() -> int:
-            with open(path, "rb") as f:
-                data = f.read()
-                drop_cached(f.fileno())
+            data = bytes(read_file(path))  # past the page cache; fsspec's clients want bytes
             self.fs.pipe_file(self.path(key), data)
             return len(data)
 
