@@ -437,3 +437,45 @@ def test_file_bucket_range_reads_clip_at_the_end_and_name_a_missing_object(tmp_p
     assert remote.stats.bytes_in == 4096 + 10
     with pytest.raises(FileNotFoundError):
         remote.get_range("blocks/ab/missing", 0, 10)
+
+
+def test_a_block_finding_the_disk_full_waits_for_blocks_still_being_staged(tmp_path: Path) -> None:
+    """Two blocks staged at once on a disk with room for one: the second finds the disk
+    full while the first is still being written, with nothing staged yet and no read
+    cache to evict. It waits (the first will be uploaded and become evictable) instead of
+    failing its file."""
+    import threading
+    import time
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        staging = fs.blocks.staging
+        real_write = staging.write
+        writing = threading.Semaphore(1)  # the disk: room for the block being written, no more
+        refused = []
+
+        def write(key: str, data, fsync: bool = False) -> None:  # type: ignore[no-untyped-def]
+            if not writing.acquire(blocking=False):
+                refused.append(key)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            try:
+                time.sleep(0.3)  # a slow disk: the other block arrives meanwhile
+                real_write(key, data, fsync)
+            finally:
+                writing.release()
+        staging.write = write
+
+        first, second = os.urandom(BS), os.urandom(BS)
+        inodes: dict[bytes, int] = {}
+
+        async def writer(name: bytes, data: bytes) -> None:
+            inodes[name] = await write_file(fs, name, data)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer, b"first", first)
+            await trio.sleep(0.05)
+            nursery.start_soon(writer, b"second", second)
+        assert refused, "the second block never found the disk full: the test proves nothing"
+        assert fs.blocks.disk_full_failures == 0
+        assert await read_file(fs, inodes[b"first"]) == first
+        assert await read_file(fs, inodes[b"second"]) == second
+
+    run_fs(tmp_path, body, upload_delay=0.0)

@@ -95,6 +95,7 @@ class BlockStore:
         self._background = BackgroundThreads(prefetch_concurrency, "refetch")
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
+        self._waiting_for_room = 0  # staging writes waiting for a full cache disk to make room
         # Blocks of scratch files (key -> size): in staging for good, never queued for upload.
         self._scratch: dict[str, int] = {}
         # Blocks refused because the cache disk was full and nothing could make room.
@@ -148,13 +149,20 @@ class BlockStore:
                 # can make room. Scratch files' blocks leave only when they are deleted,
                 # so a disk full of them fails the write instead of waiting forever.
                 freed = await trio.to_thread.run_sync(self.disk.evict, 16 * self.block_size)
-                if not freed and not self.uploader.staged_blocks:
+                # Other blocks being staged right now hold part of the disk; once staged they
+                # are uploaded and become evictable, unless they too wait for room like this one.
+                others_staging = len(self._staging_inflight) - 1 - self._waiting_for_room
+                if not freed and not self.uploader.staged_blocks and others_staging <= 0:
                     self.disk_full_failures += 1
                     raise OSError(errno.ENOSPC, f"cache disk full: {format_size(self.scratch_bytes)} of "
                                                 "scratch files, no read cache to evict, nothing to upload") from exc
                 log.warning("cache disk full while staging a block; evicting and waiting for uploads")
                 self.uploader.expedite_all()
-                await trio.sleep(0.5)
+                self._waiting_for_room += 1
+                try:
+                    await trio.sleep(0.5)
+                finally:
+                    self._waiting_for_room -= 1
 
     async def has_room(self) -> bool:
         """Whether a block could be staged now or soon: free space above the reserve, read
