@@ -35,7 +35,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-FUSESTATE = str(Path(sys.executable).parent / "fusestate")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.spark_bench import FUSESTATE, drop_page_cache, fs, unmount  # noqa: E402
+
 MIB = 1 << 20
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -46,15 +48,8 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
-def drop_page_cache() -> None:
-    os.sync()
-    if os.geteuid() == 0:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def daemon_pid(bucket: Path) -> int:
-    out = subprocess.run(["pgrep", "-f", f"mount file://{bucket} "], capture_output=True, text=True).stdout
-    return int(out.split()[0])
+def daemon_pid(mnt: Path) -> int:
+    return int(json.loads(fs("status", "--json", str(mnt)))["pid"])
 
 
 def one_run(work: Path, gib: int, source: Optional[str], seed: bytes) -> dict:
@@ -71,7 +66,7 @@ def one_run(work: Path, gib: int, source: Optional[str], seed: bytes) -> dict:
                         "--metrics-addr", "off"], check=True, env=env, cwd="/")
     mount()
     try:
-        pid = daemon_pid(bucket)
+        pid = daemon_pid(mnt)
         result: dict = {"source": source or "this tree", "gib": gib}
         before, started = cpu_seconds(pid), time.monotonic()
         for n in range(gib):
@@ -85,16 +80,11 @@ def one_run(work: Path, gib: int, source: Optional[str], seed: bytes) -> dict:
         unmount(mnt)
         shutil.rmtree(cache)
         mount()
-        result["read_fresh"] = read_all(mnt, daemon_pid(bucket), gib)
+        result["read_fresh"] = read_all(mnt, daemon_pid(mnt), gib)
         return result
     finally:
         unmount(mnt)
         shutil.rmtree(work, ignore_errors=True)
-
-
-def unmount(mnt: Path) -> None:
-    subprocess.run([FUSESTATE, "umount", str(mnt)], capture_output=True, cwd="/")
-    subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
 
 def read_all(mnt: Path, pid: int, gib: int) -> dict:

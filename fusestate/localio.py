@@ -138,6 +138,25 @@ def address_of(data: bytearray | memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(data))
 
 
+def aligned_bytes(size: int) -> memoryview:
+    """A new zeroed buffer of ``size`` bytes starting on a page, as a writable view: heap
+    memory (unlike :func:`_aligned_buffer`'s reused mmap), freed with its last view."""
+    raw = bytearray(size + ALIGN)
+    offset = -address_of(raw) % ALIGN
+    return memoryview(raw)[offset:offset + size]
+
+
+def _read_into(fd: int, view: memoryview, size: int) -> int:
+    """Read a file's first ``size`` bytes into ``view``; how many there were."""
+    got = 0
+    while got < size:
+        n = os.preadv(fd, [view[got:]], got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
 def _is_aligned(data: bytes | bytearray | memoryview) -> bool:
     """Whether ``O_DIRECT`` can write ``data`` as it is: a whole number of pages that
     starts on a page (a full block from a :class:`~fusestate.vfs.block_buffer.BlockBuffer`)."""
@@ -194,17 +213,8 @@ def read_whole(fd: int) -> bytes | memoryview:
     size = os.fstat(fd).st_size
     if size and _set_direct(fd, True):
         try:
-            padded = _aligned(size)
-            raw = bytearray(padded + ALIGN)
-            offset = -address_of(raw) % ALIGN
-            view = memoryview(raw)[offset:offset + padded]
-            got = 0
-            while got < size:
-                n = os.preadv(fd, [view[got:]], got)
-                if n == 0:
-                    break
-                got += n
-            return view[:got]
+            view = aligned_bytes(_aligned(size))
+            return view[:_read_into(fd, view, size)]
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
@@ -240,12 +250,9 @@ def copy_direct(src_path: str, out_fd: int) -> Optional[int]:
         size = os.fstat(src).st_size
         buf = _aligned_buffer(size)
         with memoryview(buf) as view:
-            got = 0
-            while got < size:
-                n = os.preadv(src, [view[got:len(buf)]], got)
-                if n == 0:
-                    raise OSError(errno.EIO, f"{src_path} ended at {got} of {size} bytes")
-                got += n
+            got = _read_into(src, view, size)
+        if got < size:
+            raise OSError(errno.EIO, f"{src_path} ended at {got} of {size} bytes")
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return None
