@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, Bucket, block_key
+from conftest import BIN, Bucket, assert_one_line_error, block_key
 
 pyspark = pytest.importorskip("pyspark")
 if shutil.which("java") is None:
     pytest.skip("no java on this machine", allow_module_level=True)
 
-from fusestate.spark.config import shim_jar  # noqa: E402
+from fusestate.spark.config import SparkSetupError, shim_jar  # noqa: E402
 from fusestate.spark.pipeline import final_view, read_output, stop_session  # noqa: E402
 
 # Small state: 2,000 keys x 256 bytes, 5 micro-batches of ~1,100 events.
@@ -232,7 +232,7 @@ def _checkpoint_ssts(job: Path) -> dict[str, Path]:
 def shim() -> Path:
     try:
         return shim_jar()
-    except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+    except SparkSetupError as exc:
         pytest.skip(f"the shim jar cannot be built here: {exc}")
 
 
@@ -434,17 +434,17 @@ def test_state_conf_block_size_follows_the_mount(tmp_path: Path) -> None:
     from fusestate.spark.config import ROCKSDB_PREFIX, state_conf
 
     key = ROCKSDB_PREFIX + "blockSizeKB"
-    assert key not in state_conf(tmp_path / "local").conf  # not a mount: Spark's default
-    assert state_conf(tmp_path / "local", block_size_kb=16).conf[key] == "16"
+    assert key not in state_conf(tmp_path / "local", local=True).conf  # local disk: Spark's default
+    assert state_conf(tmp_path / "local", local=True, block_size_kb=16).conf[key] == "16"
     with pytest.raises(ValueError, match="block_size_kb"):
-        state_conf(tmp_path / "local", block_size_kb=0)
+        state_conf(tmp_path / "local", local=True, block_size_kb=0)
 
 
 def test_stale_spark_local_dirs_are_removed_and_nothing_else(tmp_path: Path) -> None:
     """A killed JVM's working dirs and shuffle files go; what the user put there stays."""
     from fusestate.spark.config import state_conf
 
-    layout = state_conf(tmp_path / "state")
+    layout = state_conf(tmp_path / "state", local=True)
     stale = [layout.local_dir / "spark-1b2c" / "StateStoreId(opId=0,partId=0)-x", layout.local_dir / "blockmgr-9f" / "0c"]
     for d in stale:
         d.mkdir(parents=True)
@@ -457,3 +457,79 @@ def test_stale_spark_local_dirs_are_removed_and_nothing_else(tmp_path: Path) -> 
     assert sorted(p.name for p in removed) == ["blockmgr-9f", "spark-1b2c"]
     assert sorted(p.name for p in layout.local_dir.iterdir()) == ["notes", "spark-defaults.conf", "spark-link"]
     assert layout.remove_stale_local_dirs() == []
+
+
+def refused_pipeline(state_dir: Path, output: Path, *extra: str) -> str:
+    """The pipeline refused at once: its one-line error (nothing generated, no JVM)."""
+    proc = subprocess.run([str(BIN / "fusestate"), "spark-pipeline", "--state-dir", str(state_dir),
+                           "--output", str(output), *HEAP, *SMALL, *extra], capture_output=True, text=True, timeout=120)
+    line = assert_one_line_error(proc)
+    assert not output.exists() and not output.with_name(output.name + ".input").exists(), line
+    return line
+
+
+def test_bad_configuration_fails_before_the_query_starts(make_mount, file_bucket: Bucket, tmp_path: Path, shim):
+    """Mount missing, shim jar missing, wrong scheme: one clear line, and nothing created."""
+    m = make_mount(file_bucket).mount()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    out = tmp_path / "out"
+
+    # No mount where the state should go (a mountpoint that was never mounted, say).
+    line = refused_pipeline(plain / "job", out)
+    assert f"{plain / 'job'} is not on a fusestate mount" in line and "--local" in line
+    assert not (plain / "job").exists()  # nothing written to the local disk under it
+    line = refused_pipeline(m.path / "job", out, "--local")
+    assert f"on the fusestate mount {m.path}, not on local disk" in line
+    # The shim's jar is missing.
+    line = refused_pipeline(m.path / "job", out, "--use-shim", "--shim-jar", str(tmp_path / "gone.jar"))
+    assert f"the shim jar {tmp_path / 'gone.jar'} does not exist" in line and "build.sh" in line
+    # Checkpoint schemes that do not keep the state on the mount, or need the shim.
+    line = refused_pipeline(m.path / "job", out, "--checkpoint", "s3a://bucket/checkpoints/q")
+    assert "scheme s3a://" in line and "fusestate://" in line
+    line = refused_pipeline(m.path / "job", out, "--checkpoint", f"fusestate://{m.path}/ckpt")
+    assert "needs the shim" in line and "--use-shim" in line
+    line = refused_pipeline(m.path / "job", out, "--checkpoint", "file://otherhost/ckpt")
+    assert "no host part" in line
+    # The shim's checkpoint off the mount: every state file would be copied, not linked.
+    line = refused_pipeline(m.path / "job", out, "--use-shim", "--checkpoint", str(plain / "ckpt"))
+    assert f"fusestate://{plain / 'ckpt'} is not on a fusestate mount" in line
+    assert sorted(os.listdir(m.path)) == [] and sorted(os.listdir(plain)) == []
+
+    # The mount's daemon died: the mount is still listed, but answers nothing.
+    os.kill(m.pid, signal.SIGKILL)
+    m._wait_exit()
+    line = refused_pipeline(m.path / "job", out, "--use-shim")
+    assert f"the fusestate mount {m.path}" in line and "does not answer (Transport endpoint is not connected)" in line
+    assert f"fusermount3 -u -z {m.path}" in line
+
+
+def test_check_state_conf_refuses_settings_a_job_built_itself(make_mount, file_bucket: Bucket, tmp_path: Path, shim):
+    from fusestate.spark.config import SHIM_FS_CLASS, SparkSetupError, check_state_conf, state_conf
+
+    m = make_mount(file_bucket).mount()
+    good = state_conf(m.path / "job", use_shim=True).conf
+    check_state_conf(good)  # what state_conf builds passes
+    unregistered = {k: v for k, v in good.items() if not k.startswith("spark.hadoop.fs.")}
+    with pytest.raises(SparkSetupError, match=f"shim is not registered .*{SHIM_FS_CLASS}"):
+        check_state_conf(unregistered)
+    with pytest.raises(SparkSetupError, match="no jar is on spark.jars"):
+        check_state_conf({k: v for k, v in good.items() if "ClassPath" not in k})
+    (tmp_path / "other-bucket").mkdir()
+    other = make_mount(Bucket("file", f"file://{tmp_path / 'other-bucket'}"), name="other", cache="other-cache").mount()
+    with pytest.raises(SparkSetupError, match=f"is on {other.path}, spark.local.dir .* on {m.path}"):
+        check_state_conf(dict(good, **{"spark.sql.streaming.checkpointLocation": f"fusestate://{other.path}/ckpt"}))
+    with pytest.raises(SparkSetupError, match="spark.local.dir .* is not on a fusestate mount"):
+        check_state_conf(dict(good, **{"spark.local.dir": str(tmp_path)}))
+    check_state_conf(dict(good, **{"spark.local.dir": str(tmp_path)}), on_mount=False)  # a baseline's
+
+
+def test_shim_build_failure_names_its_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A jar that cannot be built says why (build.sh's own message), not a CalledProcessError."""
+    from fusestate.spark import config
+
+    (tmp_path / "build.sh").write_text("echo 'build.sh: javac not found (install a JDK)' >&2\nexit 1\n")
+    monkeypatch.setattr(config, "SHIM_DIR", tmp_path)
+    monkeypatch.setattr(config, "SHIM_JAR", tmp_path / "build" / "shim.jar")
+    with pytest.raises(config.SparkSetupError, match="could not be built: build.sh: javac not found"):
+        config.shim_jar()

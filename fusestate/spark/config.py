@@ -12,6 +12,12 @@ baseline) into the settings a Structured Streaming query needs:
 - on a fusestate mount, 64 KiB RocksDB blocks instead of Spark's 4 KiB (see
   :data:`MOUNT_BLOCK_SIZE_KB`).
 
+Settings that cannot work are refused with :class:`SparkSetupError` before the session starts
+(:func:`check_state_conf` does the same for settings a job builds itself): a directory on no
+mount or on a mount whose daemon has died, a missing shim jar, a checkpoint scheme other than
+``file://`` and ``fusestate://``, a ``fusestate://`` checkpoint without the shim registered, or
+the shim's checkpoint on another mount than ``spark.local.dir``.
+
 A checkpoint location must be visible to the driver and to every executor that may run the
 query's tasks. With one fusestate volume per node that means a single-node query (local mode,
 or one executor host), or every node mounting the same volume, which fusestate allows for one
@@ -23,10 +29,15 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
+from urllib.parse import urlsplit
+
+from fusestate.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SHIM_DIR = ROOT / "spark" / "shim"
@@ -78,17 +89,96 @@ def is_fusestate_mount(path: str | os.PathLike) -> Optional[str]:
     return best if best_type and best_type.startswith("fuse.fusestate") else None
 
 
+class SparkSetupError(UserError):
+    """A setting that would fail only once the query runs (deep in a JVM trace), or would
+    quietly copy every state file the shim exists to link: refused before the session starts."""
+
+
 def shim_jar(build: bool = True) -> Path:
     """The shim jar, built with ``spark/shim/build.sh`` when missing (and ``build``)."""
     if not SHIM_JAR.exists() and build:
-        import subprocess
-        import sys
-
-        subprocess.run(["bash", str(SHIM_DIR / "build.sh")], check=True, capture_output=True,
-                       env=dict(os.environ, PYTHON=sys.executable))
+        proc = subprocess.run(["bash", str(SHIM_DIR / "build.sh")], capture_output=True, text=True,
+                              env=dict(os.environ, PYTHON=sys.executable))
+        if proc.returncode != 0:
+            reason = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            raise SparkSetupError(f"the fusestate:// shim jar {SHIM_JAR} is missing and could not be built: {reason}")
     if not SHIM_JAR.exists():
-        raise FileNotFoundError(f"{SHIM_JAR} is missing: run spark/shim/build.sh")
+        raise SparkSetupError(f"the fusestate:// shim jar {SHIM_JAR} is missing: build it with spark/shim/build.sh")
     return SHIM_JAR
+
+
+def live_fusestate_mount(path: str | os.PathLike) -> Optional[str]:
+    """The fusestate mount holding ``path``, checked to answer; None when it is on none.
+
+    A daemon that died leaves its mount in /proc/self/mounts, and every use of it fails with
+    ENOTCONN: Spark would report that from inside the query, far from the cause. statfs is
+    asked because the kernel answers it from no cache (a stat may come from cached attributes)."""
+    mountpoint = is_fusestate_mount(path)
+    if mountpoint is not None:
+        try:
+            os.statvfs(mountpoint)
+        except OSError as exc:
+            raise SparkSetupError(
+                f"the fusestate mount {mountpoint} (holding {path}) does not answer ({exc.strerror}): its daemon "
+                f"has exited; detach it with 'fusermount3 -u -z {mountpoint}' and mount the volume again") from None
+    return mountpoint
+
+
+def checkpoint_path(location: str | os.PathLike) -> tuple[str, Path]:
+    """A checkpoint location as (scheme, local path): a plain path or a ``file://`` URI is
+    ``file``, a ``fusestate://`` URI is the shim's; any other scheme is not on a mount."""
+    text = os.fspath(location)
+    if "://" not in text:
+        return "file", Path(text).resolve()
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if scheme not in ("file", SHIM_SCHEME):
+        raise SparkSetupError(
+            f"checkpoint location {text}: the scheme {parts.scheme}:// does not keep the state on a fusestate "
+            f"mount; use a path on the mount (or file://) for plain copies, or {SHIM_SCHEME}:// with the shim "
+            f"for hard-link commits")
+    if parts.netloc:
+        raise SparkSetupError(f"checkpoint location {text}: expected {scheme}:///absolute/path (no host part)")
+    return scheme, Path(parts.path).resolve()
+
+
+def check_state_conf(conf: Mapping[str, str], *, on_mount: bool = True) -> None:
+    """Refuse Spark settings that put a query's state somewhere other than intended.
+
+    ``on_mount``: the state must be on a live fusestate mount (False for a local-disk
+    baseline, where only the checkpoint's scheme and the shim are checked). Works on any
+    settings dict, so a job that builds its own can call it before creating its session.
+    """
+    location = conf.get("spark.sql.streaming.checkpointLocation")
+    local_dir = conf.get("spark.local.dir")
+    scheme, ckpt = checkpoint_path(location) if location else ("file", None)
+    if scheme == SHIM_SCHEME:
+        if conf.get(f"spark.hadoop.fs.{SHIM_SCHEME}.impl") != SHIM_FS_CLASS:
+            raise SparkSetupError(
+                f"checkpoint location {location} uses {SHIM_SCHEME}:// but the shim is not registered "
+                f"(spark.hadoop.fs.{SHIM_SCHEME}.impl = {SHIM_FS_CLASS}): build the settings with "
+                f"state_conf(..., use_shim=True), or --use-shim")
+        jars = [j for key in ("spark.jars", "spark.driver.extraClassPath")
+                for j in conf.get(key, "").split(",") if j.strip()]
+        if not jars:
+            raise SparkSetupError(f"the {SHIM_SCHEME}:// shim is registered but no jar is on spark.jars or "
+                                  f"spark.driver.extraClassPath: add {SHIM_JAR}")
+        for jar in jars:
+            if not Path(jar.strip()).is_file():
+                raise SparkSetupError(f"the shim jar {jar.strip()} does not exist: build it with spark/shim/build.sh")
+    if not on_mount:
+        return
+    local_mount = live_fusestate_mount(local_dir) if local_dir else None
+    if local_dir and local_mount is None:
+        raise SparkSetupError(f"spark.local.dir {local_dir} is not on a fusestate mount: the state store's "
+                              f"working files would stay on local disk")
+    ckpt_mount = live_fusestate_mount(ckpt) if ckpt else None
+    if ckpt is not None and ckpt_mount is None:
+        raise SparkSetupError(f"checkpoint location {location} is not on a fusestate mount")
+    if scheme == SHIM_SCHEME and local_mount != ckpt_mount:
+        raise SparkSetupError(
+            f"checkpoint location {location} is on {ckpt_mount}, spark.local.dir {local_dir} on {local_mount}: "
+            f"the shim links state files only within one mount, and would copy every one of them")
 
 
 @dataclass
@@ -121,23 +211,31 @@ class StateLayout:
 
 
 def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: bool = False,
-               checkpoint: Optional[str | os.PathLike] = None,
+               checkpoint: Optional[str | os.PathLike] = None, local: bool = False,
+               shim_jar_path: Optional[str | os.PathLike] = None,
                changelog: bool = True, min_deltas_for_snapshot: int = 10,
                maintenance_interval: str = "30s", shuffle_partitions: int = 4,
                compression: Optional[str] = None, block_size_kb: Optional[int] = None) -> StateLayout:
-    """Spark settings that keep a streaming query's state under ``state_dir``.
+    """Spark settings that keep a streaming query's state under ``state_dir``, on a live
+    fusestate mount (``local=True``: on local disk, for a baseline).
 
-    ``checkpoint`` overrides the checkpoint directory (default ``<state_dir>/checkpoints/<query>``).
-    ``use_shim`` registers the ``fusestate://`` Hadoop file system (spark/shim) and names the
+    ``checkpoint`` overrides the checkpoint directory (default ``<state_dir>/checkpoints/<query>``):
+    a path, ``file://`` or ``fusestate://``. ``use_shim`` registers the ``fusestate://`` Hadoop
+    file system (spark/shim; ``shim_jar_path`` for a jar built elsewhere) and names the
     checkpoint with that scheme; it needs the checkpoint and ``spark.local.dir`` on one mount.
+    Settings that cannot work raise :class:`SparkSetupError` before anything is created.
     """
     state_dir = Path(state_dir).resolve()
     local_dir = state_dir / "spark-local"
-    checkpoint_dir = Path(checkpoint).resolve() if checkpoint else state_dir / "checkpoints" / query
-    local_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_dir.parent.mkdir(parents=True, exist_ok=True)
-    scheme = SHIM_SCHEME if use_shim else "file"
-    uri = f"{scheme}://{checkpoint_dir}"
+    if local and use_shim:
+        raise SparkSetupError("the fusestate:// shim needs the state on a fusestate mount, not on local disk")
+    if local and (mountpoint := is_fusestate_mount(state_dir)):
+        raise SparkSetupError(f"{state_dir} is on the fusestate mount {mountpoint}, not on local disk")
+    scheme, checkpoint_dir = (checkpoint_path(checkpoint) if checkpoint
+                              else ("file", state_dir / "checkpoints" / query))
+    if scheme == SHIM_SCHEME and not use_shim:
+        raise SparkSetupError(f"checkpoint location {checkpoint} needs the shim: use_shim=True (--use-shim)")
+    uri = f"{SHIM_SCHEME if use_shim else 'file'}://{checkpoint_dir}"
     conf = {
         "spark.local.dir": str(local_dir),
         "spark.sql.streaming.checkpointLocation": uri,
@@ -149,7 +247,7 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
     }
     if compression:
         conf[ROCKSDB_PREFIX + "compression"] = compression
-    if block_size_kb is None and is_fusestate_mount(state_dir):
+    if block_size_kb is None and not local:
         block_size_kb = MOUNT_BLOCK_SIZE_KB
     if block_size_kb is not None:
         if block_size_kb <= 0:
@@ -157,7 +255,7 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
         conf[ROCKSDB_PREFIX + "blockSizeKB"] = str(block_size_kb)
     jars: list[str] = []
     if use_shim:
-        jar = str(shim_jar())
+        jar = str(Path(shim_jar_path).resolve()) if shim_jar_path else str(shim_jar())
         jars.append(jar)
         conf.update({
             # Hadoop resolves file system classes through the JVM's class path, so the jar goes
@@ -168,4 +266,13 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
             f"spark.hadoop.fs.AbstractFileSystem.{SHIM_SCHEME}.impl": SHIM_AFS_CLASS,
             f"spark.hadoop.fs.{SHIM_SCHEME}.impl.disable.cache": "false",
         })
+    if not local and is_fusestate_mount(state_dir) is None:
+        raise SparkSetupError(f"{state_dir} is not on a fusestate mount: mount the volume first "
+                              f"(fusestate mount URL MOUNTPOINT), or use local disk for a baseline (--local)")
+    check_state_conf(conf, on_mount=not local)
+    for d in (local_dir, checkpoint_dir.parent):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SparkSetupError(f"cannot create {d}: {exc.strerror}") from None
     return StateLayout(state_dir, local_dir, checkpoint_dir, uri, conf, jars)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from fusestate.errors import UserError
 from fusestate.spark.config import SHUFFLE_SCRATCH, is_fusestate_mount, shuffle_is_scratch, state_conf
 
 EPOCH_MS = 1_700_000_000_000          # event time of the first event
@@ -279,7 +280,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", required=True,
                    help="directory for spark.local.dir and the default checkpoint (on a fusestate mount, unless --local)")
     p.add_argument("--output", required=True, help="directory of the per-batch output (batch-<id>/part-*.csv)")
-    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default <state-dir>/checkpoints/<query>)")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint directory: a path, file:// or fusestate:// (default <state-dir>/checkpoints/<query>)")
     p.add_argument("--input", default=None, help="input files (default <output>.input); generated when missing")
     p.add_argument("--batches", type=int, default=8, help="input files, one per micro-batch (default %(default)s)")
     p.add_argument("--keys", type=int, default=10_000, help="distinct keys in the aggregation state (default %(default)s)")
@@ -295,6 +297,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partitions", type=int, default=4, help="shuffle partitions = state stores per operator (default %(default)s)")
     p.add_argument("--local", action="store_true", help="baseline: state on local disk, no fusestate mount required")
     p.add_argument("--use-shim", action="store_true", help="checkpoint via the fusestate:// Hadoop file system (hard-link commits)")
+    p.add_argument("--shim-jar", default=None,
+                   help="the fusestate:// shim's jar, if built elsewhere (default: spark/shim's, built when missing)")
     p.add_argument("--no-changelog", action="store_true", help="turn RocksDB changelog checkpointing off")
     p.add_argument("--min-deltas-for-snapshot", type=int, default=10)
     p.add_argument("--driver-memory", default="1g", help="JVM heap (default %(default)s)")
@@ -305,24 +309,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
     state_dir = Path(args.state_dir).resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
+    # Every setting is checked (mount alive, shim jar, checkpoint scheme) before anything is
+    # created or the JVM starts: a wrong one fails here in one line, not inside the query.
+    layout = state_conf(state_dir, query="pipeline", use_shim=args.use_shim, checkpoint=args.checkpoint,
+                        local=args.local, shim_jar_path=args.shim_jar,
+                        changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
+                        shuffle_partitions=args.partitions, compression=args.state_compression,
+                        block_size_kb=args.block_size_kb)
     mount = is_fusestate_mount(state_dir)
-    if args.local and mount:
-        raise SystemExit(f"spark-pipeline: --local but {state_dir} is on the fusestate mount {mount}")
-    if not args.local and not mount:
-        raise SystemExit(f"spark-pipeline: {state_dir} is not on a fusestate mount (use --local for a local-disk baseline)")
-    if args.use_shim and args.local:
-        raise SystemExit("spark-pipeline: --use-shim needs a fusestate mount, not --local")
     output = Path(args.output).resolve()
     input_dir = Path(args.input).resolve() if args.input else output.with_name(output.name + ".input")
     events_per_batch = args.events_per_batch or max(1000, args.keys // 2)
     rows = generate_input(input_dir, args.batches, args.keys, events_per_batch, args.last_batch_events)
     output.mkdir(parents=True, exist_ok=True)
-
-    layout = state_conf(state_dir, query="pipeline", use_shim=args.use_shim, checkpoint=args.checkpoint,
-                        changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
-                        shuffle_partitions=args.partitions, compression=args.state_compression,
-                        block_size_kb=args.block_size_kb)
     t_setup = time.time()
     stale = layout.remove_stale_local_dirs()  # a killed run's working dirs and shuffle files
     t_stale = time.time()
@@ -444,7 +443,11 @@ def final_view(output: str | os.PathLike) -> dict[str, tuple[str, ...]]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="fusestate spark-pipeline", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    run(parser.parse_args(argv))
+    try:
+        run(parser.parse_args(argv))
+    except UserError as exc:
+        print(f"fusestate spark-pipeline: {exc}", file=sys.stderr)
+        return exc.exit_code
     return 0
 
 
