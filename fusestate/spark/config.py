@@ -158,14 +158,16 @@ def check_state_conf(conf: Mapping[str, str], *, on_mount: bool = True) -> None:
                 f"checkpoint location {location} uses {SHIM_SCHEME}:// but the shim is not registered "
                 f"(spark.hadoop.fs.{SHIM_SCHEME}.impl = {SHIM_FS_CLASS}): build the settings with "
                 f"state_conf(..., use_shim=True), or --use-shim")
-        jars = [j for key in ("spark.jars", "spark.driver.extraClassPath")
-                for j in conf.get(key, "").split(",") if j.strip()]
+        # spark.jars is a comma-separated list of URIs, a class path is colon-separated.
+        jars = [j.strip().removeprefix("file://") for j in conf.get("spark.jars", "").split(",")]
+        jars += [j.strip() for j in conf.get("spark.driver.extraClassPath", "").split(os.pathsep)]
+        jars = [j for j in jars if j.endswith(".jar") and "://" not in j]
         if not jars:
             raise SparkSetupError(f"the {SHIM_SCHEME}:// shim is registered but no jar is on spark.jars or "
                                   f"spark.driver.extraClassPath: add {SHIM_JAR}")
         for jar in jars:
-            if not Path(jar.strip()).is_file():
-                raise SparkSetupError(f"the shim jar {jar.strip()} does not exist: build it with spark/shim/build.sh")
+            if not Path(jar).is_file():
+                raise SparkSetupError(f"the shim jar {jar} does not exist: build it with spark/shim/build.sh")
     if not on_mount:
         return
     local_mount = live_fusestate_mount(local_dir) if local_dir else None
