@@ -35,9 +35,10 @@ db_bench --db="$DB" --benchmarks=fillrandom,readrandom,overwrite --num="$NUM" \
 echo "== checkpoint (hard links: metadata only)"
 ldb --db="$DB" checkpoint --checkpoint_dir="$MOUNTPOINT/checkpoint"
 ls -l "$MOUNTPOINT/checkpoint" | head -5
+# Changelog checkpointing off: every commit is a snapshot whose state files the shim links.
 echo "== PySpark state pipeline (RocksDB state store on the mount, hard-link commits)"
 rm -rf "$MOUNTPOINT/spark-job" /tmp/fusestate-main-job-output /tmp/fusestate-main-job-output.input
 $FS spark-pipeline --state-dir "$MOUNTPOINT/spark-job" --output /tmp/fusestate-main-job-output \
-    --batches "${BATCHES:-6}" --keys "${KEYS:-20000}" --use-shim
+    --batches "${BATCHES:-6}" --keys "${KEYS:-20000}" --use-shim --no-changelog
 echo "== fusestate status"
 $FS status "$MOUNTPOINT"

@@ -422,7 +422,14 @@ def test_summary_lines_report_what_a_person_checks() -> None:
     assert "1,500 over 3 batches" in text and "median 200 ms, max 300 ms" in text
     assert "4 state files linked" in text and "3.0 MiB uploaded, 1.0 MiB fetched" in text
     assert "cache hit ratio   0.95" in text
-    assert "already had" not in text
+    assert "already had" not in text and "changelog" not in text
+    # No file linked because the commits wrote changelogs: the line says so, not just "0".
+    changelog = dict(report, shim={"linked": 0, "copied": 0}, state_store_conf={
+        "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
+        "spark.sql.streaming.stateStore.minDeltasForSnapshot": "10"})
+    text = "\n".join(summary_lines(changelog))
+    assert "0 state files linked, 0 copied (changelog checkpointing: state files reach the checkpoint " \
+           "with a snapshot, every 10 versions)" in text
     # A rerun over the same input writes blocks the volume has: the line says why nothing went up.
     again = dict(after, writeback={"uploaded_bytes": 0, "deduplicated_bytes": 17 * 2**20})
     text = "\n".join(summary_lines(dict(report, fusestate_after=again)))

@@ -394,7 +394,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
              f"median batch {s['batch_ms_median']:,} ms",
              f"state commit      median {commits[len(commits) // 2]:,} ms, max {commits[-1]:,} ms"]
     if report.get("shim"):
-        lines.append(f"shim              {report['shim']['linked']} state files linked, {report['shim']['copied']} copied")
+        line = f"shim              {report['shim']['linked']} state files linked, {report['shim']['copied']} copied"
+        conf = report.get("state_store_conf", {})
+        if not report["shim"]["linked"] and not report["shim"]["copied"] \
+                and conf.get("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled") == "true":
+            # Changelog commits copy no state file: SSTs reach the checkpoint with a snapshot.
+            every = conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "?")
+            line += f" (changelog checkpointing: state files reach the checkpoint with a snapshot, every {every} versions)"
+        lines.append(line)
     before, after = report.get("fusestate_before"), report.get("fusestate_after")
     if before and after:
         uploaded = after["writeback"]["uploaded_bytes"] - before["writeback"]["uploaded_bytes"]
