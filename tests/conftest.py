@@ -205,13 +205,15 @@ class Mount:
         self._wait_exit()
         assert not is_mounted(self.path)
 
-    def kill(self) -> None:
-        """SIGKILL the daemon: the crash a node sees at the worst moment."""
+    def kill(self, detach: bool = True) -> None:
+        """SIGKILL the daemon: the crash a node sees at the worst moment. ``detach=False``
+        leaves the dead mount in place (every use of it fails with ENOTCONN)."""
         if self.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             self._wait_exit()
-        subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+        if detach:
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
 
     def _wait_exit(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

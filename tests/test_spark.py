@@ -29,10 +29,15 @@ HEAP = ["--driver-memory", "512m"]
 BLOCK = 4 << 20
 
 
+def pipeline_cmd(state_dir: Path, output: Path, *extra: str) -> list[str]:
+    """The ``fusestate spark-pipeline`` command line, with the tests' JVM heap."""
+    return [str(BIN / "fusestate"), "spark-pipeline", "--state-dir", str(state_dir), "--output", str(output),
+            *HEAP, *extra]
+
+
 def pipeline(state_dir: Path, output: Path, input_dir: Path, *extra: str, timeout: float = 240) -> dict:
     """Run the pipeline to completion in its own process; returns its final report."""
-    proc = subprocess.run([str(BIN / "fusestate"), "spark-pipeline", "--state-dir", str(state_dir),
-                           "--output", str(output), "--input", str(input_dir), *HEAP, *extra],
+    proc = subprocess.run(pipeline_cmd(state_dir, output, "--input", str(input_dir), *extra),
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         causes = [line for line in proc.stderr.splitlines()
@@ -159,8 +164,7 @@ def _run_until_batches(cmd: list[str], k: int, timeout: float = 240) -> list[int
 def test_kill_spark_and_node_then_resume_on_fresh_node(make_mount, file_bucket: Bucket, baseline, tmp_path: Path):
     m = make_mount(file_bucket, extra=["--scratch", "blockmgr-*"]).mount()  # as deployed
     out = tmp_path / "out"
-    cmd = [str(BIN / "fusestate"), "spark-pipeline", "--state-dir", str(m.path / "job"), "--output", str(out),
-           "--input", str(baseline["input"]), *HEAP, *SMALL]
+    cmd = pipeline_cmd(m.path / "job", out, "--input", str(baseline["input"]), *SMALL)
     done = _run_until_batches(cmd, 2)
     assert done[:2] == [0, 1]
     # The Spark process is gone (its files closed); let the mount ship what it has, then lose the node.
@@ -200,8 +204,7 @@ def test_shim_commit_survives_node_loss_at_once(make_mount, file_bucket: Bucket,
     on a timer here; only fsyncs ship it, and Spark itself never syncs its checkpoint files."""
     m = make_mount(file_bucket).mount("--journal-interval", "600")
     job = m.path / "job"
-    cmd = [str(BIN / "fusestate"), "spark-pipeline", "--state-dir", str(job), "--output", str(tmp_path / "out"),
-           "--input", str(baseline["input"]), "--use-shim", *HEAP, *SMALL]
+    cmd = pipeline_cmd(job, tmp_path / "out", "--input", str(baseline["input"]), "--use-shim", *SMALL)
     done = _run_until_batches(cmd, 2)
     commits = job / "checkpoints" / "pipeline" / "commits"
     recorded = _log_ids(commits)
@@ -468,8 +471,7 @@ def test_stale_spark_local_dirs_are_removed_and_nothing_else(tmp_path: Path) -> 
 
 def refused_pipeline(state_dir: Path, output: Path, *extra: str) -> str:
     """The pipeline refused at once: its one-line error (nothing generated, no JVM)."""
-    proc = subprocess.run([str(BIN / "fusestate"), "spark-pipeline", "--state-dir", str(state_dir),
-                           "--output", str(output), *HEAP, *SMALL, *extra], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(pipeline_cmd(state_dir, output, *SMALL, *extra), capture_output=True, text=True, timeout=120)
     line = assert_one_line_error(proc)
     assert not output.exists() and not output.with_name(output.name + ".input").exists(), line
     return line
@@ -504,8 +506,7 @@ def test_bad_configuration_fails_before_the_query_starts(make_mount, file_bucket
     assert sorted(os.listdir(m.path)) == [] and sorted(os.listdir(plain)) == []
 
     # The mount's daemon died: the mount is still listed, but answers nothing.
-    os.kill(m.pid, signal.SIGKILL)
-    m._wait_exit()
+    m.kill(detach=False)
     line = refused_pipeline(m.path / "job", out, "--use-shim")
     assert f"the fusestate mount {m.path}" in line and "does not answer (Transport endpoint is not connected)" in line
     assert f"fusermount3 -u -z {m.path}" in line

@@ -191,6 +191,7 @@ class StateLayout:
     local_dir: Path
     checkpoint_dir: Path
     checkpoint_uri: str
+    mount: Optional[str] = None  # the fusestate mount holding state_dir (None: local disk)
     conf: dict[str, str] = field(default_factory=dict)
     jars: list[str] = field(default_factory=list)
 
@@ -229,10 +230,14 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
     """
     state_dir = Path(state_dir).resolve()
     local_dir = state_dir / "spark-local"
+    mountpoint = is_fusestate_mount(state_dir)
     if local and use_shim:
         raise SparkSetupError("the fusestate:// shim needs the state on a fusestate mount, not on local disk")
-    if local and (mountpoint := is_fusestate_mount(state_dir)):
+    if local and mountpoint:
         raise SparkSetupError(f"{state_dir} is on the fusestate mount {mountpoint}, not on local disk")
+    if not local and mountpoint is None:
+        raise SparkSetupError(f"{state_dir} is not on a fusestate mount: mount the volume first "
+                              f"(fusestate mount URL MOUNTPOINT), or use local disk for a baseline (--local)")
     scheme, checkpoint_dir = (checkpoint_path(checkpoint) if checkpoint
                               else ("file", state_dir / "checkpoints" / query))
     if scheme == SHIM_SCHEME and not use_shim:
@@ -268,13 +273,10 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
             f"spark.hadoop.fs.AbstractFileSystem.{SHIM_SCHEME}.impl": SHIM_AFS_CLASS,
             f"spark.hadoop.fs.{SHIM_SCHEME}.impl.disable.cache": "false",
         })
-    if not local and is_fusestate_mount(state_dir) is None:
-        raise SparkSetupError(f"{state_dir} is not on a fusestate mount: mount the volume first "
-                              f"(fusestate mount URL MOUNTPOINT), or use local disk for a baseline (--local)")
     check_state_conf(conf, on_mount=not local)
     for d in (local_dir, checkpoint_dir.parent):
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SparkSetupError(f"cannot create {d}: {exc.strerror}") from None
-    return StateLayout(state_dir, local_dir, checkpoint_dir, uri, conf, jars)
+    return StateLayout(state_dir, local_dir, checkpoint_dir, uri, mountpoint, conf, jars)

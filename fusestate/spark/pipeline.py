@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from fusestate.errors import UserError
-from fusestate.spark.config import SHUFFLE_SCRATCH, is_fusestate_mount, shuffle_is_scratch, state_conf
+from fusestate.spark.config import ROCKSDB_PREFIX, SHUFFLE_SCRATCH, shuffle_is_scratch, state_conf
 
 EPOCH_MS = 1_700_000_000_000          # event time of the first event
 BATCH_SPAN_MS = 60_000                # event time covered by one input file
@@ -316,7 +315,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
                         shuffle_partitions=args.partitions, compression=args.state_compression,
                         block_size_kb=args.block_size_kb)
-    mount = is_fusestate_mount(state_dir)
+    mount = layout.mount
     output = Path(args.output).resolve()
     input_dir = Path(args.input).resolve() if args.input else output.with_name(output.name + ".input")
     events_per_batch = args.events_per_batch or max(1000, args.keys // 2)
@@ -397,7 +396,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         line = f"shim              {report['shim']['linked']} state files linked, {report['shim']['copied']} copied"
         conf = report.get("state_store_conf", {})
         if not report["shim"]["linked"] and not report["shim"]["copied"] \
-                and conf.get("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled") == "true":
+                and conf.get(ROCKSDB_PREFIX + "changelogCheckpointing.enabled") == "true":
             # Changelog commits copy no state file: SSTs reach the checkpoint with a snapshot.
             every = conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "?")
             line += f" (changelog checkpointing: state files reach the checkpoint with a snapshot, every {every} versions)"
@@ -448,14 +447,10 @@ def final_view(output: str | os.PathLike) -> dict[str, tuple[str, ...]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="fusestate spark-pipeline", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    try:
-        run(parser.parse_args(argv))
-    except UserError as exc:
-        print(f"fusestate spark-pipeline: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+    """``python -m fusestate.spark.pipeline ...`` is ``fusestate spark-pipeline ...``."""
+    from fusestate.cli import main as cli_main
+
+    return cli_main(["spark-pipeline", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ with ``O_DIRECT`` straight from here, with no copy into an aligned buffer.
 
 from __future__ import annotations
 
+from fusestate.blocks.keys import BlockData
 from fusestate.localio import ALIGN, aligned_bytes
 
 SMALL_START = 64 << 10        # the first buffer of a block written in small pieces
@@ -24,7 +25,7 @@ class BlockBuffer:
 
     __slots__ = ("block_size", "length", "_buf")
 
-    def __init__(self, block_size: int, initial: bytes | bytearray | memoryview = b"") -> None:
+    def __init__(self, block_size: int, initial: BlockData = b"") -> None:
         self.block_size = block_size
         self.length = 0
         self._buf = memoryview(bytearray())  # page-aligned once it holds anything
@@ -42,7 +43,7 @@ class BlockBuffer:
         """The block's bytes as they are now (valid until the next write)."""
         return self._buf[:self.length]
 
-    def write(self, start: int, data: bytes | bytearray | memoryview) -> None:
+    def write(self, start: int, data: BlockData) -> None:
         end = start + len(data)
         if end > self.block_size:
             raise ValueError(f"write to [{start}, {end}) past a block of {self.block_size} bytes")

@@ -20,6 +20,7 @@ from typing import Awaitable, Callable, Iterator, Optional, Sequence
 
 import trio
 
+from fusestate.blocks.keys import BlockData
 from fusestate.blocks.store import BlockReadError, BlockStore
 from fusestate.blocks.uploader import UploadFailed, Uploader
 from fusestate.meta.engine import ROOT_INODE, DirEntry, Inode, MetadataEngine
@@ -646,7 +647,7 @@ class FileSystem:
         assert self._nursery is not None, "FileSystem.start() was not called"
         self._nursery.start_soon(self._store_sealed, f, index, generation, data)
 
-    async def _store_sealed(self, f: OpenFile, index: int, generation: int, data: memoryview | bytes) -> None:
+    async def _store_sealed(self, f: OpenFile, index: int, generation: int, data: BlockData) -> None:
         size = len(data)
         try:
             try:

@@ -14,6 +14,7 @@ from typing import Optional
 
 import trio
 
+from fusestate.blocks.keys import BlockData
 from fusestate.meta.engine import Inode
 from fusestate.vfs.block_buffer import BlockBuffer
 from fusestate.vfs.errors import FsError
@@ -21,7 +22,7 @@ from fusestate.vfs.errors import FsError
 
 @dataclass
 class Sealing:
-    data: memoryview | bytes  # frozen: no one writes to it any more
+    data: BlockData  # frozen: no one writes to it any more
     generation: int
 
 
