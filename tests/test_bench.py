@@ -125,6 +125,15 @@ def test_spark_restart_fits_and_extrapolates() -> None:
     (goal,) = sr.goals(doc)
     assert goal["met"] is False and "at 4 GB" in goal["goal"] and goal["measured"].startswith("3.00×")
     assert "per GB on local disk" in sr.slope_sentence(doc)
+    assert sr.ceiling_sentence(doc) == ""  # no floor measured: no ceiling claimed
+    # A floor of 12 s (the faster setup) caps the ratio at 60 / 12 = 5x at 4 GB, 25 / 12 at 0.5 GB.
+    floor_row = row(sr.FLOOR, 14.0, 12.0)
+    doc.update(floor=[floor_row], params={"floor_keys": 5_000, "payload_bytes": 4096})
+    assert sr.floor_seconds(doc) == 12.0
+    ceiling = sr.ceiling_sentence(doc)
+    assert "5.0× at 4 GB" in ceiling and "2.1× at 0.5 GB" in ceiling and "20.5 MB of state" in ceiling
+    (goal,) = sr.goals(doc)
+    assert goal["measured"] == "3.00× (20.0 s against 60.0 s; at most 5.0× over a 12.0 s floor)"
 
 
 def test_restart_trials_parse_and_pair() -> None:
