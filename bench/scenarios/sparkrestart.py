@@ -5,8 +5,8 @@ a question of slope: how the time from the restart to the first completed batch 
 with the state. Here the batch size stays fixed (so the per-batch work, the deduplication
 store and its eviction, is the same at every size) and only the number of keys grows;
 each state is built by as many batches as it takes for every key to be written, then
-the job is killed and restarted into a small batch (``spark_bench.py``: the page cache
-dropped; for fusestate the daemon killed and a fresh cache dir).
+the job stops and is restarted into a small batch (``spark_bench.py``: the page cache
+dropped; for fusestate the node is lost first: the daemon SIGKILLed, a fresh cache dir).
 
 A restart also costs what no storage can take away: the JVM, the session, the query's
 start and its first batch. The *floor* measures those with the same batches over a
@@ -170,8 +170,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p = doc["params"]
     sizes = ", ".join(f"{k:,}" for k in p["keys"])
     parts = [f"`bench/spark_bench.py` for {sizes} keys × {p['payload_bytes']:,} B, batches of "
-             f"{p['events_per_batch']:,} events (as many as it takes to write every key, plus one), then a kill and a "
-             f"restart into a {p['restart_events']:,}-event batch. *local*: state and checkpoint on local disk, "
+             f"{p['events_per_batch']:,} events (as many as it takes to write every key, plus one); the job then stops and "
+             f"restarts from its checkpoint into a {p['restart_events']:,}-event batch. *local*: state and checkpoint on local disk, "
              f"changelog checkpointing; *fusestate+shim*: a `file://` mount with the `fusestate://` checkpoint, "
              f"snapshots on every commit, restarted on a fresh cache dir after the daemon was killed. The page "
              f"cache is dropped before every restart. " + medians_note(doc), ratio_table(doc["summary"], doc["systems"])]
