@@ -200,17 +200,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def _fetch_status(mountpoint: str) -> dict:
-    from fusestate.daemon import control
-    from fusestate.daemon.paths import control_socket
+    from fusestate.daemon.control import fetch_status
 
-    mountpoint = os.path.abspath(mountpoint)
-    path = control_socket(mountpoint)
-    if not os.path.exists(path):
-        raise UserError(f"{mountpoint} is not a fusestate mount")
-    reply = control.request(path, {"command": "status"})
-    if not reply.get("ok"):
-        raise UserError(reply.get("error", "status failed"))
-    return reply["status"]
+    return fetch_status(mountpoint)
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

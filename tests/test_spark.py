@@ -411,6 +411,15 @@ def test_input_stream_is_generated_once_and_follows_the_batch_count(tmp_path: Pa
     assert len({key_of_event[g] for g in range(1000)}) == 1000 and key_of_event[1] != "k000000001"
 
 
+def test_status_is_none_where_no_daemon_answers(tmp_path: Path) -> None:
+    """The pipeline asks the daemon in-process; without a mount it reports no numbers rather
+    than failing (the live case is the mounted runs above: fusestate_before/after)."""
+    from fusestate.spark.pipeline import fusestate_status
+
+    assert fusestate_status(None) is None
+    assert fusestate_status(str(tmp_path)) is None  # a plain directory: no control socket
+
+
 def test_summary_lines_report_what_a_person_checks() -> None:
     from fusestate.spark.pipeline import summary_lines
 

@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
+from fusestate.daemon.paths import control_socket
 from fusestate.errors import UserError
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -84,3 +85,16 @@ def request(path: str, message: dict[str, Any], timeout: float | None = 30.0) ->
     if not buf:
         raise UserError("the fusestate daemon closed the connection without an answer")
     return json.loads(buf)
+
+
+def fetch_status(mountpoint: str) -> dict[str, Any]:
+    """The daemon's numbers for a mountpoint, asked over its control socket: in-process,
+    so a caller on a restart's critical path (the Spark pipeline) spawns no CLI."""
+    mountpoint = os.path.abspath(mountpoint)
+    path = control_socket(mountpoint)
+    if not os.path.exists(path):
+        raise UserError(f"{mountpoint} is not a fusestate mount")
+    reply = request(path, {"command": "status"})
+    if not reply.get("ok"):
+        raise UserError(reply.get("error", "status failed"))
+    return reply["status"]

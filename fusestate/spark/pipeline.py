@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from fusestate.errors import UserError
 from fusestate.spark.config import ROCKSDB_PREFIX, SHUFFLE_SCRATCH, shuffle_is_scratch, state_conf
 
 EPOCH_MS = 1_700_000_000_000          # event time of the first event
@@ -216,12 +217,15 @@ def batch_writer(output: Path):
 # --- reporting -----------------------------------------------------------------------------
 
 def fusestate_status(path: Optional[str]) -> Optional[dict]:
+    """The mount's numbers, or None when there is no mount or its daemon does not answer."""
     if not path:
         return None
-    exe = Path(sys.executable).parent / "fusestate"
-    proc = subprocess.run([str(exe) if exe.exists() else "fusestate", "status", "--json", path],
-                          capture_output=True, text=True, timeout=60)
-    return json.loads(proc.stdout) if proc.returncode == 0 else None
+    from fusestate.daemon.control import fetch_status
+
+    try:
+        return fetch_status(path)
+    except (UserError, OSError, ValueError):
+        return None
 
 
 def batch_record(p: dict) -> dict:
