@@ -212,3 +212,19 @@ def test_daemon_cpu_reports_every_phase_for_both_trees(tmp_path: Path) -> None:
             assert r[name]["user_s_per_gib"] + r[name]["sys_s_per_gib"] > 0, (r["source"], name, r[name])
     assert "median daemon CPU seconds per GiB" in out
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_spark_restart_on_s3_tiny() -> None:
+    """A tiny state built on a moto bucket restarts on a fresh node with the options given:
+    the restarted batch completes, its bytes come from the bucket, and no mount or work dir
+    is left behind."""
+    before = set(Path("/var/tmp").glob("spark-restart-s3-*"))
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "spark_restart_s3.py"), "--keys", "2000",
+                          "--payload-bytes", "256", "--events-per-batch", "1000", "--batches", "2", "--kinds", "s3",
+                          "--", "--prefetch", "off"], check=True, capture_output=True, text=True, timeout=600).stdout
+    (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert row["bucket"] == "s3" and row["restart_mount_options"] == ["--prefetch", "off"]
+    assert row["restart_s"] > row["jvm_s"] > 0 and row["first_batch_ms"] > 0 and row["fetched_bytes"] > 0
+    assert set(Path("/var/tmp").glob("spark-restart-s3-*")) == before
+    assert "spark-restart-s3-" not in Path("/proc/mounts").read_text()
