@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.spark_bench import FUSESTATE, drop_page_cache, fs, unmount  # noqa: E402
+from bench.spark_bench import FUSESTATE, drop_page_cache, status, unmount  # noqa: E402
 
 MIB = 1 << 20
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -49,7 +49,7 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 
 def daemon_pid(mnt: Path) -> int:
-    return int(json.loads(fs("status", "--json", str(mnt)))["pid"])
+    return int(status(mnt)["pid"])
 
 
 def one_run(work: Path, gib: int, source: Optional[str], seed: bytes) -> dict:

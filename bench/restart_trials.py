@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import median_or_none  # noqa: E402
-from bench.spark_bench import drop_page_cache, fs, mount_file_bucket, pipeline, stop_daemon, unmount  # noqa: E402
+from bench.spark_bench import drop_page_cache, lose_node, mount_file_bucket, pipeline, status, unmount  # noqa: E402
 from bench.systems import free_port  # noqa: E402
 
 PIPELINE_FLAGS = ["--state-compression", "none", "--use-shim", "--no-changelog"]
@@ -54,7 +54,7 @@ def build(args: argparse.Namespace) -> int:
     mount_file_bucket(work / "base", mnt, cache, "--metrics-addr", "off")
     try:
         report = pipeline("build", mnt / "job", work / "out", work / "input", args.batches, common_args(params))
-        stop_daemon(json.loads(fs("status", "--json", str(mnt)))["pid"], mnt)  # the node is lost
+        lose_node(mnt, cache)
     finally:
         unmount(mnt)
         shutil.rmtree(cache, ignore_errors=True)
@@ -98,7 +98,7 @@ def trial(work: Path, params: dict[str, Any], variant: str, options: list[str]) 
         drop_page_cache()
         report = pipeline(f"restart {variant}", mnt / "job", out, work / "input", params["batches"] + 1,
                           common_args(params), "--last-batch-events", str(params["restart_events"]))
-        status = json.loads(fs("status", "--json", str(mnt)))
+        st = status(mnt)
         h = scrape(port)
     finally:
         unmount(mnt)
@@ -111,9 +111,9 @@ def trial(work: Path, params: dict[str, Any], variant: str, options: list[str]) 
         # summed over the stores' tasks: reading the state, the watermark's eviction, the commits
         **{f"{part}_ms": sum(op[f"{part}_ms"] for op in batch.get("operators", []))
            for part in ("updates", "removals", "commit")},
-        "fetched_bytes": status["remote"]["bytes_in"], "full_fetches": status["remote"]["full_fetches"],
-        "background_fetches": status["remote"]["prefetches"], "range_reads": status["remote"]["range_reads"],
-        "fuse_bytes_read": status["fuse"]["bytes_read"], "disk_cache_misses": status["cache"]["disk_misses"],
+        "fetched_bytes": st["remote"]["bytes_in"], "full_fetches": st["remote"]["full_fetches"],
+        "background_fetches": st["remote"]["prefetches"], "range_reads": st["remote"]["range_reads"],
+        "fuse_bytes_read": st["fuse"]["bytes_read"], "disk_cache_misses": st["cache"]["disk_misses"],
         "range_read_ms": mean_ms(h, "fusestate_block_read_seconds", "range"),
         "range_request_ms": mean_ms(h, "fusestate_remote_request_seconds", "get_range"),
     }

@@ -72,6 +72,20 @@ def pipeline(label: str, state_dir: Path, output: Path, input_dir: Path, batches
     return report
 
 
+def status(mnt: Path) -> dict:
+    """The daemon's numbers, in-process over its control socket (no CLI process per call)."""
+    from fusestate.daemon.control import fetch_status
+
+    return fetch_status(str(mnt))
+
+
+def lose_node(mnt: Path, cache: Path, *, kill: bool = True) -> None:
+    """What a lost node leaves: the daemon gone (SIGKILLed unless ``kill`` is off), its mount
+    detached, its cache dir wiped; the bucket holds what the daemon had shipped."""
+    stop_daemon(status(mnt)["pid"], mnt, kill=kill)
+    shutil.rmtree(cache, ignore_errors=True)
+
+
 def drop_page_cache() -> bool:
     """Empty the kernel's page cache, as on a fresh node; False where that is not allowed."""
     os.sync()
@@ -155,12 +169,11 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
         result["checkpoint_bytes"] = du(ckpt)
         page_cache_dropped = drop_page_cache()
         if mnt:
-            st = json.loads(fs("status", "--json", str(mnt)))
+            st = status(mnt)
             result["first_run"]["fusestate"] = {k: st["writeback"][k] for k in ("uploaded_bytes", "uploaded_blocks")}
             result["first_run"]["fusestate"]["fuse_bytes_written"] = st["fuse"]["bytes_written"]
             # Lose the node: kill the daemon, wipe its cache, take the volume over on a "fresh node".
-            stop_daemon(st["pid"], mnt, kill=not args.clean_umount)
-            shutil.rmtree(cache)
+            lose_node(mnt, cache, kill=not args.clean_umount)
             t = time.time()
             mount(bucket, mnt, cache, args, "--takeover")
             result["fresh_mount_s"] = round(time.time() - t, 2)
@@ -182,7 +195,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             "batch": b,  # the whole record: Spark's phase durations and RocksDB's commit breakdown
         }
         if mnt:
-            st = json.loads(fs("status", "--json", str(mnt)))
+            st = status(mnt)
             result["restart"]["fetched_bytes"] = st["remote"]["bytes_in"]
             result["restart"]["restored_metadata_bytes"] = st["metadata"]["restored_bytes"]
         return result

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.spark_bench import drop_page_cache, fs, pipeline, stop_daemon, unmount  # noqa: E402
+from bench.spark_bench import drop_page_cache, fs, lose_node, pipeline, status, unmount  # noqa: E402
 from bench.systems import Moto  # noqa: E402
 from fusestate.spark.config import SHUFFLE_SCRATCH  # noqa: E402
 
@@ -46,8 +46,7 @@ def restart_once(kind: str, work: Path, moto: Moto, args: argparse.Namespace) ->
     t = time.time()
     first = pipeline(f"{kind} first run", mnt / "job", d / "out", work / "input", args.batches, common)
     build_s = time.time() - t
-    stop_daemon(json.loads(fs("status", "--json", str(mnt)))["pid"], mnt)  # lose the node
-    shutil.rmtree(cache)
+    lose_node(mnt, cache)
     drop_page_cache()
     t = time.time()
     fs("mount", url, str(mnt), *opts, "--takeover", *args.restart_options)
@@ -55,7 +54,7 @@ def restart_once(kind: str, work: Path, moto: Moto, args: argparse.Namespace) ->
     try:
         again = pipeline(f"{kind} restart", mnt / "job", d / "out", work / "input", args.batches + 1, common,
                          "--last-batch-events", "5000")
-        status = json.loads(fs("status", "--json", str(mnt)))
+        st = status(mnt)
     finally:
         unmount(mnt)
         shutil.rmtree(d, ignore_errors=True)
@@ -66,7 +65,7 @@ def restart_once(kind: str, work: Path, moto: Moto, args: argparse.Namespace) ->
             "restart_s": again["first_batch_done_s"], "jvm_s": again["session_start_s"],
             "first_batch_ms": b["duration_ms"], "load_ms": b["rocksdb"].get("rocksdbLoadLatencyMs"),
             "state_commit_ms": b["state_commit_ms"], "cache_misses": b["rocksdb"].get("rocksdbReadBlockCacheMissCount"),
-            "fetched_bytes": status["remote"]["bytes_in"]}
+            "fetched_bytes": st["remote"]["bytes_in"]}
 
 
 def main() -> int:

@@ -12,7 +12,6 @@ the scenario records that error in each of its cells instead of leaving a gap.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -264,13 +263,9 @@ class FusestateSystem(System):
         """``fusestate status``: straight from the control socket when we can (a CLI process per
         sample would cost the benchmark CPU), else through the CLI."""
         try:
-            from fusestate.daemon import control
+            from fusestate.daemon.control import fetch_status
 
-            digest = hashlib.sha256(os.path.realpath(self.mnt).encode()).hexdigest()[:20]
-            sock = os.path.join(self.env["FUSESTATE_RUNTIME_DIR"], f"{digest}.sock")
-            reply = control.request(sock, {"command": "status"})
-            if reply.get("ok"):
-                return reply["status"]
+            return fetch_status(str(self.mnt), self.env["FUSESTATE_RUNTIME_DIR"])
         except Exception:  # noqa: BLE001 - fall back to the CLI, which says what is wrong
             pass
         return json.loads(self.cli("status", "--json", str(self.mnt), timeout=60).stdout)

@@ -87,11 +87,11 @@ def request(path: str, message: dict[str, Any], timeout: float | None = 30.0) ->
     return json.loads(buf)
 
 
-def fetch_status(mountpoint: str) -> dict[str, Any]:
+def fetch_status(mountpoint: str, runtime: str | None = None) -> dict[str, Any]:
     """The daemon's numbers for a mountpoint, asked over its control socket: in-process,
     so a caller on a restart's critical path (the Spark pipeline) spawns no CLI."""
     mountpoint = os.path.abspath(mountpoint)
-    path = control_socket(mountpoint)
+    path = control_socket(mountpoint, runtime)
     if not os.path.exists(path):
         raise UserError(f"{mountpoint} is not a fusestate mount")
     reply = request(path, {"command": "status"})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ def runtime_dir() -> str:
     return os.path.join(xdg, "fusestate") if xdg else f"/tmp/fusestate-{os.geteuid()}"
 
 
-def control_socket(mountpoint: str) -> str:
-    """The daemon's control socket, found from the mountpoint alone."""
+def control_socket(mountpoint: str, runtime: Optional[str] = None) -> str:
+    """The daemon's control socket, found from the mountpoint alone (and the runtime dir of
+    the daemon's environment, when that is not this process's)."""
     digest = hashlib.sha256(os.path.realpath(mountpoint).encode()).hexdigest()[:20]
-    return os.path.join(runtime_dir(), f"{digest}.sock")
+    return os.path.join(runtime or runtime_dir(), f"{digest}.sock")
