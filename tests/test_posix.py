@@ -1029,9 +1029,26 @@ def test_mkfifo(mnt: Mount) -> None:
     os.mkfifo(mnt.path / "fifo", 0o640)
     st = os.lstat(mnt.path / "fifo")
     assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640
-    raises_errno(errno.EPERM, os.mknod, mnt.path / "dev", stat.S_IFCHR | 0o600, os.makedev(1, 3))
     remount(mnt)
     assert stat.S_ISFIFO(os.lstat(mnt.path / "fifo").st_mode)
+
+
+def test_device_nodes_are_metadata(mnt: Mount) -> None:
+    """Every inode type POSIX has: block and character devices keep their type, mode and
+    device number (across a remount), but the mount is nodev: they never open as devices."""
+    os.mknod(mnt.path / "null", stat.S_IFCHR | 0o644, os.makedev(1, 3))
+    os.mknod(mnt.path / "loop", stat.S_IFBLK | 0o600, os.makedev(7, 0))
+    os.mknod(mnt.path / "sock", stat.S_IFSOCK | 0o644)
+    remount(mnt)
+    null, loop = os.lstat(mnt.path / "null"), os.lstat(mnt.path / "loop")
+    assert stat.S_ISCHR(null.st_mode) and stat.S_IMODE(null.st_mode) == 0o644
+    assert (os.major(null.st_rdev), os.minor(null.st_rdev)) == (1, 3)
+    assert stat.S_ISBLK(loop.st_mode) and (os.major(loop.st_rdev), os.minor(loop.st_rdev)) == (7, 0)
+    assert stat.S_ISSOCK(os.lstat(mnt.path / "sock").st_mode)
+    raises_errno(errno.EACCES, os.open, mnt.path / "null", os.O_WRONLY)
+    os.rename(mnt.path / "null", mnt.path / "null2")
+    os.unlink(mnt.path / "null2")
+    assert sorted(os.listdir(mnt.path)) == ["loop", "sock"]
 
 
 def test_touch_sets_now(mnt: Mount) -> None:

@@ -22,9 +22,11 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import trio
 
 from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, sha
 from fusestate.meta import journal
+from fusestate.meta.engine import ROOT_INODE, NewNode
 from fusestate.meta.sqlite_engine import SQLiteEngine
 
 MiB = 1 << 20
@@ -226,30 +228,27 @@ def test_bad_scratch_pattern_is_refused(make_mount, file_bucket: Bucket) -> None
 def test_snapshot_and_restore_leave_scratch_out(tmp_path: Path) -> None:
     """The metadata snapshot shipped to the bucket has no scratch rows, and a restore counts
     a directory's links from the names it really has."""
-    engine = SQLiteEngine(str(tmp_path / "meta.db"))
-    root = engine.get_inode(1)
-    d = engine.create_inode(stat.S_IFDIR | 0o755, 0, 0, scratch=True)
-    d.nlink = 2
-    engine.update_inode(d)
-    engine.add_entry(1, b"blockmgr-1", d.id)
-    f = engine.create_inode(stat.S_IFREG | 0o644, 0, 0, scratch=True)
-    f.nlink = 1
-    engine.update_inode(f)
-    engine.add_entry(d.id, b"shuffle.data", f.id)
-    engine.set_block(f.id, 0, "k-scratch", 10)
-    root.nlink += 1
-    engine.update_inode(root)
-    shipped = journal.compact(engine.journal_tail(0))
-    assert all(c.op == "del" for c in shipped if c.table != "inodes" or c.rowkey != "1"), shipped
-    engine.snapshot_copy(str(tmp_path / "snap.db"))
-    db = sqlite3.connect(tmp_path / "snap.db")
-    assert db.execute("SELECT COUNT(*) FROM inodes WHERE scratch = 1").fetchone()[0] == 0
-    assert db.execute("SELECT COUNT(*) FROM entries").fetchone()[0] == 0
-    assert db.execute("SELECT COUNT(*) FROM blocks").fetchone()[0] == 0
-    assert db.execute("SELECT nlink FROM inodes WHERE id = 1").fetchone()[0] == 3  # as shipped
-    journal.recount_dir_links(db)
-    assert db.execute("SELECT nlink FROM inodes WHERE id = 1").fetchone()[0] == 2
-    db.close()
-    assert engine.purge_scratch() == ["k-scratch"]
-    assert engine.get_inode(1).nlink == 2 and engine.count_inodes() == 1
-    engine.close()
+    async def body() -> None:
+        engine = SQLiteEngine(str(tmp_path / "meta.db"))
+        d = await engine.create(ROOT_INODE, b"blockmgr-1", NewNode(stat.S_IFDIR | 0o755, 0, 0, scratch_name=True))
+        f = await engine.create(d.id, b"shuffle.data", NewNode(stat.S_IFREG | 0o644, 0, 0))
+        assert d.scratch and f.scratch
+        await engine.commit_blocks(f.id, {0: ("k-scratch", 10)}, 10, 1)
+        shipped = journal.compact(engine.journal_tail(0))
+        assert all(c.op == "del" for c in shipped if c.table != "inodes" or c.rowkey != "1"), shipped
+        engine.snapshot_copy(str(tmp_path / "snap.db"))
+        db = sqlite3.connect(tmp_path / "snap.db")
+        assert db.execute("SELECT COUNT(*) FROM inodes WHERE scratch = 1").fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM entries").fetchone()[0] == 0
+        assert db.execute("SELECT COUNT(*) FROM blocks").fetchone()[0] == 0
+        assert db.execute("SELECT nlink FROM inodes WHERE id = 1").fetchone()[0] == 3  # as shipped
+        journal.recount_dir_links(db)
+        assert db.execute("SELECT nlink FROM inodes WHERE id = 1").fetchone()[0] == 2
+        db.close()
+        engine.close()
+        engine = SQLiteEngine(str(tmp_path / "meta.db"))  # the next mount purges scratch
+        assert (await engine.start()).keys == ["k-scratch"]
+        assert (await engine.getattr(ROOT_INODE)).nlink == 2 and engine.stats().inodes == 1
+        engine.close()
+
+    trio.run(body)

@@ -36,7 +36,7 @@ from fusestate.blocks.read_costs import ReadCosts
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.uploader import Uploader
 from fusestate.config import format_size
-from fusestate.meta.engine import MetadataEngine
+from fusestate.meta.engine import MetaEngine
 from fusestate.remote.store import RemoteError, RemoteStore
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class ReadStats:
 
 
 class BlockStore:
-    def __init__(self, meta: MetadataEngine, remote: RemoteStore, staging: Staging,
+    def __init__(self, meta: MetaEngine, remote: RemoteStore, staging: Staging,
                  memory: MemoryCache, disk: DiskCache, uploader: Uploader, *,
                  block_size: int, local_io: trio.CapacityLimiter,
                  prefetch_concurrency: int = 4, whole_blocks: str = "auto") -> None:
@@ -124,7 +124,7 @@ class BlockStore:
         if key is None:
             return None
         self.memory.put(key, data)
-        while self.meta.get_object(key) is None:
+        while await self.meta.object_info(key) is None:
             writing = self._staging_inflight.get(key)
             if writing is None:
                 break
@@ -173,7 +173,7 @@ class BlockStore:
             return True
         return await trio.to_thread.run_sync(self.staging.has_room, self.block_size, limiter=self._local_io)
 
-    def committed(self, key: Optional[str], size: int, upload: bool = True) -> None:
+    async def committed(self, key: Optional[str], size: int, upload: bool = True) -> None:
         """A sealed key is now referenced by the metadata: queue it if it is new.
 
         ``upload=False`` for a scratch file's block: it stays in staging, outside the
@@ -181,7 +181,7 @@ class BlockStore:
         file references the same bytes, which queues it then)."""
         if key is None:
             return
-        info = self.meta.get_object(key)
+        info = await self.meta.object_info(key)
         if info is not None and not info.uploaded:
             if upload:
                 self.uploader.add(key, size)
@@ -209,26 +209,26 @@ class BlockStore:
         self.disk.stats.misses += 1
         return False
 
-    def abandon(self, key: Optional[str]) -> None:
+    async def abandon(self, key: Optional[str]) -> None:
         """A sealed key that will not be referenced after all: drop its staging file."""
-        if key and self.meta.get_object(key) is None and key not in self._staging_inflight:
+        if key and await self.meta.object_info(key) is None and key not in self._staging_inflight:
             self.staging.remove(key)
 
-    def release(self, keys: list[str]) -> None:
+    async def release(self, keys: list[str]) -> None:
         """Objects whose refcount fell to zero: drop them if they never left staging."""
         unqueued: list[str] = []  # a scratch block, or one left by a crash before recovery
         for key in keys:
-            info = self.meta.get_object(key)
+            info = await self.meta.object_info(key)
             if info is None or info.refcount > 0 or info.uploaded:
                 continue  # uploaded ones wait for the garbage collector
             if key in self._staging_inflight:
                 continue
             if self.uploader.is_pending(key):
-                self.uploader.discard(key)
+                await self.uploader.discard(key)
             else:
                 unqueued.append(key)
         if unqueued:
-            self.meta.forget_objects(unqueued)  # one transaction: a mount's purge frees many
+            await self.meta.forget_objects(unqueued)  # one transaction: a mount's purge frees many
             for key in unqueued:
                 self._scratch.pop(key, None)
                 self.staging.remove(key)

@@ -21,7 +21,7 @@ import trio
 from fusestate.blocks.caches import DiskCache
 from fusestate.blocks.keys import object_name
 from fusestate.blocks.staging import Staging
-from fusestate.meta.engine import MetadataEngine
+from fusestate.meta.engine import MetaEngine
 from fusestate.remote.store import RemoteError, RemoteStore
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class UploadFailed(IOError):
 
 
 class Uploader:
-    def __init__(self, meta: MetadataEngine, remote: RemoteStore, staging: Staging,
+    def __init__(self, meta: MetaEngine, remote: RemoteStore, staging: Staging,
                  disk_cache: DiskCache, *, max_dirty: int, upload_delay: float,
                  concurrency: int, local_io: trio.CapacityLimiter) -> None:
         self.meta = meta
@@ -139,13 +139,13 @@ class Uploader:
             else:
                 self._pins.pop(key, None)
 
-    def discard(self, key: str) -> None:
+    async def discard(self, key: str) -> None:
         """A block no longer referenced before its upload: drop it, it never reaches the bucket."""
         p = self._pending.get(key)
         if p is None or p.uploading or key in self._pins:
             return  # uploading or pinned: it is uploaded, then left to the garbage collector
         self.stats.discarded_blocks += 1
-        self.meta.forget_objects([key])
+        await self.meta.forget_objects([key])
         # Unlink on the loop (one short syscall) so a re-seal of the same bytes
         # cannot race with the removal of the old file.
         self.staging.remove(key)
@@ -195,7 +195,7 @@ class Uploader:
     async def recover(self) -> int:
         """After a crash: queue staged blocks the metadata still references, drop the rest."""
         keys = await trio.to_thread.run_sync(self.staging.keys)
-        wanted = {o.key: o for o in self.meta.pending_objects()}
+        wanted = {o.key: o for o in await self.meta.pending_objects()}
         requeued = 0
         for key in keys:
             info = wanted.pop(key, None)
@@ -208,7 +208,7 @@ class Uploader:
         lost = [o.key for o in wanted.values() if o.refcount > 0]
         if lost:
             log.error("%d staged blocks referenced by metadata are missing from the staging area", len(lost))
-        self.meta.forget_objects([o.key for o in wanted.values() if o.refcount <= 0])
+        await self.meta.forget_objects([o.key for o in wanted.values() if o.refcount <= 0])
         return requeued
 
     # --- workers -----------------------------------------------------------
@@ -248,12 +248,12 @@ class Uploader:
     async def _upload(self, key: str) -> None:
         p = self._pending[key]
         try:
-            info = self.meta.get_object(key)
+            info = await self.meta.object_info(key)
             if info is None or (info.refcount <= 0 and not info.uploaded and key not in self._pins):
                 # Freed while queued: never upload it. Forget and unlink without awaiting,
                 # so the same bytes sealed again right now start from a clean slate.
                 if info is not None:
-                    self.meta.forget_objects([key])
+                    await self.meta.forget_objects([key])
                     self.staging.remove(key)
                 self.stats.discarded_blocks += 1
                 self._finish(key, p)
@@ -274,10 +274,10 @@ class Uploader:
                         raise UploadFailed(f"staged block {key[:16]} vanished from the staging area") from None
                     self.stats.uploaded_blocks += 1
                     self.stats.uploaded_bytes += p.size
-                self.meta.mark_uploaded(key)
+                await self.meta.mark_uploaded(key)
             # Uploaded: the row stays (referenced, or waiting for the collector), so a
             # new seal of these bytes needs no staging file and this removal cannot race it.
-            info = self.meta.get_object(key)
+            info = await self.meta.object_info(key)
             if info is not None and info.refcount > 0:
                 await trio.to_thread.run_sync(self._move_to_cache, key, limiter=self._local_io)
             else:

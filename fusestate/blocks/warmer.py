@@ -25,7 +25,7 @@ import trio
 
 from fusestate.blocks.background import BackgroundThreads
 from fusestate.blocks.store import BlockStore
-from fusestate.meta.engine import MetadataEngine
+from fusestate.meta.engine import MetaEngine
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class WarmupStats:
 
 
 class CacheWarmer:
-    def __init__(self, blocks: BlockStore, meta: MetadataEngine, *, mode: str, disk_cache_bytes: int,
+    def __init__(self, blocks: BlockStore, meta: MetaEngine, *, mode: str, disk_cache_bytes: int,
                  concurrency: int = 4) -> None:
         self.blocks = blocks
         self.meta = meta
@@ -59,7 +59,7 @@ class CacheWarmer:
         """Warm the newest files' blocks, in order, up to the budget."""
         started = time.monotonic()
         self.stats.state = "running"
-        candidates = await trio.to_thread.run_sync(self.meta.blocks_by_recency, self.budget)
+        candidates = await self.meta.blocks_by_recency(self.budget)
         limiter = trio.CapacityLimiter(self.concurrency)
         try:
             async with trio.open_nursery() as nursery:
@@ -82,7 +82,7 @@ class CacheWarmer:
 
     async def _one(self, key: str, size: int, limiter: trio.CapacityLimiter, token: object) -> None:
         try:
-            info = self.meta.get_object(key)
+            info = await self.meta.object_info(key)
             if info is None or info.refcount <= 0:
                 # Its files were deleted after the list was made: nobody will read it.
                 self.stats.skipped += 1

@@ -93,8 +93,8 @@ class DaemonCollector(Collector):
         yield from self._remote(d)
         yield from self._metadata(d)
         yield from self._fuse(d)
-        yield _gauge("fusestate_files", "Inodes in the volume", d.meta.count_inodes())
-        yield _gauge("fusestate_used_bytes", "Bytes of distinct blocks the volume references", d.meta.used_bytes())
+        yield _gauge("fusestate_files", "Inodes in the volume", d.meta.stats().inodes)
+        yield _gauge("fusestate_used_bytes", "Bytes of distinct blocks the volume references", d.meta.stats().used_bytes)
         yield _gauge("fusestate_cache_dir_free_bytes", "Free space on the cache dir's disk",
                      shutil.disk_usage(d.cfg.cache_dir).free)
 

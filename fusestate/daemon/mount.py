@@ -19,13 +19,8 @@ import pyfuse3
 import trio
 from prometheus_client import CollectorRegistry
 
-from fusestate.blocks.caches import DiskCache, MemoryCache
-from fusestate.blocks.staging import Staging
-from fusestate.blocks.store import BlockStore
-from fusestate.blocks.uploader import Uploader
-from fusestate.blocks.warmer import CacheWarmer
 from fusestate.config import MountConfig, format_size
-from fusestate.daemon import control, volume
+from fusestate.daemon import components, control, volume
 from fusestate.daemon.allocator import keep_block_buffers_mapped
 from fusestate.daemon.metrics import Histograms, start_exporter
 from fusestate.daemon.lease import Lease, LeaseLost, read_leases
@@ -39,7 +34,6 @@ from fusestate.meta.restore import restore_metadata
 from fusestate.meta.shipper import JournalShipper
 from fusestate.meta.sqlite_engine import SQLiteEngine
 from fusestate.remote import RemoteStore, open_bucket
-from fusestate.vfs import FileSystem
 
 log = logging.getLogger(__name__)
 
@@ -120,21 +114,16 @@ class Daemon:
         self.remote.stats.observer = Histograms.observer(histograms.remote)  # before the first request
         self.volume = volume.load_or_create(self.remote, cfg.block_size, create=not cfg.read_only)
         self.meta = self._open_metadata()
-        self.local_io = trio.CapacityLimiter(8)
-        self.memory = MemoryCache(cfg.memory_cache_size)
-        self.disk = DiskCache(self.layout.read_cache, cfg.read_cache_size)
-        self.staging = Staging(self.layout.staging, reserve=self.disk_reserve)
         assert cfg.max_dirty is not None
-        self.uploader = Uploader(self.meta, self.remote, self.staging, self.disk,
-                                 max_dirty=cfg.max_dirty, upload_delay=cfg.upload_delay,
-                                 concurrency=cfg.upload_concurrency, local_io=self.local_io)
-        self.blocks = BlockStore(self.meta, self.remote, self.staging, self.memory, self.disk,
-                                 self.uploader, block_size=self.volume.block_size, local_io=self.local_io,
-                                 whole_blocks=cfg.whole_blocks)
-        self.warmer = CacheWarmer(self.blocks, self.meta, mode=cfg.prefetch, disk_cache_bytes=cfg.read_cache_size)
-        self.fs = FileSystem(self.meta, self.blocks, self.uploader, block_size=self.volume.block_size,
-                             durability=cfg.durability, readahead_blocks=cfg.readahead_blocks,
-                             read_only=cfg.read_only, scratch_dirs=cfg.scratch_dirs)
+        self.parts = components.build(self.meta, self.remote, self.layout, components.Settings(
+            block_size=self.volume.block_size, read_cache_size=cfg.read_cache_size,
+            memory_cache_size=cfg.memory_cache_size, max_dirty=cfg.max_dirty, durability=cfg.durability,
+            upload_delay=cfg.upload_delay, upload_concurrency=cfg.upload_concurrency,
+            readahead_blocks=cfg.readahead_blocks, whole_blocks=cfg.whole_blocks, prefetch=cfg.prefetch,
+            read_only=cfg.read_only, scratch_dirs=tuple(cfg.scratch_dirs), staging_reserve=self.disk_reserve))
+        p = self.parts
+        self.memory, self.disk, self.staging = p.memory, p.disk, p.staging
+        self.uploader, self.blocks, self.warmer, self.fs = p.uploader, p.blocks, p.warmer, p.fs
         self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
         epoch = self.lease.record.epoch if self.lease and self.lease.record else 0
         self.shipper = JournalShipper(self.meta, self.remote, self.uploader, epoch,
@@ -167,7 +156,7 @@ class Daemon:
             path = os.path.join(layout.root, "meta-readonly.db")
             self.restored = restore_metadata(self.remote, path, epochs)
             self.lease = None
-            return SQLiteEngine(path)
+            return SQLiteEngine(path, block_size=self.volume.block_size, read_only=True)
 
         holder = known.get("holder") or Lease.make_holder_id()
         self.lease = Lease(self.remote, holder, ttl=cfg.lease_ttl)
@@ -176,7 +165,7 @@ class Daemon:
             self.lease.acquire(0, False, current)  # raises the clear "held by" error
         ours = current is not None and known.get("epoch") == current.epoch and current.holder == holder
         if os.path.exists(layout.metadata) and (ours or (current is None and not leases)):
-            meta = SQLiteEngine(layout.metadata)
+            meta = SQLiteEngine(layout.metadata, block_size=self.volume.block_size)
             self.restored = None
         else:
             if os.path.exists(layout.metadata):
@@ -185,7 +174,7 @@ class Daemon:
             self.restored = restore_metadata(self.remote, layout.metadata, epochs)
             # Blocks staged by older local metadata are not part of the restored history.
             shutil.rmtree(layout.staging, ignore_errors=True)
-            meta = SQLiteEngine(layout.metadata)
+            meta = SQLiteEngine(layout.metadata, block_size=self.volume.block_size)
         record = self.lease.acquire(int(meta.get_setting("shipped_seq") or 0), cfg.takeover, current)
         with open(layout.volume_file, "w") as f:
             json.dump({"volume_id": self.volume.volume_id, "url": cfg.url, "holder": holder,
@@ -207,7 +196,8 @@ class Daemon:
     # --- serving ------------------------------------------------------------------
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)
-        opts |= {f"fsname=fusestate:{self.location.bucket}", "subtype=fusestate", "default_permissions", "noatime"}
+        opts |= {f"fsname=fusestate:{self.location.bucket}", "subtype=fusestate", "default_permissions", "noatime",
+                 "nodev"}  # device nodes are metadata: they never open as devices
         if self.cfg.allow_other:
             opts.add("allow_other")
         if self.cfg.read_only:
@@ -220,10 +210,7 @@ class Daemon:
     async def serve(self) -> None:
         self._finished = trio.Event()
         async with trio.open_nursery() as nursery:
-            self.blocks.start(nursery)
-            self.fs.start(nursery)
-            await nursery.start(self.uploader.run)
-            requeued = await self.uploader.recover()
+            requeued = await self.parts.start(nursery)
             if requeued:
                 log.info("crash recovery: %d staged blocks queued for upload", requeued)
             if not self.cfg.read_only:
@@ -322,10 +309,10 @@ class Daemon:
 
     async def collect_garbage(self) -> int:
         """Delete uploaded blocks that no kept snapshot or journal can reference any more."""
-        keys = self.meta.collectable_objects(time.time() - self.cfg.gc_grace, self.shipper.oldest_snapshot_seq)
+        keys = await self.meta.collectable_objects(time.time() - self.cfg.gc_grace, self.shipper.oldest_snapshot_seq)
         if not keys or self.shipper.stopped:
             return 0
-        self.meta.forget_objects(keys)
+        await self.meta.forget_objects(keys)
         deleting = self.uploader.deleting
         for key in keys:
             deleting[key] = trio.Event()
@@ -382,7 +369,7 @@ class Daemon:
 
     async def warmup(self, inodes: list[int]) -> int:
         fetched = 0
-        keys = {k for ino in inodes for k in self.fs.file_keys(ino)}
+        keys = {k for ino in inodes for k in await self.fs.file_keys(ino)}
         async with trio.open_nursery() as nursery:
             limiter = trio.CapacityLimiter(8)
 
@@ -409,8 +396,8 @@ class Daemon:
             "metrics_addr": f"{self.metrics_addr[0]}:{self.metrics_addr[1]}" if self.metrics_addr else None,
             "block_size": self.volume.block_size,
             "volume_id": self.volume.volume_id,
-            "files": self.meta.count_inodes(),
-            "used_bytes": self.meta.used_bytes(),
+            "files": self.meta.stats().inodes,
+            "used_bytes": self.meta.stats().used_bytes,
             "open_files": self.fs.open_files,
             "cache": {
                 "memory_bytes": self.memory.used, "memory_limit": self.memory.limit,
@@ -478,12 +465,11 @@ class Daemon:
         }
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.blocks.close()
-        with contextlib.suppress(Exception):
-            self.disk.close()
-        with contextlib.suppress(Exception):
-            self.meta.close()
+        if hasattr(self, "parts"):
+            self.parts.close()
+        else:
+            with contextlib.suppress(Exception):
+                self.meta.close()
 
 
 CACHE_DISK_RESERVE_MIN = 16 << 20   # kept free on the cache dir's disk: 5% of it, within these bounds

@@ -94,7 +94,7 @@ class FuseOperations(pyfuse3.Operations):
     @_translate_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         try:
-            return self._attrs(self.fs.lookup(parent_inode, name))
+            return self._attrs(await self.fs.lookup(parent_inode, name))
         except FsError as exc:
             if exc.errno == errno.ENOENT:
                 a = pyfuse3.EntryAttributes()  # cached negative entry
@@ -103,15 +103,9 @@ class FuseOperations(pyfuse3.Operations):
                 return a
             raise
 
-    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        try:
-            self.fs.forget(list(inode_list))
-        except Exception:  # forget must never raise
-            log.exception("forget failed")
-
     @_translate_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(self.fs.getattr(inode))
+        return self._attrs(await self.fs.getattr(inode))
 
     @_translate_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -129,40 +123,40 @@ class FuseOperations(pyfuse3.Operations):
 
     @_translate_errors
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        return self.fs.readlink(inode)
+        return await self.fs.readlink(inode)
 
     @_translate_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(self.fs.mknod(parent_inode, name, mode, rdev, _ctx(ctx)))
+        return self._attrs(await self.fs.mknod(parent_inode, name, mode, rdev, _ctx(ctx)))
 
     @_translate_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(self.fs.mkdir(parent_inode, name, mode, _ctx(ctx)))
+        return self._attrs(await self.fs.mkdir(parent_inode, name, mode, _ctx(ctx)))
 
     @_translate_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.fs.unlink(parent_inode, name)
+        await self.fs.unlink(parent_inode, name)
 
     @_translate_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.fs.rmdir(parent_inode, name)
+        await self.fs.rmdir(parent_inode, name)
 
     @_translate_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,
                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(self.fs.symlink(parent_inode, name, target, _ctx(ctx)))
+        return self._attrs(await self.fs.symlink(parent_inode, name, target, _ctx(ctx)))
 
     @_translate_errors
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
-        self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        await self.fs.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     @_translate_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(self.fs.link(inode, new_parent_inode, new_name))
+        return self._attrs(await self.fs.link(inode, new_parent_inode, new_name))
 
     # --- files -------------------------------------------------------------
     @_translate_errors
@@ -205,18 +199,16 @@ class FuseOperations(pyfuse3.Operations):
     # --- directories -------------------------------------------------------
     @_translate_errors
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        self.fs.getattr(inode)
-        return inode
+        return await self.fs.opendir(inode)
 
     @_translate_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        for entry, node in self.fs.readdir(fh, start_id):
+        for entry, node in await self.fs.readdir(fh, start_id):
             if not pyfuse3.readdir_reply(token, entry.name, self._attrs(node), entry.entry_id):
                 break
-            self.fs.remember_lookup(node.id)
 
     async def releasedir(self, fh: int) -> None:
-        return None
+        self.fs.releasedir(fh)
 
     @_translate_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:

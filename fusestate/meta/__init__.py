@@ -1,6 +1,6 @@
-"""Metadata: inodes, directory entries, block maps and object reference counts."""
+"""Metadata: inodes, directory entries, block maps and object reference counts, behind one
+operation-level engine interface (``engine.MetaEngine``)."""
 
-from fusestate.meta.engine import DirEntry, Inode, MetadataEngine
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.engine import DirEntry, Inode, MetaEngine
 
-__all__ = ["DirEntry", "Inode", "MetadataEngine", "SQLiteEngine"]
+__all__ = ["DirEntry", "Inode", "MetaEngine"]

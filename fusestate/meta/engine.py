@@ -1,22 +1,38 @@
-"""The metadata engine interface.
+"""The metadata engine interface: whole POSIX operations, each one transaction.
 
-The vfs talks only to this interface, so a different engine (a shared database
-for a namespace used by many nodes) can replace SQLite without touching it.
-Every method is synchronous and fast (local disk); callers run them on the
-event loop.
+The vfs asks the engine for operations (create, link, rename, "commit this file's new
+block map and size"), never for rows, so an engine on a database shared by many nodes
+can run each operation as one transaction, checked and retried as a whole, with one
+round trip. Every operation is async: the embedded SQLite engine answers on the event
+loop (local disk, tens of microseconds), a networked engine from worker threads, so the
+trio loop never waits on the network.
+
+Operations that drop the last reference to a block return the freed object keys; the
+block layer decides what becomes of them (see ``fusestate.blocks``).
 """
 
 from __future__ import annotations
 
 import stat
-from dataclasses import dataclass
-from typing import Iterator, Optional, Protocol
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from fusestate.errors import FsError
 
 ROOT_INODE = 1
+NAME_MAX = 255
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+__all__ = ["ROOT_INODE", "NAME_MAX", "RENAME_NOREPLACE", "RENAME_EXCHANGE", "FsError", "Inode", "DirEntry",
+           "ObjectInfo", "NewNode", "AttrChange", "Freed", "MetaEngine", "EngineStats"]
 
 
 @dataclass
 class Inode:
+    """A snapshot of an inode's attributes. Engines hand out copies: changing one changes
+    nothing until it goes back through an operation."""
+
     id: int
     mode: int
     uid: int
@@ -47,7 +63,7 @@ class Inode:
 
 @dataclass(frozen=True)
 class DirEntry:
-    entry_id: int
+    entry_id: int      # readdir offset: entries come in increasing id order
     name: bytes
     inode: int
 
@@ -62,56 +78,134 @@ class ObjectInfo:
     uploaded: bool
 
 
-class MetadataEngine(Protocol):
-    """Inodes, entries, block maps and object refcounts, kept consistent together."""
+@dataclass(frozen=True)
+class NewNode:
+    """What to create: every inode type POSIX has (device nodes are metadata only)."""
 
-    # --- inodes -----------------------------------------------------------
-    def get_inode(self, inode: int) -> Inode: ...
-    def create_inode(self, mode: int, uid: int, gid: int, rdev: int = 0,
-                     symlink_target: Optional[bytes] = None, scratch: bool = False) -> Inode: ...
-    def update_inode(self, node: Inode) -> None: ...
-    def delete_inode(self, inode: int) -> list[str]:
-        """Remove an inode and its block map; returns object keys whose refcount fell to 0."""
-        ...
-    def orphaned_inodes(self) -> list[int]: ...
-    def purge_scratch(self) -> list[str]:
-        """Remove every scratch inode and its names; returns object keys whose refcount fell to 0."""
-        ...
-    def count_inodes(self) -> int: ...
-    def used_bytes(self) -> int: ...
+    mode: int                               # type bits and permissions
+    uid: int
+    gid: int
+    rdev: int = 0
+    symlink_target: Optional[bytes] = None
+    scratch_name: bool = False              # a directory whose name makes it scratch (--scratch)
 
-    # --- directory entries ------------------------------------------------
-    def lookup(self, parent: int, name: bytes) -> Optional[int]: ...
-    def add_entry(self, parent: int, name: bytes, inode: int) -> None: ...
-    def remove_entry(self, parent: int, name: bytes) -> None: ...
-    def replace_entry(self, parent: int, name: bytes, inode: int) -> None: ...
-    def list_entries(self, parent: int, after_id: int) -> Iterator[DirEntry]: ...
-    def has_entries(self, parent: int) -> bool: ...
-    def parent_of(self, directory: int) -> int: ...
 
-    # --- block maps and objects ------------------------------------------
-    def block_map(self, inode: int) -> dict[int, str]: ...
-    def get_block(self, inode: int, index: int) -> Optional[str]: ...
-    def set_block(self, inode: int, index: int, key: Optional[str], size: int) -> list[str]:
-        """Point a block at an object (or a hole); returns keys whose refcount fell to 0."""
+@dataclass(frozen=True)
+class AttrChange:
+    """setattr: the fields to change (None leaves one as it is); ctime is always set."""
+
+    mode: Optional[int] = None              # permission bits only; the type never changes
+    uid: Optional[int] = None
+    gid: Optional[int] = None
+    atime_ns: Optional[int] = None
+    mtime_ns: Optional[int] = None
+
+
+@dataclass
+class Freed:
+    """The result of an operation that may drop references: block keys whose last reference
+    went, the inode that lost a name (as it is now: nlink 0 once it has none), and the inode
+    removed for good (its data is gone) if one was."""
+
+    keys: list[str] = field(default_factory=list)
+    deleted_inode: Optional[int] = None
+    unlinked: Optional[Inode] = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    inodes: int
+    used_bytes: int   # bytes of distinct blocks the volume references
+
+
+class MetaEngine(Protocol):
+    """Inodes, entries, block maps and object refcounts, kept consistent together.
+
+    POSIX errors are raised as :class:`FsError` with the errno the caller returns.
+    A file that loses its last name while some node holds it open (``open_file``) keeps
+    its inode and blocks until the last holder calls ``close_file``.
+    """
+
+    kind: str          # "sqlite", "postgresql": recorded in the volume's record
+    shared: bool       # many nodes mount the volume at once: caches expire, blocks are
+                       # committed only once they are in the bucket
+
+    # --- namespace ----------------------------------------------------------
+    async def getattr(self, ino: int) -> Inode: ...
+    async def lookup(self, parent: int, name: bytes) -> Inode:
+        """The child named ``name`` (``.`` and ``..`` included). ENOENT, ENOTDIR."""
         ...
-    def truncate_blocks(self, inode: int, first_removed: int) -> list[str]: ...
-    def get_object(self, key: str) -> Optional[ObjectInfo]: ...
-    def blocks_by_recency(self, budget: Optional[int] = None) -> list[tuple[str, int]]:
+    async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
+        """Make a file, directory, symlink, fifo, socket or device node.
+        EEXIST, ENOENT (parent gone), ENOTDIR. A directory's set-group-ID bit and group
+        are inherited as POSIX says; a child of a scratch directory is scratch.
+        ``hold``: the new file is open on this node at once (as ``open_file``)."""
+        ...
+    async def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        """EPERM for a directory, ENOENT for an inode without names, EEXIST, EXDEV
+        between scratch and the volume."""
+        ...
+    async def unlink(self, parent: int, name: bytes) -> Freed:
+        """EISDIR for a directory."""
+        ...
+    async def rmdir(self, parent: int, name: bytes) -> Freed:
+        """ENOTDIR, ENOTEMPTY, EINVAL for ``.``."""
+        ...
+    async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
+                     flags: int = 0) -> Freed:
+        """Atomic; ``flags`` RENAME_NOREPLACE (EEXIST) or RENAME_EXCHANGE (ENOENT when the
+        target is missing). EINVAL moving a directory under itself, ENOTDIR/EISDIR/ENOTEMPTY
+        replacing, EXDEV between scratch and the volume."""
+        ...
+    async def setattr(self, ino: int, change: AttrChange) -> Inode: ...
+    async def readdir(self, ino: int, after_id: int, limit: int = 1000) -> list[tuple[DirEntry, Inode]]:
+        """Entries with id greater than ``after_id``, in id order, with their attributes."""
+        ...
+    async def parent_of(self, ino: int) -> int: ...
+
+    # --- file data ------------------------------------------------------------
+    async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
+        """Fresh attributes and block map (close-to-open), and mark the file held open by
+        this node. Called once per file per node while any handle is open."""
+        ...
+    async def close_file(self, ino: int) -> Freed:
+        """This node no longer holds the file; an unlinked file's data goes with its last holder."""
+        ...
+    async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
+                            size: int, mtime_ns: int) -> Freed:
+        """Point block indexes at objects (key, size), or at holes (None), and set the size
+        and mtime, in one transaction. ENOENT if the inode is gone."""
+        ...
+    async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
+        """Set the size and drop the blocks wholly past it (the caller rewrites a partial
+        last block through ``commit_blocks``)."""
+        ...
+    async def block_map(self, ino: int) -> dict[int, str]: ...
+
+    # --- objects (the block layer's ledger) -------------------------------------
+    async def object_info(self, key: str) -> Optional[ObjectInfo]: ...
+    async def mark_uploaded(self, key: str) -> None: ...
+    async def forget_objects(self, keys: list[str]) -> None:
+        """Drop unreferenced objects from the ledger (discarded before upload, or deleted by gc)."""
+        ...
+    async def pending_objects(self) -> list[ObjectInfo]:
+        """Objects not yet uploaded (crash recovery of the staging area)."""
+        ...
+    async def blocks_by_recency(self, budget: Optional[int] = None) -> list[tuple[str, int]]:
         """Distinct (key, size) of file blocks: most recently modified files first, each
-        file's blocks in order, stopping before ``budget`` bytes."""
+        file's blocks in order, stopping before ``budget`` bytes (cache warming)."""
         ...
-    def mark_uploaded(self, key: str) -> None: ...
-    def pending_objects(self) -> list[ObjectInfo]: ...
-    def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]: ...
-    def forget_objects(self, keys: list[str]) -> None: ...
+    async def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]: ...
 
-    # --- housekeeping -----------------------------------------------------
-    def get_setting(self, key: str) -> Optional[str]: ...
-    def set_setting(self, key: str, value: str) -> None: ...
-    def transaction(self): ...
-    def sync(self) -> None:
-        """Make every committed change durable on local disk."""
+    # --- lifecycle ------------------------------------------------------------
+    async def start(self) -> Freed:
+        """Begin serving: drop what the last mount of this node left (scratch inodes, inodes
+        that lost their last name while open); returns what that freed."""
         ...
-    def backup_to(self, path: str) -> None: ...
+    def stats(self) -> EngineStats:
+        """Counters kept up to date by every operation (statfs, metrics): no table scans."""
+        ...
+    async def sync(self) -> None:
+        """Make every committed change durable where this engine keeps it."""
+        ...
     def close(self) -> None: ...

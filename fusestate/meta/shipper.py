@@ -131,7 +131,7 @@ class JournalShipper:
             for change in changes:
                 key = change.block_key()
                 if key is not None:
-                    info = self.meta.get_object(key)
+                    info = self.meta.object_row(key)
                     if info is None or not info.uploaded:
                         needed.append(key)
             self.uploader.pin(needed)

@@ -1,9 +1,11 @@
-"""SQLite metadata engine: one database file on the local disk.
+"""The embedded metadata engine: one SQLite database on the node's local disk.
 
-WAL mode with ``synchronous=NORMAL`` keeps each metadata operation to tens of
-microseconds; ``sync()`` fsyncs the WAL when a caller needs durability.
-Hot inodes are kept in memory (write-through), so getattr on open files never
-touches SQLite.
+The default for a volume one node writes. Operations (``fusestate.meta.operations``)
+run on the event loop: WAL mode with ``synchronous=NORMAL`` keeps each to tens of
+microseconds, and ``sync()`` fsyncs the WAL when a caller needs durability. Its
+durability beyond the node is its own strategy: triggers append every row change to a
+journal that ``fusestate.meta.shipper`` ships to the bucket after the blocks it
+references, with snapshots (``restore``) and a lease with fencing (``daemon.lease``).
 """
 
 from __future__ import annotations
@@ -14,11 +16,17 @@ import os
 import sqlite3
 import stat
 import time
-from collections import OrderedDict
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
-from fusestate.meta.engine import ROOT_INODE, DirEntry, Inode, ObjectInfo
+import trio
+
+from fusestate.config import DEFAULT_BLOCK_SIZE
+from fusestate.meta import operations as ops
+from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
+                                   ObjectInfo)
 from fusestate.meta.journal import JOURNAL_SCHEMA, Change
+
+T = TypeVar("T")
 
 SCHEMA_VERSION = 1
 
@@ -48,9 +56,6 @@ CREATE TABLE IF NOT EXISTS objects (
 CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
-_INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
-
-
 _S_IFMT = 0o170000  # the file type bits of st_mode
 
 
@@ -60,11 +65,63 @@ def _drop_scratch(db: sqlite3.Connection) -> None:
         db.execute(f"DELETE FROM {table} WHERE {column} IN (SELECT id FROM inodes WHERE scratch = 1)")
 
 
-class SQLiteEngine:
-    """The default metadata engine."""
+class _LocalHolds:
+    """One node: the files it holds open live in memory (a crash lets go of them all)."""
 
-    def __init__(self, path: str, inode_cache_size: int = 100_000) -> None:
+    def __init__(self) -> None:
+        self.inodes: set[int] = set()
+
+    def add(self, tx: ops.Tx, ino: int) -> None:
+        self.inodes.add(ino)
+
+    def remove(self, tx: ops.Tx, ino: int) -> None:
+        self.inodes.discard(ino)
+
+    def held(self, tx: ops.Tx, ino: int) -> bool:
+        return ino in self.inodes
+
+
+class _SQLiteTx:
+    """A transaction on the engine's connection (BEGIN IMMEDIATE: one writer, nothing to lock)."""
+
+    commits_uploaded = False
+
+    def __init__(self, engine: "SQLiteEngine") -> None:
+        self._db = engine._db
+        self._engine = engine
+        self.now_ns = time.time_ns()
+        self.block_size = engine.block_size
+        self.holds = engine._holds
+        self.inodes_delta = 0
+        self.used_delta = 0
+
+    def one(self, sql: str, args: tuple = ()) -> Optional[tuple]:
+        return self._db.execute(sql, args).fetchone()
+
+    def all(self, sql: str, args: tuple = ()) -> list[tuple]:
+        return self._db.execute(sql, args).fetchall()
+
+    def exec(self, sql: str, args: tuple = ()) -> int:
+        return self._db.execute(sql, args).rowcount
+
+    def lock(self, inodes: Iterable[int]) -> None:
+        pass
+
+    def unreferenced_mark(self) -> int:
+        return self._engine.journal_last_seq()
+
+
+class SQLiteEngine:
+    """The default metadata engine (see the module docstring)."""
+
+    kind = "sqlite"
+    shared = False
+
+    def __init__(self, path: str, block_size: int = DEFAULT_BLOCK_SIZE, read_only: bool = False) -> None:
         self.path = path
+        self.block_size = block_size
+        self.read_only = read_only
+        self._holds = _LocalHolds()
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -73,8 +130,6 @@ class SQLiteEngine:
         self._migrate()
         self._db.executescript(JOURNAL_SCHEMA)
         self._depth = 0
-        self._cache: OrderedDict[int, Inode] = OrderedDict()
-        self._cache_size = inode_cache_size
         if self.get_setting("schema_version") is None:
             self.set_setting("schema_version", str(SCHEMA_VERSION))
         if not self._db.execute("SELECT 1 FROM inodes WHERE id=?", (ROOT_INODE,)).fetchone():
@@ -88,7 +143,6 @@ class SQLiteEngine:
         self._inodes: int = self._db.execute("SELECT COUNT(*) FROM inodes").fetchone()[0]
         self._used: int = self._db.execute(
             "SELECT COALESCE(SUM(size), 0) FROM objects WHERE refcount > 0").fetchone()[0]
-        self._counters_at_begin = (self._inodes, self._used)
 
     def _migrate(self) -> None:
         """Bring a database written by an older release up to this schema."""
@@ -104,10 +158,10 @@ class SQLiteEngine:
     # --- transactions -----------------------------------------------------
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
-        """Group several changes into one atomic commit (nestable)."""
+        """Settings and journal bookkeeping of the shipper, committed together (nestable);
+        operations open their own transactions."""
         if self._depth == 0:
             self._db.execute("BEGIN IMMEDIATE")
-            self._counters_at_begin = (self._inodes, self._used)
         self._depth += 1
         try:
             yield
@@ -115,15 +169,17 @@ class SQLiteEngine:
             self._depth -= 1
             if self._depth == 0:
                 self._db.execute("ROLLBACK")
-                self._cache.clear()
-                self._inodes, self._used = self._counters_at_begin
             raise
         else:
             self._depth -= 1
             if self._depth == 0:
                 self._db.execute("COMMIT")
 
-    def sync(self) -> None:
+    async def sync(self) -> None:
+        await trio.to_thread.run_sync(self.sync_now)
+
+    def sync_now(self) -> None:
+        """fsync the database and its WAL."""
         wal = self.path + "-wal"
         for name in (wal, self.path):
             with contextlib.suppress(FileNotFoundError):
@@ -195,205 +251,131 @@ class SQLiteEngine:
     def set_setting(self, key: str, value: str) -> None:
         self._db.execute("INSERT OR REPLACE INTO settings (key, value) VALUES (?, ?)", (key, value))
 
-    # --- inodes -----------------------------------------------------------
-    def get_inode(self, inode: int) -> Inode:
-        node = self._cache.get(inode)
-        if node is not None:
-            self._cache.move_to_end(inode)
-            return node
-        row = self._db.execute(f"SELECT {_INODE_COLUMNS} FROM inodes WHERE id=?", (inode,)).fetchone()
-        if row is None:
-            raise KeyError(inode)
-        node = Inode(*row[:-1], scratch=bool(row[-1]))
-        self._remember(node)
-        return node
-
-    def _remember(self, node: Inode) -> None:
-        self._cache[node.id] = node
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-
-    def create_inode(self, mode: int, uid: int, gid: int, rdev: int = 0,
-                     symlink_target: Optional[bytes] = None, scratch: bool = False) -> Inode:
-        now = time.time_ns()
-        size = len(symlink_target) if symlink_target is not None else 0
-        cur = self._db.execute(
-            "INSERT INTO inodes (mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target,"
-            " scratch) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)",
-            (mode, uid, gid, size, now, now, now, rdev, symlink_target, int(scratch)),
-        )
-        node = Inode(cur.lastrowid, mode, uid, gid, size, 0, now, now, now, rdev, symlink_target, scratch)
-        self._inodes += 1
-        self._remember(node)
-        return node
-
-    def update_inode(self, node: Inode) -> None:
-        self._db.execute(
-            "UPDATE inodes SET mode=?, uid=?, gid=?, size=?, nlink=?, atime_ns=?, mtime_ns=?, ctime_ns=?"
-            " WHERE id=?",
-            (node.mode, node.uid, node.gid, node.size, node.nlink,
-             node.atime_ns, node.mtime_ns, node.ctime_ns, node.id),
-        )
-        self._remember(node)
-
-    def delete_inode(self, inode: int) -> list[str]:
-        with self.transaction():
-            freed = self.truncate_blocks(inode, 0)
-            self._inodes -= self._db.execute("DELETE FROM inodes WHERE id=?", (inode,)).rowcount
-        self._cache.pop(inode, None)
-        return freed
-
-    def purge_scratch(self) -> list[str]:
-        freed: list[str] = []
-        with self.transaction():
-            # Scratch roots (scratch dirs named in a normal dir) counted in their parent's nlink.
-            for parent, subdirs in self._db.execute(
-                    "SELECT e.parent, COUNT(*) FROM entries e JOIN inodes c ON c.id = e.inode"
-                    " JOIN inodes p ON p.id = e.parent WHERE c.scratch = 1 AND p.scratch = 0"
-                    " AND (c.mode & ?) = ? GROUP BY e.parent", (_S_IFMT, stat.S_IFDIR)).fetchall():
-                node = self.get_inode(parent)
-                node.nlink -= subdirs
-                self.update_inode(node)
-            self._db.execute("DELETE FROM entries WHERE inode IN (SELECT id FROM inodes WHERE scratch = 1)")
-            for (ino,) in self._db.execute("SELECT id FROM inodes WHERE scratch = 1").fetchall():
-                freed += self.truncate_blocks(ino, 0)
-                self._cache.pop(ino, None)
-            self._inodes -= self._db.execute("DELETE FROM inodes WHERE scratch = 1").rowcount
-        return freed
-
-    def orphaned_inodes(self) -> list[int]:
-        return [r[0] for r in self._db.execute("SELECT id FROM inodes WHERE nlink=0")]
-
-    def count_inodes(self) -> int:
-        return self._inodes
-
-    def used_bytes(self) -> int:
-        return self._used
-
-    # --- entries ----------------------------------------------------------
-    def lookup(self, parent: int, name: bytes) -> Optional[int]:
-        row = self._db.execute("SELECT inode FROM entries WHERE parent=? AND name=?", (parent, name)).fetchone()
-        return row[0] if row else None
-
-    def add_entry(self, parent: int, name: bytes, inode: int) -> None:
-        self._db.execute("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent, name, inode))
-
-    def remove_entry(self, parent: int, name: bytes) -> None:
-        self._db.execute("DELETE FROM entries WHERE parent=? AND name=?", (parent, name))
-
-    def replace_entry(self, parent: int, name: bytes, inode: int) -> None:
-        self._db.execute("UPDATE entries SET inode=? WHERE parent=? AND name=?", (inode, parent, name))
-
-    def list_entries(self, parent: int, after_id: int) -> Iterator[DirEntry]:
-        rows = self._db.execute(
-            "SELECT id, name, inode FROM entries WHERE parent=? AND id>? ORDER BY id", (parent, after_id)
-        ).fetchall()
-        return (DirEntry(*r) for r in rows)
-
-    def has_entries(self, parent: int) -> bool:
-        return self._db.execute("SELECT 1 FROM entries WHERE parent=? LIMIT 1", (parent,)).fetchone() is not None
-
-    def parent_of(self, directory: int) -> int:
-        if directory == ROOT_INODE:
-            return ROOT_INODE
-        row = self._db.execute("SELECT parent FROM entries WHERE inode=? LIMIT 1", (directory,)).fetchone()
-        return row[0] if row else ROOT_INODE
-
-    # --- block maps and objects ------------------------------------------
-    def block_map(self, inode: int) -> dict[int, str]:
-        return dict(self._db.execute("SELECT idx, key FROM blocks WHERE inode=?", (inode,)))
-
-    def get_block(self, inode: int, index: int) -> Optional[str]:
-        row = self._db.execute("SELECT key FROM blocks WHERE inode=? AND idx=?", (inode, index)).fetchone()
-        return row[0] if row else None
-
-    def _incref(self, key: str, size: int) -> None:
-        refcount, stored_size = self._db.execute(
-            "INSERT INTO objects (key, size, refcount) VALUES (?, ?, 1)"
-            " ON CONFLICT(key) DO UPDATE SET refcount=refcount+1, unreferenced_since=NULL"
-            " RETURNING refcount, size",
-            (key, size),
-        ).fetchall()[0]
-        if refcount == 1:
-            self._used += stored_size
-
-    def _decref(self, key: str, freed: list[str]) -> None:
-        rows = self._db.execute("UPDATE objects SET refcount=refcount-1 WHERE key=? RETURNING refcount, size",
-                                (key,)).fetchall()
-        row = rows[0] if rows else None
-        if row and row[0] == 0:
-            self._used -= row[1]
-        if row and row[0] <= 0:
-            self._db.execute("UPDATE objects SET unreferenced_since=?, unreferenced_seq=? WHERE key=?",
-                             (time.time(), self.journal_last_seq(), key))
-            freed.append(key)
-
-    def set_block(self, inode: int, index: int, key: Optional[str], size: int) -> list[str]:
-        freed: list[str] = []
-        with self.transaction():
-            old = self.get_block(inode, index)
-            if old == key:
-                return freed
-            if key is not None:
-                self._incref(key, size)
-                self._db.execute("INSERT OR REPLACE INTO blocks (inode, idx, key, size) VALUES (?, ?, ?, ?)",
-                                 (inode, index, key, size))
-            else:
-                self._db.execute("DELETE FROM blocks WHERE inode=? AND idx=?", (inode, index))
-            if old is not None:
-                self._decref(old, freed)
-        return freed
-
-    def truncate_blocks(self, inode: int, first_removed: int) -> list[str]:
-        freed: list[str] = []
-        with self.transaction():
-            rows = self._db.execute("SELECT key FROM blocks WHERE inode=? AND idx>=?",
-                                    (inode, first_removed)).fetchall()
-            self._db.execute("DELETE FROM blocks WHERE inode=? AND idx>=?", (inode, first_removed))
-            for (key,) in rows:
-                self._decref(key, freed)
-        return freed
-
-    def get_object(self, key: str) -> Optional[ObjectInfo]:
-        row = self._db.execute("SELECT key, size, refcount, uploaded FROM objects WHERE key=?", (key,)).fetchone()
-        return ObjectInfo(row[0], row[1], row[2], bool(row[3])) if row else None
-
-    def blocks_by_recency(self, budget: Optional[int] = None) -> list[tuple[str, int]]:
-        """Uses its own connection (it sorts every block), so it can run in a worker thread."""
-        db = sqlite3.connect(self.path)
+    # --- running an operation -----------------------------------------------
+    def _run(self, operation: Callable[..., T], *args: Any) -> T:
+        """One operation, one transaction, on the event loop (local disk, tens of microseconds)."""
+        if self._depth:
+            raise RuntimeError("an operation ran inside an open transaction")
+        self._db.execute("BEGIN IMMEDIATE")
+        tx = _SQLiteTx(self)
         try:
-            rows = db.execute(
-                "SELECT b.key, o.size FROM blocks b JOIN inodes i ON i.id = b.inode JOIN objects o ON o.key = b.key"
-                " WHERE o.refcount > 0 AND i.scratch = 0 ORDER BY i.mtime_ns DESC, b.inode, b.idx")
-            seen: set[str] = set()
-            out: list[tuple[str, int]] = []
-            total = 0
-            for key, size in rows:
-                if key in seen:
-                    continue
-                if budget is not None and total + size > budget:
-                    break
-                seen.add(key)
-                out.append((key, size))
-                total += size
-            return out
-        finally:
-            db.close()
+            result = operation(tx, *args)
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+        self._inodes += tx.inodes_delta
+        self._used += tx.used_delta
+        return result
 
-    def mark_uploaded(self, key: str) -> None:
+    def _read(self, operation: Callable[..., T], *args: Any) -> T:
+        """A read needs no transaction of its own (autocommit reads one consistent state)."""
+        return operation(_SQLiteTx(self), *args)
+
+    # --- namespace ----------------------------------------------------------
+    async def getattr(self, ino: int) -> Inode:
+        return self._read(ops.get, ino)
+
+    async def lookup(self, parent: int, name: bytes) -> Inode:
+        return self._read(ops.lookup, parent, name)
+
+    async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
+        return self._run(ops.create, parent, name, node, hold)
+
+    async def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        return self._run(ops.link, ino, parent, name)
+
+    async def unlink(self, parent: int, name: bytes) -> Freed:
+        return self._run(ops.unlink, parent, name)
+
+    async def rmdir(self, parent: int, name: bytes) -> Freed:
+        return self._run(ops.rmdir, parent, name)
+
+    async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
+                     flags: int = 0) -> Freed:
+        return self._run(ops.rename, src_parent, src_name, dst_parent, dst_name, flags)
+
+    async def setattr(self, ino: int, change: AttrChange) -> Inode:
+        return self._run(ops.setattr, ino, change)
+
+    async def readdir(self, ino: int, after_id: int, limit: int = 1000) -> list[tuple[DirEntry, Inode]]:
+        return self._read(ops.readdir, ino, after_id, limit)
+
+    async def parent_of(self, ino: int) -> int:
+        return self._read(ops.parent_of, ino)
+
+    # --- file data ------------------------------------------------------------
+    async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
+        return self._read(ops.open_file, ino)
+
+    async def close_file(self, ino: int) -> Freed:
+        if ino not in self._holds.inodes:
+            return Freed()
+        row = self._db.execute("SELECT nlink FROM inodes WHERE id=?", (ino,)).fetchone()
+        if row is None or row[0] > 0:
+            self._holds.inodes.discard(ino)  # still named: no transaction needed to let go
+            return Freed()
+        return self._run(ops.close_file, ino)
+
+    async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
+                            size: int, mtime_ns: int) -> Freed:
+        return self._run(ops.commit_blocks, ino, blocks, size, mtime_ns)
+
+    async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
+        return self._run(ops.truncate, ino, size, mtime_ns)
+
+    async def block_map(self, ino: int) -> dict[int, str]:
+        return self._read(ops.block_map, ino)
+
+    # --- objects ----------------------------------------------------------------
+    async def object_info(self, key: str) -> Optional[ObjectInfo]:
+        return self.object_row(key)
+
+    def object_row(self, key: str) -> Optional[ObjectInfo]:
+        """``object_info`` for the journal shipper, which must not yield between its reads."""
+        return self._read(ops.object_info, key)
+
+    async def mark_uploaded(self, key: str) -> None:
         self._db.execute("UPDATE objects SET uploaded=1 WHERE key=?", (key,))
 
-    def pending_objects(self) -> list[ObjectInfo]:
-        rows = self._db.execute("SELECT key, size, refcount, uploaded FROM objects WHERE uploaded=0").fetchall()
-        return [ObjectInfo(r[0], r[1], r[2], bool(r[3])) for r in rows]
+    async def forget_objects(self, keys: list[str]) -> None:
+        if keys:
+            self._run(ops.forget_objects, keys)
 
-    def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]:
-        """Uploaded objects unreferenced since before ``older_than`` by a change at or
-        before ``covered_seq`` (so no restore point still needs them)."""
-        return [r[0] for r in self._db.execute(
-            "SELECT key FROM objects WHERE refcount<=0 AND uploaded=1 AND unreferenced_since<=?"
-            " AND unreferenced_seq<=?", (older_than, covered_seq))]
+    async def pending_objects(self) -> list[ObjectInfo]:
+        return self._read(ops.pending_objects)
 
-    def forget_objects(self, keys: list[str]) -> None:
-        with self.transaction():
-            self._db.executemany("DELETE FROM objects WHERE key=? AND refcount<=0", [(k,) for k in keys])
+    async def blocks_by_recency(self, budget: Optional[int] = None) -> list[tuple[str, int]]:
+        """Sorts every block: in a worker thread, on a connection of its own."""
+        def scan() -> list[tuple[str, int]]:
+            db = sqlite3.connect(self.path)
+            try:
+                return ops.blocks_by_recency(_ReadOnlyTx(db), budget)
+            finally:
+                db.close()
+
+        return await trio.to_thread.run_sync(scan)
+
+    async def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]:
+        return self._read(ops.collectable_objects, older_than, covered_seq)
+
+    # --- lifecycle --------------------------------------------------------------
+    async def start(self) -> Freed:
+        freed = Freed()
+        if self.read_only:
+            return freed
+        scratch = self._run(ops.purge_scratch)
+        orphans = [r[0] for r in self._db.execute("SELECT id FROM inodes WHERE nlink=0 AND id<>?", (ROOT_INODE,))]
+        dropped = self._run(ops.drop_orphans, orphans)
+        freed.keys = scratch.keys + dropped.keys
+        return freed
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self._inodes, self._used)
+
+
+class _ReadOnlyTx(_SQLiteTx):
+    """Reads on a connection of their own (a worker thread's)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:  # noqa: super().__init__ needs an engine
+        self._db = db

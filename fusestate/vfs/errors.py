@@ -1,12 +1,10 @@
 """The one exception the vfs raises: an errno for the caller (FUSE or a test)."""
 
 import errno as _errno
-import os
 
+from fusestate.errors import FsError
 
-class FsError(OSError):
-    def __init__(self, code: int, detail: str = "") -> None:
-        super().__init__(code, detail or os.strerror(code))
+__all__ = ["FsError", "enoent"]
 
 
 def enoent() -> FsError:

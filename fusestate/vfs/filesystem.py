@@ -1,9 +1,11 @@
 """The POSIX file system: namespace, attributes, reads and write-back writes.
 
-Everything here runs on the trio event loop. Metadata calls are short local
-SQLite operations; hashing, staging and remote I/O go through the block store,
-which sends them to worker threads. No FUSE types appear here, so the whole
-file system can be driven (and tested) without a mount.
+Everything here runs on the trio event loop. Namespace operations go whole to the
+metadata engine, which checks the POSIX rules inside its own transaction; this layer
+keeps what only this node knows: open files, their unsealed blocks and the size and
+mtime they have reached. Hashing, staging and remote I/O go through the block store,
+which sends them to worker threads. No FUSE types appear here, so the whole file system
+can be driven (and tested) without a mount.
 """
 
 from __future__ import annotations
@@ -16,24 +18,24 @@ import stat
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterator, Optional, Sequence
+from typing import Awaitable, Callable, Optional, Sequence
 
 import trio
 
 from fusestate.blocks.keys import BlockData
 from fusestate.blocks.store import BlockReadError, BlockStore
 from fusestate.blocks.uploader import UploadFailed, Uploader
-from fusestate.meta.engine import ROOT_INODE, DirEntry, Inode, MetadataEngine
+from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, AttrChange, DirEntry, Freed, Inode,
+                                   MetaEngine, NewNode)
 from fusestate.vfs.block_buffer import BlockBuffer
-from fusestate.vfs.errors import FsError, enoent
+from fusestate.vfs.errors import FsError
 from fusestate.vfs.open_file import OpenFile, Sealing
 
 log = logging.getLogger(__name__)
 
-NAME_MAX = 255
+__all__ = ["FileSystem", "RequestContext", "StatFs", "RENAME_NOREPLACE", "RENAME_EXCHANGE"]
+
 REMOTE_CAPACITY = 1 << 50  # what statfs reports: the bucket has no practical limit
-RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
 DIRTY_EXPIRE_SECONDS = 5.0
 SEALING_LIMIT_BLOCKS = 16  # blocks being hashed and staged at once, beyond which writers wait
 
@@ -69,7 +71,7 @@ class StatFs:
 
 
 class FileSystem:
-    def __init__(self, meta: MetadataEngine, blocks: BlockStore, uploader: Uploader, *,
+    def __init__(self, meta: MetaEngine, blocks: BlockStore, uploader: Uploader, *,
                  block_size: int, durability: str = "remote", readahead_blocks: int = 2,
                  read_only: bool = False, scratch_dirs: Sequence[str] = ()) -> None:
         self.meta = meta
@@ -84,7 +86,10 @@ class FileSystem:
         self._files: dict[int, OpenFile] = {}
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
-        self._lookups: dict[int, int] = {}
+        # Directories open on this node (count of handles), and the last attributes of those
+        # removed while open: fstat and readdir on their handles still answer.
+        self._open_dirs: dict[int, int] = {}
+        self._removed_dirs: dict[int, Inode] = {}
         self._nursery: Optional[trio.Nursery] = None
         # Blocks being sealed hold their bytes in memory until staged: writers wait past a bound.
         self._sealing_bytes = 0
@@ -94,15 +99,11 @@ class FileSystem:
         uploader.memory_dirty_bytes = self.memory_dirty_bytes
 
     # --- lifecycle -------------------------------------------------------------
-    def start(self, nursery: trio.Nursery) -> None:
-        """Start background sealing; purge inodes orphaned by a crash."""
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start background sealing; release what the engine dropped from the last mount
+        (scratch files, files unlinked while open when the node went down)."""
         self._nursery = nursery
-        if not self.read_only:
-            # Scratch data belonged to processes the last mount served: gone, like a tmpfs.
-            self.blocks.release(self.meta.purge_scratch())
-        for ino in self.meta.orphaned_inodes():
-            if ino != ROOT_INODE:
-                self.blocks.release(self.meta.delete_inode(ino))
+        await self.blocks.release((await self.meta.start()).keys)
         nursery.start_soon(self._expire_dirty_loop)
 
     async def flush_all(self) -> None:
@@ -122,65 +123,48 @@ class FileSystem:
         return len(self._files)
 
     # --- helpers ---------------------------------------------------------------
-    def _node(self, ino: int) -> Inode:
+    async def _node(self, ino: int) -> Inode:
+        """An inode's attributes: this node's own view of a file it has open (its size and
+        mtime may be ahead of the metadata), else the engine's."""
         f = self._files.get(ino)
         if f is not None:
             return f.node
-        try:
-            return self.meta.get_inode(ino)
-        except KeyError:
-            raise enoent() from None
+        removed = self._removed_dirs.get(ino)
+        if removed is not None:
+            return removed
+        return await self.meta.getattr(ino)
+
+    def _local(self, node: Inode) -> Inode:
+        f = self._files.get(node.id)
+        return f.node if f is not None else node
+
+    def _adopt(self, node: Inode) -> Inode:
+        """Take the engine's new attributes into an open file's view, keeping its own size
+        and mtime (data not committed yet)."""
+        f = self._files.get(node.id)
+        if f is None:
+            return node
+        mine = f.node
+        mine.mode, mine.uid, mine.gid, mine.nlink = node.mode, node.uid, node.gid, node.nlink
+        mine.atime_ns, mine.ctime_ns = node.atime_ns, max(mine.ctime_ns, node.ctime_ns)
+        return mine
 
     def _check_writable(self) -> None:
         if self.read_only:
             raise FsError(errno.EROFS)
 
-    @staticmethod
-    def _check_name(name: bytes) -> None:
-        if len(name) > NAME_MAX:
-            raise FsError(errno.ENAMETOOLONG)
-        if not name or b"/" in name or name in (b".", b".."):
-            raise FsError(errno.EINVAL)
-
-    def _dir(self, ino: int) -> Inode:
-        node = self._node(ino)
-        if not node.is_dir:
-            raise FsError(errno.ENOTDIR)
-        return node
-
-    def _touch(self, node: Inode, mtime: bool = True) -> None:
-        now = time.time_ns()
-        node.ctime_ns = now
-        if mtime:
-            node.mtime_ns = now
-        self.meta.update_inode(node)
-
-    def _remember(self, ino: int) -> None:
-        self._lookups[ino] = self._lookups.get(ino, 0) + 1
-
-    def _file(self, node: Inode) -> OpenFile:
-        f = self._files.get(node.id)
-        if f is None:
-            f = OpenFile(node=node, keys=self.meta.block_map(node.id))
-            self._files[node.id] = f
-        return f
-
-    def _maybe_delete(self, ino: int) -> None:
-        """Remove an inode once no name, no open handle and no kernel reference is left."""
-        if ino == ROOT_INODE or self._lookups.get(ino, 0) > 0:
-            return
-        f = self._files.get(ino)
-        if f is not None and f.handles > 0:
-            return
-        try:
-            node = self._node(ino)
-        except FsError:
-            return
-        if node.nlink > 0:
-            return
-        if f is not None:
-            self._drop_file_state(f)
-        self.blocks.release(self.meta.delete_inode(ino))
+    async def _settle(self, freed: Freed) -> None:
+        """After an operation dropped names: an open file learns its link count, a deleted
+        file's unsealed data is forgotten, and freed blocks go to the block layer."""
+        if freed.unlinked is not None:
+            self._adopt(freed.unlinked)
+            if freed.unlinked.id in self._open_dirs and freed.unlinked.id == freed.deleted_inode:
+                self._removed_dirs[freed.unlinked.id] = freed.unlinked
+        if freed.deleted_inode is not None:
+            f = self._files.get(freed.deleted_inode)
+            if f is not None:
+                self._drop_file_state(f)
+        await self.blocks.release(freed.keys)
 
     def _drop_file_state(self, f: OpenFile) -> None:
         """Forget unsealed data of a deleted file: it never reaches staging or the bucket."""
@@ -191,285 +175,125 @@ class FileSystem:
         f.sealing.clear()
         self._files.pop(f.inode, None)
 
-    # --- namespace ---------------------------------------------------------------
-    def lookup(self, parent: int, name: bytes) -> Inode:
-        self._dir(parent)
-        if len(name) > NAME_MAX:
-            raise FsError(errno.ENAMETOOLONG)  # not ENOENT: no such name can exist
-        if name == b".":
-            ino = parent
-        elif name == b"..":
-            ino = self.meta.parent_of(parent)
-        else:
-            found = self.meta.lookup(parent, name)
-            if found is None:
-                raise enoent()
-            ino = found
-        node = self._node(ino)
-        self._remember(ino)
-        return node
-
-    def forget(self, items: list[tuple[int, int]]) -> None:
-        for ino, count in items:
-            left = self._lookups.get(ino, 0) - count
-            if left > 0:
-                self._lookups[ino] = left
-            else:
-                self._lookups.pop(ino, None)
-                self._maybe_delete(ino)
-
-    def remember_lookup(self, ino: int) -> None:
-        """The kernel took a reference without a lookup (readdirplus)."""
-        self._remember(ino)
-
-    def getattr(self, ino: int) -> Inode:
-        return self._node(ino)
-
-    def _new_node(self, parent: Inode, name: bytes, mode: int, ctx: RequestContext,
-                  symlink_target: Optional[bytes] = None, rdev: int = 0) -> Inode:
-        self._check_writable()
-        self._check_name(name)
-        if not parent.is_dir:
-            raise FsError(errno.ENOTDIR)
-        if parent.nlink == 0:
-            raise enoent()
-        if self.meta.lookup(parent.id, name) is not None:
-            raise FsError(errno.EEXIST)
-        gid = ctx.gid
-        if parent.mode & stat.S_ISGID:
-            gid = parent.gid
-            if stat.S_ISDIR(mode):
-                mode |= stat.S_ISGID
-        scratch = parent.scratch or (stat.S_ISDIR(mode) and self._is_scratch_name(name))
-        with self.meta.transaction():
-            node = self.meta.create_inode(mode, ctx.uid, gid, rdev, symlink_target, scratch=scratch)
-            node.nlink = 2 if stat.S_ISDIR(mode) else 1
-            self.meta.update_inode(node)
-            self.meta.add_entry(parent.id, name, node.id)
-            if stat.S_ISDIR(mode):
-                parent.nlink += 1
-            self._touch(parent)
-        self._remember(node.id)
-        return node
-
     def _is_scratch_name(self, name: bytes) -> bool:
         text = os.fsdecode(name)
         return any(fnmatch.fnmatchcase(text, pattern) for pattern in self.scratch_dirs)
 
-    @staticmethod
-    def _check_scratch_move(node: Inode, new_parent: Inode) -> None:
-        """Nothing crosses between scratch and the volume (EXDEV, as between two file
-        systems: mv then copies), except a whole scratch dir, which stays scratch."""
-        if node.scratch != new_parent.scratch and not (node.scratch and node.is_dir):
-            raise FsError(errno.EXDEV, "scratch and the rest of the volume are separate")
+    # --- namespace ---------------------------------------------------------------
+    async def lookup(self, parent: int, name: bytes) -> Inode:
+        return self._local(await self.meta.lookup(parent, name))
 
-    def mkdir(self, parent: int, name: bytes, mode: int, ctx: RequestContext) -> Inode:
-        return self._new_node(self._node(parent), name, stat.S_IFDIR | (mode & 0o7777), ctx)
+    async def getattr(self, ino: int) -> Inode:
+        return await self._node(ino)
 
-    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: RequestContext) -> Inode:
+    async def _create(self, parent: int, name: bytes, mode: int, ctx: RequestContext, *, rdev: int = 0,
+                      symlink_target: Optional[bytes] = None, hold: bool = False) -> Inode:
+        self._check_writable()
+        new = NewNode(mode, ctx.uid, ctx.gid, rdev=rdev, symlink_target=symlink_target,
+                      scratch_name=stat.S_ISDIR(mode) and self._is_scratch_name(name))
+        return await self.meta.create(parent, name, new, hold=hold)
+
+    async def mkdir(self, parent: int, name: bytes, mode: int, ctx: RequestContext) -> Inode:
+        return await self._create(parent, name, stat.S_IFDIR | (mode & 0o7777), ctx)
+
+    async def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: RequestContext) -> Inode:
+        """Every inode type: device nodes are kept as metadata (the mount is nodev, so they
+        never open as devices)."""
         kind = stat.S_IFMT(mode) or stat.S_IFREG
-        if kind not in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK):
-            raise FsError(errno.EPERM, "device nodes are not supported")
-        return self._new_node(self._node(parent), name, kind | (mode & 0o7777), ctx, rdev=rdev)
+        if kind not in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK):
+            raise FsError(errno.EINVAL)
+        if kind not in (stat.S_IFCHR, stat.S_IFBLK):
+            rdev = 0
+        return await self._create(parent, name, kind | (mode & 0o7777), ctx, rdev=rdev)
 
-    def symlink(self, parent: int, name: bytes, target: bytes, ctx: RequestContext) -> Inode:
-        return self._new_node(self._node(parent), name, stat.S_IFLNK | 0o777, ctx, symlink_target=target)
+    async def symlink(self, parent: int, name: bytes, target: bytes, ctx: RequestContext) -> Inode:
+        return await self._create(parent, name, stat.S_IFLNK | 0o777, ctx, symlink_target=target)
 
-    def readlink(self, ino: int) -> bytes:
-        node = self._node(ino)
+    async def readlink(self, ino: int) -> bytes:
+        node = await self._node(ino)
         if not node.is_symlink or node.symlink_target is None:
             raise FsError(errno.EINVAL)
         return node.symlink_target
 
-    def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+    async def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
         self._check_writable()
-        node = self._node(ino)
-        if node.is_dir:
-            raise FsError(errno.EPERM)
-        if node.nlink == 0:
-            raise enoent()
-        parent = self._dir(new_parent)
-        self._check_name(new_name)
-        self._check_scratch_move(node, parent)
-        if self.meta.lookup(new_parent, new_name) is not None:
-            raise FsError(errno.EEXIST)
-        with self.meta.transaction():
-            self.meta.add_entry(new_parent, new_name, ino)
-            node.nlink += 1
-            self._touch(node, mtime=False)
-            self._touch(parent)
-        self._remember(ino)
-        return node
+        return self._adopt(await self.meta.link(ino, new_parent, new_name))
 
-    def unlink(self, parent: int, name: bytes) -> None:
+    async def unlink(self, parent: int, name: bytes) -> None:
         self._check_writable()
-        parent_node = self._dir(parent)
-        ino = self.meta.lookup(parent, name)
-        if ino is None:
-            raise enoent()
-        node = self._node(ino)
-        if node.is_dir:
-            raise FsError(errno.EISDIR)
-        with self.meta.transaction():
-            self.meta.remove_entry(parent, name)
-            node.nlink -= 1
-            self._touch(node, mtime=False)
-            self._touch(parent_node)
-        self._maybe_delete(ino)
+        await self._settle(await self.meta.unlink(parent, name))
 
-    def rmdir(self, parent: int, name: bytes) -> None:
+    async def rmdir(self, parent: int, name: bytes) -> None:
         self._check_writable()
-        parent_node = self._dir(parent)
-        if name == b".":
-            raise FsError(errno.EINVAL)
-        ino = self.meta.lookup(parent, name)
-        if ino is None:
-            raise enoent()
-        node = self._node(ino)
+        await self._settle(await self.meta.rmdir(parent, name))
+
+    async def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+                     flags: int = 0) -> None:
+        """Atomic rename: one metadata operation, no data moved."""
+        self._check_writable()
+        await self._settle(await self.meta.rename(old_parent, old_name, new_parent, new_name, flags))
+
+    async def opendir(self, ino: int) -> int:
+        node = await self._node(ino)
         if not node.is_dir:
             raise FsError(errno.ENOTDIR)
-        if self.meta.has_entries(ino):
-            raise FsError(errno.ENOTEMPTY)
-        with self.meta.transaction():
-            self.meta.remove_entry(parent, name)
-            node.nlink = 0
-            self._touch(node, mtime=False)
-            parent_node.nlink -= 1
-            self._touch(parent_node)
-        self._maybe_delete(ino)
+        self._open_dirs[ino] = self._open_dirs.get(ino, 0) + 1
+        return ino
 
-    def _is_ancestor(self, ancestor: int, ino: int) -> bool:
-        while True:
-            if ino == ancestor:
-                return True
-            if ino == ROOT_INODE:
-                return False
-            ino = self.meta.parent_of(ino)
+    def releasedir(self, ino: int) -> None:
+        left = self._open_dirs.get(ino, 0) - 1
+        if left > 0:
+            self._open_dirs[ino] = left
+        else:
+            self._open_dirs.pop(ino, None)
+            self._removed_dirs.pop(ino, None)
 
-    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
-               flags: int = 0) -> None:
-        """Atomic rename: one metadata transaction, no data moved."""
-        self._check_writable()
-        self._check_name(new_name)
-        src_dir = self._dir(old_parent)
-        dst_dir = self._dir(new_parent)
-        ino = self.meta.lookup(old_parent, old_name)
-        if ino is None:
-            raise enoent()
-        node = self._node(ino)
-        self._check_scratch_move(node, dst_dir)
-        target = self.meta.lookup(new_parent, new_name)
-        if flags & RENAME_NOREPLACE and target is not None:
-            raise FsError(errno.EEXIST)
-        if flags & RENAME_EXCHANGE:
-            if target is None:
-                raise enoent()
-            self._check_scratch_move(self._node(target), src_dir)
-            self._exchange(src_dir, old_name, node, dst_dir, new_name, self._node(target))
-            return
-        if target == ino:
-            return
-        if node.is_dir and self._is_ancestor(ino, new_parent):
-            raise FsError(errno.EINVAL)
-        target_node = self._node(target) if target is not None else None
-        if target_node is not None:
-            if node.is_dir and not target_node.is_dir:
-                raise FsError(errno.ENOTDIR)
-            if not node.is_dir and target_node.is_dir:
-                raise FsError(errno.EISDIR)
-            if target_node.is_dir and self.meta.has_entries(target_node.id):
-                raise FsError(errno.ENOTEMPTY)
-        with self.meta.transaction():
-            self.meta.remove_entry(old_parent, old_name)
-            if target_node is not None:
-                self.meta.replace_entry(new_parent, new_name, ino)
-                if target_node.is_dir:
-                    target_node.nlink = 0
-                    dst_dir.nlink -= 1
-                else:
-                    target_node.nlink -= 1
-                self._touch(target_node, mtime=False)
-            else:
-                self.meta.add_entry(new_parent, new_name, ino)
-            if node.is_dir and old_parent != new_parent:
-                src_dir.nlink -= 1
-                dst_dir.nlink += 1
-            self._touch(node, mtime=False)
-            self._touch(src_dir)
-            if dst_dir is not src_dir:
-                self._touch(dst_dir)
-        if target_node is not None:
-            self._maybe_delete(target_node.id)
-
-    def _exchange(self, src_dir: Inode, old_name: bytes, a: Inode,
-                  dst_dir: Inode, new_name: bytes, b: Inode) -> None:
-        if src_dir.id != dst_dir.id:
-            if a.is_dir and self._is_ancestor(a.id, dst_dir.id):
-                raise FsError(errno.EINVAL)
-            if b.is_dir and self._is_ancestor(b.id, src_dir.id):
-                raise FsError(errno.EINVAL)
-        with self.meta.transaction():
-            self.meta.replace_entry(src_dir.id, old_name, b.id)
-            self.meta.replace_entry(dst_dir.id, new_name, a.id)
-            if src_dir.id != dst_dir.id and a.is_dir != b.is_dir:
-                delta = 1 if a.is_dir else -1
-                src_dir.nlink -= delta
-                dst_dir.nlink += delta
-            for n in (a, b, src_dir, dst_dir):
-                self._touch(n, mtime=n.is_dir)
-
-    def readdir(self, ino: int, after_id: int) -> Iterator[tuple[DirEntry, Inode]]:
-        self._dir(ino)
-        for entry in self.meta.list_entries(ino, after_id):
-            yield entry, self._node(entry.inode)
+    async def readdir(self, ino: int, after_id: int) -> list[tuple[DirEntry, Inode]]:
+        if ino in self._removed_dirs:
+            return []
+        return [(entry, self._local(node)) for entry, node in await self.meta.readdir(ino, after_id)]
 
     # --- attributes --------------------------------------------------------------
     async def setattr(self, ino: int, *, mode: Optional[int] = None, uid: Optional[int] = None,
                       gid: Optional[int] = None, size: Optional[int] = None,
                       atime_ns: Optional[int] = None, mtime_ns: Optional[int] = None) -> Inode:
         self._check_writable()
-        node = self._node(ino)
         if size is not None:
+            node = await self._node(ino)
             if node.is_dir:
                 raise FsError(errno.EISDIR)
             if not node.is_reg:
                 raise FsError(errno.EINVAL)
             await self.truncate(node, size)
-        if mode is not None:
-            node.mode = stat.S_IFMT(node.mode) | (mode & 0o7777)
-        if uid is not None:
-            node.uid = uid
-        if gid is not None:
-            node.gid = gid
-        if atime_ns is not None:
-            node.atime_ns = atime_ns
+        change = AttrChange(mode=mode, uid=uid, gid=gid, atime_ns=atime_ns, mtime_ns=mtime_ns)
+        if change == AttrChange() and size is not None:
+            return await self._node(ino)
+        node = self._adopt(await self.meta.setattr(ino, change))
         if mtime_ns is not None:
             node.mtime_ns = mtime_ns
-        node.ctime_ns = time.time_ns()
-        self.meta.update_inode(node)
         return node
 
     async def truncate(self, node: Inode, size: int) -> None:
         if size < 0:
             raise FsError(errno.EINVAL)
-        f = self._file(node)
+        f = await self._file(node)
         try:
             async with f.lock:
                 old_size = f.node.size
-                self._truncate_locked(f, size)  # lowers f.node.size already
+                await self._truncate_locked(f, size)  # lowers f.node.size already
                 if size % self.block_size and size < old_size:
                     index = size // self.block_size
                     buf = await self._dirty_block(f, index)
                     buf.resize(size % self.block_size)
                 f.node.size = size
-                self._touch(f.node)
+                f.attrs_dirty = True
             if f.handles == 0:
                 await self._flush_file(f)
         finally:
-            if not f.busy:
+            if not f.busy and self._files.get(node.id) is f:
                 self._files.pop(node.id, None)
 
-    def _truncate_locked(self, f: OpenFile, size: int) -> None:
+    async def _truncate_locked(self, f: OpenFile, size: int) -> None:
         first_removed = -(-size // self.block_size)
         for index in [i for i in f.dirty if i >= first_removed]:
             f.take_dirty(index)
@@ -479,27 +303,53 @@ class FileSystem:
         for index in [i for i in f.keys if i >= first_removed]:
             del f.keys[index]
             f.next_generation(index)
-        with self.meta.transaction():
-            freed = self.meta.truncate_blocks(f.inode, first_removed)
-            f.node.size = min(f.node.size, size)
-            self.meta.update_inode(f.node)
-        self.blocks.release(freed)
+        now = time.time_ns()
+        node, freed = await self.meta.truncate(f.inode, min(f.node.size, size), now)
+        f.node.size = node.size
+        f.node.mtime_ns = f.node.ctime_ns = now
+        await self.blocks.release(freed.keys)
 
     # --- open files ----------------------------------------------------------------
+    async def _file(self, node: Inode) -> OpenFile:
+        """This node's state of a file, made from its block map if there is none yet."""
+        f = self._files.get(node.id)
+        if f is None:
+            keys = await self.meta.block_map(node.id)
+            f = self._files.get(node.id)  # another task may have made it meanwhile
+            if f is None:
+                f = self._files[node.id] = OpenFile(node=node, keys=keys)
+        return f
+
+    async def _held_file(self, ino: int) -> OpenFile:
+        """A file this node holds open: on the first open, fresh attributes and block map
+        from the engine (close-to-open), and the engine keeps its data while it is held."""
+        f = self._files.get(ino)
+        if f is not None and f.held:
+            return f
+        node, keys = await self.meta.open_file(ino)
+        f = self._files.get(ino)
+        if f is None:
+            f = self._files[ino] = OpenFile(node=node, keys=keys)
+        f.held = True
+        return f
+
     async def open(self, ino: int, flags: int) -> int:
-        node = self._node(ino)
+        if ino in self._files:
+            node = self._files[ino].node
+        else:
+            node = await self.meta.getattr(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
         writing = flags & os.O_ACCMODE != os.O_RDONLY
         if writing or flags & os.O_TRUNC:
             self._check_writable()
-        f = self._file(node)
+        f = await self._held_file(ino)
         f.handles += 1
-        if flags & os.O_TRUNC and node.size > 0:
+        if flags & os.O_TRUNC and f.node.size > 0:
             try:
-                await self.truncate(node, 0)
+                await self.truncate(f.node, 0)
             except BaseException:
-                f.handles -= 1
+                await self._let_go(f)
                 raise
         return self._new_handle(f, flags)
 
@@ -511,8 +361,8 @@ class FileSystem:
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[int, Inode]:
-        node = self._new_node(self._node(parent), name, stat.S_IFREG | (mode & 0o7777), ctx)
-        f = self._file(node)
+        node = await self._create(parent, name, stat.S_IFREG | (mode & 0o7777), ctx, hold=True)
+        f = self._files[node.id] = OpenFile(node=node, keys={}, held=True)
         f.handles += 1
         return self._new_handle(f, flags), node
 
@@ -652,13 +502,20 @@ class FileSystem:
         try:
             try:
                 key = await self.blocks.seal(data) if data else None
-                # No await from here on: the commit is atomic with respect to other tasks.
-                if not f.is_current(index, generation) or self._files.get(f.inode) is not f:
-                    self.blocks.abandon(key)  # superseded by a newer write or truncate
-                    return
-                with self.meta.transaction():
-                    freed = self.meta.set_block(f.inode, index, key, len(data))
-                    self.meta.update_inode(f.node)
+                # One commit of this file at a time, so the generation checked is still the
+                # newest when the block map changes (an older seal never overwrites a newer).
+                async with f.commit_lock:
+                    if not f.is_current(index, generation) or self._files.get(f.inode) is not f:
+                        await self.blocks.abandon(key)  # superseded by a newer write or truncate
+                        return
+                    try:
+                        freed = await self.meta.commit_blocks(
+                            f.inode, {index: (key, len(data)) if key else None}, f.node.size, f.node.mtime_ns)
+                    except FsError as exc:
+                        if exc.errno != errno.ENOENT:
+                            raise
+                        await self.blocks.abandon(key)  # the file is gone
+                        return
             except Exception as exc:  # noqa: BLE001 - never take the daemon down; fsync reports it
                 f.error = self._seal_error(f, index, exc, quiet=f.out_of_space)
                 f.out_of_space = f.error.errno == errno.ENOSPC
@@ -671,8 +528,8 @@ class FileSystem:
             else:
                 f.keys[index] = key
             del f.sealing[index]
-            self.blocks.committed(key, len(data), upload=not f.node.scratch)
-            self.blocks.release(freed)
+            await self.blocks.committed(key, len(data), upload=not f.node.scratch)
+            await self.blocks.release(freed.keys)
         finally:
             f.seal_finished()
             self._sealing_bytes -= size
@@ -698,7 +555,12 @@ class FileSystem:
         await f.idle.wait()
         if f.attrs_dirty and self._files.get(f.inode) is f:
             f.attrs_dirty = False
-            self.meta.update_inode(f.node)
+            try:
+                async with f.commit_lock:
+                    await self.meta.commit_blocks(f.inode, {}, f.node.size, f.node.mtime_ns)
+            except FsError as exc:
+                if exc.errno != errno.ENOENT:  # deleted meanwhile: nothing left to record
+                    raise
         if f.error is not None:
             error, f.error = f.error, None
             raise error
@@ -717,11 +579,19 @@ class FileSystem:
         f.handles -= 1
         if f.handles > 0:
             return
-        if f.node.nlink == 0:
-            self._maybe_delete(f.inode)
+        try:
+            if f.node.nlink > 0 and (f.dirty or f.sealing or f.attrs_dirty):
+                await self._flush_file(f)
+        finally:
+            await self._let_go(f)
+
+    async def _let_go(self, f: OpenFile) -> None:
+        """The last handle closed: the engine may now delete an unlinked file's data."""
+        if f.handles > 0:
             return
-        if f.dirty or f.sealing:
-            await self._flush_file(f)
+        if f.held:
+            f.held = False
+            await self._settle(await self.meta.close_file(f.inode))
         if not f.busy and self._files.get(f.inode) is f:
             del self._files[f.inode]
 
@@ -742,7 +612,7 @@ class FileSystem:
 
     async def sync_metadata(self) -> None:
         """Metadata durable as the durability mode says: local disk, or the bucket too."""
-        await trio.to_thread.run_sync(self.meta.sync)
+        await self.meta.sync()
         if self.durability == "remote" and self.ship_metadata is not None:
             try:
                 await self.ship_metadata()
@@ -750,7 +620,10 @@ class FileSystem:
                 raise FsError(errno.EIO, str(exc)) from exc
 
     async def fsyncdir(self, ino: int) -> None:
-        if not self._dir(ino).scratch:
+        node = await self._node(ino)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if not node.scratch:
             await self.sync_metadata()
 
     async def _expire_dirty_loop(self) -> None:
@@ -767,17 +640,18 @@ class FileSystem:
                                 self._seal(f, index)
 
     # --- whole-file helpers (warmup) ---------------------------------------------
-    def file_keys(self, ino: int) -> list[str]:
+    async def file_keys(self, ino: int) -> list[str]:
         f = self._files.get(ino)
-        keys = f.keys if f is not None else self.meta.block_map(ino)
+        keys = f.keys if f is not None else await self.meta.block_map(ino)
         return list(keys.values())
 
     # --- statfs ------------------------------------------------------------------
     def statfs(self) -> StatFs:
         bs = self.block_size
-        used = self.meta.used_bytes()
+        counts = self.meta.stats()
+        used = counts.used_bytes
         total = REMOTE_CAPACITY // bs
         free = max(0, total - -(-used // bs))
-        inodes = self.meta.count_inodes()
+        inodes = counts.inodes
         return StatFs(block_size=bs, blocks=total, blocks_free=free,
                       files=inodes + (1 << 32), files_free=1 << 32)

@@ -41,6 +41,8 @@ class OpenFile:
     error: Optional[FsError] = None            # a seal that failed; reported by flush/fsync
     out_of_space: bool = False                 # a seal found the cache disk full: writes check for room first
     attrs_dirty: bool = False                  # size/mtime changed in memory since last persisted
+    held: bool = False                         # the engine knows this node holds it open
+    commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one block-map commit at a time
 
     def __post_init__(self) -> None:
         self.idle.set()

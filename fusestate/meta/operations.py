@@ -1,0 +1,534 @@
+"""The POSIX operations as SQL transactions, shared by the SQL engines.
+
+Each function here is one whole operation run inside one transaction that its engine
+opened (``Tx``): it reads what it checks and writes what it changes in that same
+transaction, so a check can never be overtaken by another node. SQL is written once,
+with ``?`` placeholders and statements both SQLite and PostgreSQL accept; an engine's
+``Tx`` supplies what differs (placeholders, row locks, who holds a file open).
+
+Rows are locked in increasing inode order (``Tx.lock``) before they are changed: two
+operations on the same inodes queue instead of deadlocking. Names are read before the
+locks are taken and read again after; a name that moved in between restarts the
+operation (``Restart``).
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+from typing import Iterable, Optional, Protocol
+
+from fusestate.errors import FsError
+from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, DirEntry,
+                                   Freed, Inode, NewNode, ObjectInfo)
+
+INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
+_S_IFMT = 0o170000  # the file type bits of st_mode
+
+
+class Restart(Exception):
+    """What an operation read changed before it could lock it: run it again."""
+
+
+class Holds(Protocol):
+    """Which files some node holds open (their data outlives their last name)."""
+
+    def add(self, tx: "Tx", ino: int) -> None: ...
+    def remove(self, tx: "Tx", ino: int) -> None: ...
+    def held(self, tx: "Tx", ino: int) -> bool: ...
+
+
+class Tx(Protocol):
+    """One open transaction of an engine."""
+
+    now_ns: int
+    block_size: int
+    holds: Holds
+    # Counter deltas the engine applies when the transaction commits.
+    inodes_delta: int
+    used_delta: int
+    # True where blocks are committed only once they are in the bucket (shared engines).
+    commits_uploaded: bool
+
+    def one(self, sql: str, args: tuple = ()) -> Optional[tuple]: ...
+    def all(self, sql: str, args: tuple = ()) -> list[tuple]: ...
+    def exec(self, sql: str, args: tuple = ()) -> int: ...
+    def lock(self, inodes: Iterable[int]) -> None: ...
+    def unreferenced_mark(self) -> int:
+        """The engine's position in its history when a block loses its last reference
+        (SQLite: the journal sequence; gc keeps the block while a restore point needs it)."""
+        ...
+
+
+def _inode(row: tuple) -> Inode:
+    *cols, scratch = row
+    target = cols[10]
+    return Inode(*cols[:10], symlink_target=bytes(target) if target is not None else None, scratch=bool(scratch))
+
+
+def get(tx: Tx, ino: int) -> Inode:
+    row = tx.one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?", (ino,))
+    if row is None:
+        raise FsError(errno.ENOENT)
+    return _inode(row)
+
+
+def _directory(tx: Tx, ino: int) -> Inode:
+    node = get(tx, ino)
+    if not node.is_dir:
+        raise FsError(errno.ENOTDIR)
+    return node
+
+
+def _entry(tx: Tx, parent: int, name: bytes) -> Optional[int]:
+    row = tx.one("SELECT inode FROM entries WHERE parent=? AND name=?", (parent, name))
+    return row[0] if row else None
+
+
+def _check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG)
+    if not name or b"/" in name or name in (b".", b".."):
+        raise FsError(errno.EINVAL)
+
+
+def _save(tx: Tx, node: Inode) -> None:
+    tx.exec("UPDATE inodes SET mode=?, uid=?, gid=?, size=?, nlink=?, atime_ns=?, mtime_ns=?, ctime_ns=?"
+            " WHERE id=?", (node.mode, node.uid, node.gid, node.size, node.nlink,
+                            node.atime_ns, node.mtime_ns, node.ctime_ns, node.id))
+
+
+def _touch(tx: Tx, node: Inode, mtime: bool = True) -> None:
+    node.ctime_ns = tx.now_ns
+    if mtime:
+        node.mtime_ns = tx.now_ns
+
+
+def _has_entries(tx: Tx, ino: int) -> bool:
+    return tx.one("SELECT 1 FROM entries WHERE parent=? LIMIT 1", (ino,)) is not None
+
+
+def _check_scratch_move(node: Inode, new_parent: Inode) -> None:
+    """Nothing crosses between scratch and the volume (EXDEV, as between two file systems:
+    mv then copies), except a whole scratch dir, which stays scratch."""
+    if node.scratch != new_parent.scratch and not (node.scratch and node.is_dir):
+        raise FsError(errno.EXDEV, "scratch and the rest of the volume are separate")
+
+
+# --- namespace -----------------------------------------------------------------------
+
+def parent_of(tx: Tx, ino: int) -> int:
+    if ino == ROOT_INODE:
+        return ROOT_INODE
+    row = tx.one("SELECT parent FROM entries WHERE inode=? LIMIT 1", (ino,))
+    return row[0] if row else ROOT_INODE
+
+
+def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
+    _directory(tx, parent)
+    if len(name) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG)  # not ENOENT: no such name can exist
+    if name == b".":
+        return get(tx, parent)
+    if name == b"..":
+        return get(tx, parent_of(tx, parent))
+    row = tx.one(f"SELECT {', '.join('i.' + c for c in INODE_COLUMNS.split(', '))} FROM entries e"
+                 " JOIN inodes i ON i.id = e.inode WHERE e.parent=? AND e.name=?", (parent, name))
+    if row is None:
+        raise FsError(errno.ENOENT)
+    return _inode(row)
+
+
+def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False) -> Inode:
+    _check_name(name)
+    tx.lock([parent_id])
+    parent = _directory(tx, parent_id)
+    if parent.nlink == 0:
+        raise FsError(errno.ENOENT)
+    if _entry(tx, parent_id, name) is not None:
+        raise FsError(errno.EEXIST)
+    mode, gid = new.mode, new.gid
+    is_dir = stat.S_ISDIR(mode)
+    if parent.mode & stat.S_ISGID:
+        gid = parent.gid
+        if is_dir:
+            mode |= stat.S_ISGID
+    scratch = parent.scratch or (is_dir and new.scratch_name)
+    size = len(new.symlink_target) if new.symlink_target is not None else 0
+    nlink = 2 if is_dir else 1
+    now = tx.now_ns
+    row = tx.one("INSERT INTO inodes (mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev,"
+                 " symlink_target, scratch) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                 (mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, int(scratch)))
+    assert row is not None
+    node = Inode(row[0], mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, scratch)
+    tx.exec("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent_id, name, node.id))
+    tx.inodes_delta += 1
+    if is_dir:
+        parent.nlink += 1
+    _touch(tx, parent)
+    _save(tx, parent)
+    if hold:
+        tx.holds.add(tx, node.id)
+    return node
+
+
+def link(tx: Tx, ino: int, parent_id: int, name: bytes) -> Inode:
+    _check_name(name)
+    tx.lock([ino, parent_id])
+    node = get(tx, ino)
+    if node.is_dir:
+        raise FsError(errno.EPERM)
+    if node.nlink == 0:
+        raise FsError(errno.ENOENT)
+    parent = _directory(tx, parent_id)
+    if parent.nlink == 0:
+        raise FsError(errno.ENOENT)
+    _check_scratch_move(node, parent)
+    if _entry(tx, parent_id, name) is not None:
+        raise FsError(errno.EEXIST)
+    tx.exec("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent_id, name, ino))
+    node.nlink += 1
+    _touch(tx, node, mtime=False)
+    _touch(tx, parent)
+    _save(tx, node)
+    _save(tx, parent)
+    return node
+
+
+def _locked_child(tx: Tx, parent_id: int, name: bytes) -> tuple[Inode, Inode]:
+    """A directory and its child named ``name``, both locked; ENOENT if there is none."""
+    child = _entry(tx, parent_id, name)
+    if child is None:
+        _directory(tx, parent_id)
+        raise FsError(errno.ENOENT)
+    tx.lock([parent_id, child])
+    if _entry(tx, parent_id, name) != child:
+        raise Restart()
+    return _directory(tx, parent_id), get(tx, child)
+
+
+def unlink(tx: Tx, parent_id: int, name: bytes) -> Freed:
+    parent, node = _locked_child(tx, parent_id, name)
+    if node.is_dir:
+        raise FsError(errno.EISDIR)
+    tx.exec("DELETE FROM entries WHERE parent=? AND name=?", (parent_id, name))
+    node.nlink -= 1
+    _touch(tx, node, mtime=False)
+    _touch(tx, parent)
+    _save(tx, node)
+    _save(tx, parent)
+    freed = _drop_if_unused(tx, node)
+    freed.unlinked = node
+    return freed
+
+
+def rmdir(tx: Tx, parent_id: int, name: bytes) -> Freed:
+    if name == b".":
+        raise FsError(errno.EINVAL)
+    if name == b"..":
+        raise FsError(errno.ENOTEMPTY)
+    parent, node = _locked_child(tx, parent_id, name)
+    if not node.is_dir:
+        raise FsError(errno.ENOTDIR)
+    if _has_entries(tx, node.id):
+        raise FsError(errno.ENOTEMPTY)
+    tx.exec("DELETE FROM entries WHERE parent=? AND name=?", (parent_id, name))
+    node.nlink = 0
+    parent.nlink -= 1
+    _touch(tx, parent)
+    _save(tx, parent)
+    _touch(tx, node, mtime=False)
+    _save(tx, node)
+    freed = _drop_if_unused(tx, node)
+    freed.unlinked = node
+    return freed
+
+
+def _is_ancestor(tx: Tx, ancestor: int, ino: int) -> bool:
+    while True:
+        if ino == ancestor:
+            return True
+        if ino == ROOT_INODE:
+            return False
+        ino = parent_of(tx, ino)
+
+
+def rename(tx: Tx, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes, flags: int) -> Freed:
+    _check_name(dst_name)
+    if src_name in (b".", b".."):
+        raise FsError(errno.EINVAL)
+    ino = _entry(tx, src_parent, src_name)
+    if ino is None:
+        _directory(tx, src_parent)
+        _directory(tx, dst_parent)
+        raise FsError(errno.ENOENT)
+    target = _entry(tx, dst_parent, dst_name)
+    tx.lock({src_parent, dst_parent, ino} | ({target} if target is not None else set()))
+    if _entry(tx, src_parent, src_name) != ino or _entry(tx, dst_parent, dst_name) != target:
+        raise Restart()
+    src_dir = _directory(tx, src_parent)
+    dst_dir = src_dir if dst_parent == src_parent else _directory(tx, dst_parent)
+    node = get(tx, ino)
+    _check_scratch_move(node, dst_dir)
+    if flags & RENAME_NOREPLACE and target is not None:
+        raise FsError(errno.EEXIST)
+    if flags & RENAME_EXCHANGE:
+        if target is None:
+            raise FsError(errno.ENOENT)
+        other = get(tx, target)
+        _check_scratch_move(other, src_dir)
+        _exchange(tx, src_dir, src_name, node, dst_dir, dst_name, other)
+        return Freed()
+    if target == ino:
+        return Freed()  # two names of one file: POSIX says do nothing
+    if node.is_dir and _is_ancestor(tx, ino, dst_parent):
+        raise FsError(errno.EINVAL)
+    replaced = get(tx, target) if target is not None else None
+    if replaced is not None:
+        if node.is_dir and not replaced.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if not node.is_dir and replaced.is_dir:
+            raise FsError(errno.EISDIR)
+        if replaced.is_dir and _has_entries(tx, replaced.id):
+            raise FsError(errno.ENOTEMPTY)
+    tx.exec("DELETE FROM entries WHERE parent=? AND name=?", (src_parent, src_name))
+    if replaced is not None:
+        tx.exec("UPDATE entries SET inode=? WHERE parent=? AND name=?", (ino, dst_parent, dst_name))
+        if replaced.is_dir:
+            replaced.nlink = 0
+            dst_dir.nlink -= 1
+        else:
+            replaced.nlink -= 1
+        _touch(tx, replaced, mtime=False)
+        _save(tx, replaced)
+    else:
+        tx.exec("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (dst_parent, dst_name, ino))
+    if node.is_dir and src_parent != dst_parent:
+        src_dir.nlink -= 1
+        dst_dir.nlink += 1
+    _touch(tx, node, mtime=False)
+    _save(tx, node)
+    for d in {src_dir.id: src_dir, dst_dir.id: dst_dir}.values():
+        _touch(tx, d)
+        _save(tx, d)
+    freed = _drop_if_unused(tx, replaced) if replaced is not None else Freed()
+    freed.unlinked = replaced
+    return freed
+
+
+def _exchange(tx: Tx, src_dir: Inode, src_name: bytes, a: Inode, dst_dir: Inode, dst_name: bytes, b: Inode) -> None:
+    if src_dir.id != dst_dir.id:
+        if a.is_dir and _is_ancestor(tx, a.id, dst_dir.id):
+            raise FsError(errno.EINVAL)
+        if b.is_dir and _is_ancestor(tx, b.id, src_dir.id):
+            raise FsError(errno.EINVAL)
+    tx.exec("UPDATE entries SET inode=? WHERE parent=? AND name=?", (b.id, src_dir.id, src_name))
+    tx.exec("UPDATE entries SET inode=? WHERE parent=? AND name=?", (a.id, dst_dir.id, dst_name))
+    if src_dir.id != dst_dir.id and a.is_dir != b.is_dir:
+        delta = 1 if a.is_dir else -1
+        src_dir.nlink -= delta
+        dst_dir.nlink += delta
+    for n in {x.id: x for x in (a, b, src_dir, dst_dir)}.values():
+        _touch(tx, n, mtime=n.is_dir)
+        _save(tx, n)
+
+
+def setattr(tx: Tx, ino: int, change: AttrChange) -> Inode:
+    tx.lock([ino])
+    node = get(tx, ino)
+    if change.mode is not None:
+        node.mode = stat.S_IFMT(node.mode) | (change.mode & 0o7777)
+    if change.uid is not None:
+        node.uid = change.uid
+    if change.gid is not None:
+        node.gid = change.gid
+    if change.atime_ns is not None:
+        node.atime_ns = change.atime_ns
+    if change.mtime_ns is not None:
+        node.mtime_ns = change.mtime_ns
+    node.ctime_ns = tx.now_ns
+    _save(tx, node)
+    return node
+
+
+def readdir(tx: Tx, ino: int, after_id: int, limit: int) -> list[tuple[DirEntry, Inode]]:
+    _directory(tx, ino)
+    rows = tx.all(f"SELECT e.id, e.name, {', '.join('i.' + c for c in INODE_COLUMNS.split(', '))}"
+                  " FROM entries e JOIN inodes i ON i.id = e.inode WHERE e.parent=? AND e.id>?"
+                  " ORDER BY e.id LIMIT ?", (ino, after_id, limit))
+    return [(DirEntry(r[0], bytes(r[1]), r[2]), _inode(r[2:])) for r in rows]
+
+
+# --- file data -----------------------------------------------------------------------
+
+def block_map(tx: Tx, ino: int) -> dict[int, str]:
+    return {idx: key for idx, key in tx.all("SELECT idx, key FROM blocks WHERE inode=?", (ino,))}
+
+
+def open_file(tx: Tx, ino: int) -> tuple[Inode, dict[int, str]]:
+    node = get(tx, ino)
+    tx.holds.add(tx, ino)
+    return node, block_map(tx, ino)
+
+
+def close_file(tx: Tx, ino: int) -> Freed:
+    tx.lock([ino])
+    tx.holds.remove(tx, ino)
+    row = tx.one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?", (ino,))
+    if row is None:
+        return Freed()
+    return _drop_if_unused(tx, _inode(row))
+
+
+def commit_blocks(tx: Tx, ino: int, blocks: dict[int, Optional[tuple[str, int]]], size: int,
+                  mtime_ns: int) -> Freed:
+    tx.lock([ino])
+    node = get(tx, ino)
+    freed = Freed()
+    for index in sorted(blocks):
+        new = blocks[index]
+        row = tx.one("SELECT key FROM blocks WHERE inode=? AND idx=?", (ino, index))
+        old = row[0] if row else None
+        if new is not None and new[0] == old:
+            continue
+        if new is not None:
+            key, nbytes = new
+            _incref(tx, key, nbytes)
+            tx.exec("INSERT INTO blocks (inode, idx, key, size) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT (inode, idx) DO UPDATE SET key=excluded.key, size=excluded.size",
+                    (ino, index, key, nbytes))
+        elif old is not None:
+            tx.exec("DELETE FROM blocks WHERE inode=? AND idx=?", (ino, index))
+        if old is not None:
+            _decref(tx, old, freed)
+    node.size = size
+    node.mtime_ns = mtime_ns
+    node.ctime_ns = max(node.ctime_ns, mtime_ns)
+    _save(tx, node)
+    return freed
+
+
+def truncate(tx: Tx, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
+    tx.lock([ino])
+    node = get(tx, ino)
+    freed = Freed()
+    _drop_blocks(tx, ino, -(-size // tx.block_size), freed)
+    node.size = size
+    node.mtime_ns = mtime_ns
+    node.ctime_ns = max(node.ctime_ns, mtime_ns)
+    _save(tx, node)
+    return node, freed
+
+
+def _drop_blocks(tx: Tx, ino: int, first_removed: int, freed: Freed) -> None:
+    rows = tx.all("SELECT key FROM blocks WHERE inode=? AND idx>=?", (ino, first_removed))
+    if rows:
+        tx.exec("DELETE FROM blocks WHERE inode=? AND idx>=?", (ino, first_removed))
+    for (key,) in rows:
+        _decref(tx, key, freed)
+
+
+def _drop_if_unused(tx: Tx, node: Inode) -> Freed:
+    """Remove an inode that has no name left, unless some node holds it open."""
+    freed = Freed()
+    if node.nlink > 0 or node.id == ROOT_INODE or tx.holds.held(tx, node.id):
+        return freed
+    _delete_inode(tx, node.id, freed)
+    return freed
+
+
+def _delete_inode(tx: Tx, ino: int, freed: Freed) -> None:
+    _drop_blocks(tx, ino, 0, freed)
+    tx.inodes_delta -= tx.exec("DELETE FROM inodes WHERE id=?", (ino,))
+    freed.deleted_inode = ino
+
+
+def drop_orphans(tx: Tx, inodes: Iterable[int]) -> Freed:
+    """Delete these nameless inodes (left by a node that held them open and went away)."""
+    freed = Freed()
+    for ino in inodes:
+        if ino != ROOT_INODE:
+            _delete_inode(tx, ino, freed)
+    freed.deleted_inode = None
+    return freed
+
+
+def purge_scratch(tx: Tx) -> Freed:
+    """Remove every scratch inode and its names (they belonged to the last mount's processes)."""
+    freed = Freed()
+    # Scratch roots (scratch dirs named in a normal dir) are counted in their parent's nlink.
+    for parent, subdirs in tx.all(
+            "SELECT e.parent, COUNT(*) FROM entries e JOIN inodes c ON c.id = e.inode"
+            " JOIN inodes p ON p.id = e.parent WHERE c.scratch = 1 AND p.scratch = 0"
+            " AND (c.mode & ?) = ? GROUP BY e.parent", (_S_IFMT, stat.S_IFDIR)):
+        tx.exec("UPDATE inodes SET nlink = nlink - ? WHERE id=?", (subdirs, parent))
+    tx.exec("DELETE FROM entries WHERE inode IN (SELECT id FROM inodes WHERE scratch = 1)")
+    for (ino,) in tx.all("SELECT id FROM inodes WHERE scratch = 1"):
+        _delete_inode(tx, ino, freed)
+    freed.deleted_inode = None
+    return freed
+
+
+# --- objects ---------------------------------------------------------------------------
+
+def _incref(tx: Tx, key: str, size: int) -> None:
+    row = tx.one("INSERT INTO objects (key, size, refcount, uploaded) VALUES (?, ?, 1, ?)"
+                 " ON CONFLICT (key) DO UPDATE SET refcount=objects.refcount+1, unreferenced_since=NULL"
+                 " RETURNING refcount, size", (key, size, int(tx.commits_uploaded)))
+    assert row is not None
+    if row[0] == 1:
+        tx.used_delta += row[1]
+
+
+def _decref(tx: Tx, key: str, freed: Freed) -> None:
+    row = tx.one("UPDATE objects SET refcount=refcount-1 WHERE key=? RETURNING refcount, size", (key,))
+    if row is None:
+        return
+    if row[0] == 0:
+        tx.used_delta -= row[1]
+    if row[0] <= 0:
+        tx.exec("UPDATE objects SET unreferenced_since=?, unreferenced_seq=? WHERE key=?",
+                (tx.now_ns / 1e9, tx.unreferenced_mark(), key))
+        freed.keys.append(key)
+
+
+def object_info(tx: Tx, key: str) -> Optional[ObjectInfo]:
+    row = tx.one("SELECT key, size, refcount, uploaded FROM objects WHERE key=?", (key,))
+    return ObjectInfo(row[0], row[1], row[2], bool(row[3])) if row else None
+
+
+def pending_objects(tx: Tx) -> list[ObjectInfo]:
+    return [ObjectInfo(r[0], r[1], r[2], bool(r[3]))
+            for r in tx.all("SELECT key, size, refcount, uploaded FROM objects WHERE uploaded=0")]
+
+
+def forget_objects(tx: Tx, keys: list[str]) -> None:
+    for key in keys:
+        tx.exec("DELETE FROM objects WHERE key=? AND refcount<=0", (key,))
+
+
+def collectable_objects(tx: Tx, older_than: float, covered_seq: int) -> list[str]:
+    """Uploaded objects unreferenced since before ``older_than`` by a change at or before
+    ``covered_seq`` (so no restore point still needs them)."""
+    return [r[0] for r in tx.all(
+        "SELECT key FROM objects WHERE refcount<=0 AND uploaded=1 AND unreferenced_since<=?"
+        " AND unreferenced_seq<=?", (older_than, covered_seq))]
+
+
+def blocks_by_recency(tx: Tx, budget: Optional[int]) -> list[tuple[str, int]]:
+    rows = tx.all("SELECT b.key, o.size FROM blocks b JOIN inodes i ON i.id = b.inode"
+                  " JOIN objects o ON o.key = b.key WHERE o.refcount > 0 AND i.scratch = 0"
+                  " ORDER BY i.mtime_ns DESC, b.inode, b.idx")
+    seen: set[str] = set()
+    out: list[tuple[str, int]] = []
+    total = 0
+    for key, size in rows:
+        if key in seen:
+            continue
+        if budget is not None and total + size > budget:
+            break
+        seen.add(key)
+        out.append((key, size))
+        total += size
+    return out
