@@ -124,6 +124,18 @@ class BlockStore:
         if key is None:
             return None
         self.memory.put(key, data)
+        if self.meta.shared:
+            # Staged whatever the volume holds: the upload asks the engine (one round trip,
+            # registering it against the collector) and skips the PUT if the bytes are there.
+            while key in self._staging_inflight:
+                await self._staging_inflight[key].wait()
+            if self.uploader.is_pending(key):
+                self.deduplicated_blocks += 1
+                self.deduplicated_bytes += len(data)
+                return key
+            with _in_flight(self._staging_inflight, key):
+                await self._write_staging(key, data)
+            return key
         while await self.meta.object_info(key) is None:
             writing = self._staging_inflight.get(key)
             if writing is None:
@@ -173,13 +185,18 @@ class BlockStore:
             return True
         return await trio.to_thread.run_sync(self.staging.has_room, self.block_size, limiter=self._local_io)
 
+    async def upload_before_commit(self, key: str, size: int) -> None:
+        """A shared engine commits a block only once it is in the bucket: queue it, wait."""
+        self.uploader.add(key, size)
+        await self.uploader.wait_uploaded([key])
+
     async def committed(self, key: Optional[str], size: int, upload: bool = True) -> None:
         """A sealed key is now referenced by the metadata: queue it if it is new.
 
         ``upload=False`` for a scratch file's block: it stays in staging, outside the
         write-back queue and its dirty bound, until the file is deleted (or a normal
         file references the same bytes, which queues it then)."""
-        if key is None:
+        if key is None or self.meta.shared:
             return
         info = await self.meta.object_info(key)
         if info is not None and not info.uploaded:
@@ -211,11 +228,15 @@ class BlockStore:
 
     async def abandon(self, key: Optional[str]) -> None:
         """A sealed key that will not be referenced after all: drop its staging file."""
+        if key and self.meta.shared:
+            return  # another file may wait for the same bytes' upload: let it go to the bucket
         if key and await self.meta.object_info(key) is None and key not in self._staging_inflight:
             self.staging.remove(key)
 
     async def release(self, keys: list[str]) -> None:
         """Objects whose refcount fell to zero: drop them if they never left staging."""
+        if self.meta.shared:
+            return  # in the bucket: the collector deletes them once no node needs them
         unqueued: list[str] = []  # a scratch block, or one left by a crash before recovery
         for key in keys:
             info = await self.meta.object_info(key)

@@ -145,7 +145,8 @@ class Uploader:
         if p is None or p.uploading or key in self._pins:
             return  # uploading or pinned: it is uploaded, then left to the garbage collector
         self.stats.discarded_blocks += 1
-        await self.meta.forget_objects([key])
+        if not self.meta.shared:
+            await self.meta.forget_objects([key])
         # Unlink on the loop (one short syscall) so a re-seal of the same bytes
         # cannot race with the removal of the old file.
         self.staging.remove(key)
@@ -195,6 +196,12 @@ class Uploader:
     async def recover(self) -> int:
         """After a crash: queue staged blocks the metadata still references, drop the rest."""
         keys = await trio.to_thread.run_sync(self.staging.keys)
+        if self.meta.shared:
+            # A shared engine commits only uploaded blocks: anything staged was never
+            # committed (nor fsynced), so nobody needs it.
+            for key in keys:
+                await trio.to_thread.run_sync(self.staging.remove, key)
+            return 0
         wanted = {o.key: o for o in await self.meta.pending_objects()}
         requeued = 0
         for key in keys:
@@ -247,6 +254,9 @@ class Uploader:
 
     async def _upload(self, key: str) -> None:
         p = self._pending[key]
+        if self.meta.shared:
+            await self._upload_shared(key, p)
+            return
         try:
             info = await self.meta.object_info(key)
             if info is None or (info.refcount <= 0 and not info.uploaded and key not in self._pins):
@@ -283,16 +293,40 @@ class Uploader:
             else:
                 await trio.to_thread.run_sync(self.staging.remove, key, limiter=self._local_io)
         except (RemoteError, UploadFailed, OSError) as exc:
-            self.stats.upload_failures += 1
-            log.error("upload of block %s failed, will retry: %s", key[:16], exc)
-            p.error = str(exc)
-            p.uploading = False
-            old_done, p.done = p.done, trio.Event()
-            old_done.set()
-            p.ready_at = time.monotonic() + RETRY_FAILED_AFTER
-            self._push(key, p.ready_at)
+            self._failed(key, p, exc)
             return
         self._finish(key, p)
+
+    async def _upload_shared(self, key: str, p: _Pending) -> None:
+        """Upload for a shared engine: registered with the engine first (the collector leaves
+        it alone until its commit), skipped if another node put the same bytes there."""
+        try:
+            while (in_bucket := await self.meta.begin_upload(key, p.size)) is None:
+                await trio.sleep(0.2)  # the collector is deleting these bytes: wait, then put them back
+            if in_bucket:
+                self.stats.dedup_skipped += 1
+            else:
+                try:
+                    await self.remote.aput_file(object_name(key), self.staging.path(key))
+                except FileNotFoundError:
+                    raise UploadFailed(f"staged block {key[:16]} vanished from the staging area") from None
+                self.stats.uploaded_blocks += 1
+                self.stats.uploaded_bytes += p.size
+            await trio.to_thread.run_sync(self._move_to_cache, key, limiter=self._local_io)
+        except (RemoteError, UploadFailed, OSError) as exc:
+            self._failed(key, p, exc)
+            return
+        self._finish(key, p)
+
+    def _failed(self, key: str, p: _Pending, exc: Exception) -> None:
+        self.stats.upload_failures += 1
+        log.error("upload of block %s failed, will retry: %s", key[:16], exc)
+        p.error = str(exc)
+        p.uploading = False
+        old_done, p.done = p.done, trio.Event()
+        old_done.set()
+        p.ready_at = time.monotonic() + RETRY_FAILED_AFTER
+        self._push(key, p.ready_at)
 
     def _finish(self, key: str, p: _Pending) -> None:
         del self._pending[key]

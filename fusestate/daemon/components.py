@@ -59,6 +59,7 @@ class Components:
     async def start(self, nursery: trio.Nursery) -> int:
         """Start every background task; returns how many staged blocks a crash left to upload."""
         self.blocks.start(nursery)
+        await nursery.start(self.meta.run)
         await self.fs.start(nursery)
         await nursery.start(self.uploader.run)
         return await self.uploader.recover()

@@ -32,6 +32,7 @@ from fusestate.fuse.adapter import FuseOperations
 from fusestate.blocks.keys import object_name
 from fusestate.meta.restore import restore_metadata
 from fusestate.meta.shipper import JournalShipper
+from fusestate.meta.engine import MetaEngine
 from fusestate.meta.sqlite_engine import SQLiteEngine
 from fusestate.remote import RemoteStore, open_bucket
 
@@ -125,22 +126,29 @@ class Daemon:
         self.memory, self.disk, self.staging = p.memory, p.disk, p.staging
         self.uploader, self.blocks, self.warmer, self.fs = p.uploader, p.blocks, p.warmer, p.fs
         self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
-        epoch = self.lease.record.epoch if self.lease and self.lease.record else 0
-        self.shipper = JournalShipper(self.meta, self.remote, self.uploader, epoch,
-                                      interval=cfg.journal_interval)
-        if not cfg.read_only:
-            self.fs.ship_metadata = self.shipper.wait_shipped
-            self.shipper.fenced = self.lease.superseded if self.lease else None
+        # The embedded engine's own durability: its journal shipped to the bucket, fenced by the lease.
+        self.shipper: Optional[JournalShipper] = None
+        if isinstance(self.meta, SQLiteEngine):
+            epoch = self.lease.record.epoch if self.lease and self.lease.record else 0
+            self.shipper = JournalShipper(self.meta, self.remote, self.uploader, epoch,
+                                          interval=cfg.journal_interval)
+            if not cfg.read_only:
+                self.fs.ship_metadata = self.shipper.wait_shipped
+                self.shipper.fenced = self.lease.superseded if self.lease else None
         self.blocks.read_observer = Histograms.observer(histograms.block_read)
         self.ops.op_observer = Histograms.observer(histograms.fuse)
         self.metrics_addr: Optional[tuple[str, int]] = None
 
-    def _open_metadata(self) -> SQLiteEngine:
-        """Local metadata if this node was the volume's last writer, else restore from the bucket.
-
-        Takes the volume's lease (a new epoch) for a read-write mount.
-        """
+    def _open_metadata(self) -> MetaEngine:
+        """The shared engine the volume names, or the embedded one: local metadata if this
+        node was the volume's last writer, else restored from the bucket (taking the volume's
+        lease, a new epoch, for a read-write mount)."""
         layout, cfg = self.layout, self.cfg
+        if getattr(cfg, "meta_url", None) not in (None, "sqlite"):
+            from fusestate.meta.postgres_engine import PostgresEngine  # psycopg: only shared mounts load it
+
+            return PostgresEngine(cfg.meta_url, self.volume.block_size, mountpoint=cfg.mountpoint,
+                                  read_only=cfg.read_only)
         known: dict[str, Any] = {}
         with contextlib.suppress(FileNotFoundError, ValueError), open(layout.volume_file) as f:
             known = json.load(f)
@@ -214,8 +222,9 @@ class Daemon:
             if requeued:
                 log.info("crash recovery: %d staged blocks queued for upload", requeued)
             if not self.cfg.read_only:
-                await nursery.start(self.shipper.run)
-                nursery.start_soon(self._heartbeat)
+                if self.shipper is not None:
+                    await nursery.start(self.shipper.run)
+                    nursery.start_soon(self._heartbeat)
                 nursery.start_soon(self._collect_garbage_loop)
             if self.cfg.prefetch != "off":
                 nursery.start_soon(self.warmer.run)
@@ -275,7 +284,7 @@ class Daemon:
 
     async def _ship_snapshot(self) -> None:
         """Final journal segment and snapshot, then let the next holder in at once."""
-        if self.cfg.read_only or self.shipper.stopped:
+        if self.cfg.read_only or self.shipper is None or self.shipper.stopped:
             return
         try:
             await self.shipper.ship()
@@ -309,10 +318,12 @@ class Daemon:
 
     async def collect_garbage(self) -> int:
         """Delete uploaded blocks that no kept snapshot or journal can reference any more."""
-        keys = await self.meta.collectable_objects(time.time() - self.cfg.gc_grace, self.shipper.oldest_snapshot_seq)
-        if not keys or self.shipper.stopped:
+        if self.shipper is not None and self.shipper.stopped:
             return 0
-        await self.meta.forget_objects(keys)
+        covered = self.shipper.oldest_snapshot_seq if self.shipper is not None else 0
+        keys = await self.meta.claim_garbage(time.time() - self.cfg.gc_grace, covered)
+        if not keys:
+            return 0
         deleting = self.uploader.deleting
         for key in keys:
             deleting[key] = trio.Event()
@@ -323,6 +334,7 @@ class Daemon:
         finally:
             for key in keys:
                 deleting.pop(key).set()
+        await self.meta.garbage_deleted(keys)
         self.gc_deleted += len(keys)
         log.info("garbage collection deleted %d blocks", len(keys))
         return len(keys)
@@ -350,7 +362,10 @@ class Daemon:
     async def handle_control(self, request: dict[str, Any]) -> dict[str, Any]:
         command = request.get("command")
         if command == "status":
-            return {"ok": True, "status": self.status()}
+            status = self.status()
+            if self.meta.shared:
+                status["sessions"] = await self._sessions()
+            return {"ok": True, "status": status}
         if command == "umount":
             self._umount_requests += 1
             try:
@@ -366,6 +381,16 @@ class Daemon:
             fetched = await self.warmup([int(i) for i in request.get("inodes", [])])
             return {"ok": True, "fetched": fetched}
         return {"ok": False, "error": f"unknown command {command!r}"}
+
+    async def _sessions(self) -> list[dict[str, Any]]:
+        """The shared volume's live mounts, this one marked."""
+        try:
+            found = await self.meta.sessions()  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - status must answer while the database is away
+            return [{"error": str(exc)}]
+        return [{"id": x.id, "host": x.host, "pid": x.pid, "mountpoint": x.mountpoint,
+                 "heartbeat_age_seconds": round(x.heartbeat_age, 1), "this": x.id == self.meta.session_id}  # type: ignore[attr-defined]
+                for x in found]
 
     async def warmup(self, inodes: list[int]) -> int:
         fetched = 0
@@ -384,7 +409,7 @@ class Daemon:
         return fetched
 
     def status(self) -> dict[str, Any]:
-        up = self.uploader
+        up, sh = self.uploader, self.shipper
         usage = shutil.disk_usage(self.cfg.cache_dir)
         return {
             "url": self.cfg.url,
@@ -431,12 +456,13 @@ class Daemon:
                 "bytes_read": self.ops.bytes_read, "bytes_written": self.ops.bytes_written,
             },
             "metadata": {
-                "journal_pending": 0 if self.cfg.read_only else self.shipper.pending_entries(),
-                "shipped_seq": self.shipper.shipped_seq,
-                "last_ship_age_seconds": self.shipper.last_ship_age(),
-                "segments_shipped": self.shipper.stats.segments_shipped,
-                "snapshots_shipped": self.shipper.stats.snapshots_shipped,
-                "ship_failures": self.shipper.stats.failures,
+                "engine": self.meta.kind,
+                "journal_pending": 0 if self.cfg.read_only or not sh else sh.pending_entries(),
+                "shipped_seq": sh.shipped_seq if sh else 0,
+                "last_ship_age_seconds": sh.last_ship_age() if sh else None,
+                "segments_shipped": sh.stats.segments_shipped if sh else 0,
+                "snapshots_shipped": sh.stats.snapshots_shipped if sh else 0,
+                "ship_failures": sh.stats.failures if sh else 0,
                 "restored_bytes": self.restored.bytes_fetched if self.restored else 0,
                 "gc_deleted_blocks": self.gc_deleted,
             },

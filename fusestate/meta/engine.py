@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import stat
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
+
+if TYPE_CHECKING:
+    import trio
 
 from fusestate.errors import FsError
 
@@ -196,8 +199,28 @@ class MetaEngine(Protocol):
         file's blocks in order, stopping before ``budget`` bytes (cache warming)."""
         ...
     async def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]: ...
+    async def begin_upload(self, key: str, size: int) -> Optional[bool]:
+        """Shared engines: register this node's upload of a block so the collector leaves it
+        alone until its commit. True: in the bucket already; False: upload it; None: being
+        deleted by the collector right now, ask again shortly."""
+        ...
+    async def end_upload(self, key: str) -> None:
+        """An upload whose commit will not come (the block was superseded)."""
+        ...
+    async def claim_garbage(self, older_than: float, covered_seq: int) -> list[str]:
+        """Blocks the collector may delete from the bucket now: unreferenced since before
+        ``older_than`` (and, for the journaled engine, by a change at or before
+        ``covered_seq``, so no restore point needs them), with no upload registered."""
+        ...
+    async def garbage_deleted(self, keys: list[str]) -> None:
+        """The claimed blocks are gone from the bucket."""
+        ...
 
     # --- lifecycle ------------------------------------------------------------
+    async def run(self, task_status: "trio.TaskStatus" = ...) -> None:
+        """Background upkeep for as long as the mount lives (a shared engine's heartbeat and
+        the clean-up of dead sessions); reports started at once."""
+        ...
     async def start(self) -> Freed:
         """Begin serving: drop what the last mount of this node left (scratch inodes, inodes
         that lost their last name while open); returns what that freed."""

@@ -359,7 +359,24 @@ class SQLiteEngine:
     async def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]:
         return self._read(ops.collectable_objects, older_than, covered_seq)
 
+    async def begin_upload(self, key: str, size: int) -> Optional[bool]:
+        return False  # blocks are committed before upload; the journal orders the bucket
+
+    async def end_upload(self, key: str) -> None:
+        pass
+
+    async def claim_garbage(self, older_than: float, covered_seq: int) -> list[str]:
+        keys = await self.collectable_objects(older_than, covered_seq)
+        await self.forget_objects(keys)  # a new seal of these bytes now stages them again
+        return keys
+
+    async def garbage_deleted(self, keys: list[str]) -> None:
+        pass
+
     # --- lifecycle --------------------------------------------------------------
+    async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+
     async def start(self) -> Freed:
         freed = Freed()
         if self.read_only:

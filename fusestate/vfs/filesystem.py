@@ -502,6 +502,8 @@ class FileSystem:
         try:
             try:
                 key = await self.blocks.seal(data) if data else None
+                if key is not None and self.meta.shared:
+                    await self.blocks.upload_before_commit(key, len(data))
                 # One commit of this file at a time, so the generation checked is still the
                 # newest when the block map changes (an older seal never overwrites a newer).
                 async with f.commit_lock:

@@ -1,0 +1,450 @@
+"""The shared metadata engine: PostgreSQL, for one volume mounted read-write by many nodes.
+
+Every operation of ``fusestate.meta.operations`` runs as one READ COMMITTED transaction
+in a worker thread on a pooled connection (one thread hop per FUSE operation; the trio
+loop never waits on the network), with the inodes it changes locked in increasing id
+order, retried whole on a serialization failure, a deadlock or a unique-key race.
+
+Each mount is a *session*: a row with a heartbeat. A session holds the files its node
+has open (``holds``), so a file unlinked on one node stays readable where it is open
+and is deleted with its last holder; it registers the blocks it is uploading
+(``uploads``), so the garbage collector never deletes a block whose commit is coming.
+Every publishing transaction checks that its own session is still alive: a node that
+was declared dead and comes back cannot publish. The sessions of dead nodes are cleaned
+up by the others. Counters for statfs are kept per session (no hot row).
+
+Blocks are committed only once they are in the bucket (``shared = True``): the shared
+metadata never points at a block another node cannot read.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, TypeVar
+
+import trio
+
+from fusestate.config import DEFAULT_BLOCK_SIZE
+from fusestate.errors import FsError
+from fusestate.meta import operations as ops
+from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
+                                   ObjectInfo)
+from fusestate.meta.pgpool import PgPool
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SCHEMA_LOCK = 0x66757365  # advisory lock id taken while the schema is created
+SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clean a session up
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS inodes (
+    id BIGSERIAL PRIMARY KEY,
+    mode INTEGER NOT NULL, uid BIGINT NOT NULL, gid BIGINT NOT NULL,
+    size BIGINT NOT NULL DEFAULT 0, nlink INTEGER NOT NULL DEFAULT 0,
+    atime_ns BIGINT NOT NULL, mtime_ns BIGINT NOT NULL, ctime_ns BIGINT NOT NULL,
+    rdev BIGINT NOT NULL DEFAULT 0, symlink_target BYTEA, scratch INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS entries (
+    id BIGSERIAL PRIMARY KEY,
+    parent BIGINT NOT NULL, name BYTEA NOT NULL, inode BIGINT NOT NULL,
+    UNIQUE (parent, name)
+);
+CREATE INDEX IF NOT EXISTS entries_by_inode ON entries (inode);
+CREATE TABLE IF NOT EXISTS blocks (
+    inode BIGINT NOT NULL, idx BIGINT NOT NULL, key TEXT NOT NULL, size BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (inode, idx)
+);
+CREATE INDEX IF NOT EXISTS blocks_by_key ON blocks (key);
+CREATE TABLE IF NOT EXISTS objects (
+    key TEXT PRIMARY KEY, size BIGINT NOT NULL, refcount BIGINT NOT NULL,
+    uploaded INTEGER NOT NULL DEFAULT 1, unreferenced_since DOUBLE PRECISION, unreferenced_seq BIGINT,
+    deleting INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS sessions (
+    id BIGSERIAL PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, mountpoint TEXT NOT NULL,
+    started DOUBLE PRECISION NOT NULL, heartbeat DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE IF NOT EXISTS holds (
+    session_id BIGINT NOT NULL, inode BIGINT NOT NULL, PRIMARY KEY (session_id, inode)
+);
+CREATE INDEX IF NOT EXISTS holds_by_inode ON holds (inode);
+CREATE TABLE IF NOT EXISTS uploads (
+    session_id BIGINT NOT NULL, key TEXT NOT NULL, PRIMARY KEY (session_id, key)
+);
+CREATE INDEX IF NOT EXISTS uploads_by_key ON uploads (key);
+CREATE TABLE IF NOT EXISTS counters (
+    session_id BIGINT PRIMARY KEY, inodes BIGINT NOT NULL DEFAULT 0, used BIGINT NOT NULL DEFAULT 0
+);
+"""
+
+_NOW = "extract(epoch from clock_timestamp())"  # the database's clock: one clock for every node
+
+
+class SessionLost(FsError):
+    """This node's session was declared dead by the others: it may not publish any more."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EIO, "this mount's session on the metadata database expired; remount")
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    id: int
+    host: str
+    pid: int
+    mountpoint: str
+    started: float
+    heartbeat_age: float
+
+
+class _SessionHolds:
+    def __init__(self, session: Callable[[], int]) -> None:
+        self._session = session
+
+    def add(self, tx: ops.Tx, ino: int) -> None:
+        tx.exec("INSERT INTO holds (session_id, inode) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                (self._session(), ino))
+
+    def remove(self, tx: ops.Tx, ino: int) -> None:
+        tx.exec("DELETE FROM holds WHERE session_id=? AND inode=?", (self._session(), ino))
+
+    def held(self, tx: ops.Tx, ino: int) -> bool:
+        return tx.one("SELECT 1 FROM holds WHERE inode=? LIMIT 1", (ino,)) is not None
+
+
+class _PgTx:
+    commits_uploaded = True
+
+    def __init__(self, cur: Any, engine: "PostgresEngine") -> None:
+        self._cur = cur
+        self.now_ns = time.time_ns()
+        self.block_size = engine.block_size
+        self.holds = engine._holds
+        self.inodes_delta = 0
+        self.used_delta = 0
+
+    def one(self, sql: str, args: tuple = ()) -> Optional[tuple]:
+        self._cur.execute(sql.replace("?", "%s"), args)
+        return self._cur.fetchone() if self._cur.description else None
+
+    def all(self, sql: str, args: tuple = ()) -> list[tuple]:
+        self._cur.execute(sql.replace("?", "%s"), args)
+        return self._cur.fetchall()
+
+    def exec(self, sql: str, args: tuple = ()) -> int:
+        self._cur.execute(sql.replace("?", "%s"), args)
+        return self._cur.rowcount
+
+    def lock(self, inodes: Iterable[int]) -> None:
+        self._cur.execute("SELECT id FROM inodes WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (sorted(set(inodes)),))
+
+    def unreferenced_mark(self) -> int:
+        return 0
+
+
+class PostgresEngine:
+    """See the module docstring."""
+
+    kind = "postgresql"
+    shared = True
+
+    def __init__(self, url: str, block_size: int = DEFAULT_BLOCK_SIZE, *, mountpoint: str = "",
+                 read_only: bool = False, pool_size: int = 8, session_ttl: float = SESSION_TTL) -> None:
+        self.url = url
+        self.block_size = block_size
+        self.read_only = read_only
+        self.mountpoint = mountpoint
+        self.session_ttl = session_ttl
+        self.pool = PgPool(url, size=pool_size)
+        self.session_id = 0
+        self.lost = False
+        self._holds = _SessionHolds(lambda: self.session_id)
+        self._stats = EngineStats(0, 0)
+        self.sessions_cleaned = 0
+        self.pool.run_sync(self._create_schema)
+
+    # --- setup ----------------------------------------------------------------
+    @staticmethod
+    def _create_schema(cur: Any) -> None:
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+        cur.execute(_SCHEMA)
+        now = time.time_ns()
+        cur.execute("INSERT INTO inodes (id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns)"
+                    " VALUES (%s, %s, 0, 0, 0, 2, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING id",
+                    (ROOT_INODE, 0o040755, now, now, now))
+        if cur.fetchone():
+            cur.execute("SELECT setval(pg_get_serial_sequence('inodes', 'id'), 1)")
+            cur.execute("INSERT INTO counters (session_id, inodes) VALUES (0, 1)")
+
+    # --- running an operation -----------------------------------------------------
+    async def _write(self, operation: Callable[..., T], *args: Any, after: Optional[Callable[[Any], None]] = None) -> T:
+        """One operation in one transaction that first checks this session is alive."""
+        if self.read_only:
+            raise FsError(errno.EROFS)
+        while True:
+            try:
+                result, inodes, used = await self.pool.run(self._txn, operation, args, after)
+            except ops.Restart:
+                continue
+            if inodes or used:
+                self._stats = EngineStats(self._stats.inodes + inodes, self._stats.used_bytes + used)
+            return result
+
+    def _txn(self, cur: Any, operation: Callable[..., T], args: tuple,
+             after: Optional[Callable[[Any], None]]) -> tuple[T, int, int]:
+        if self.session_id:
+            cur.execute("SELECT 1 FROM sessions WHERE id=%s FOR SHARE", (self.session_id,))
+            if cur.fetchone() is None:
+                self.lost = True
+                raise SessionLost()
+        tx = _PgTx(cur, self)
+        result = operation(tx, *args)
+        if after is not None:
+            after(cur)
+        if tx.inodes_delta or tx.used_delta:
+            cur.execute("INSERT INTO counters (session_id, inodes, used) VALUES (%s, %s, %s)"
+                        " ON CONFLICT (session_id) DO UPDATE SET inodes = counters.inodes + excluded.inodes,"
+                        " used = counters.used + excluded.used", (self.session_id, tx.inodes_delta, tx.used_delta))
+        return result, tx.inodes_delta, tx.used_delta
+
+    async def _read(self, operation: Callable[..., T], *args: Any) -> T:
+        return await self.pool.run(lambda cur: operation(_PgTx(cur, self), *args))
+
+    # --- namespace ----------------------------------------------------------------
+    async def getattr(self, ino: int) -> Inode:
+        return await self._read(ops.get, ino)
+
+    async def lookup(self, parent: int, name: bytes) -> Inode:
+        return await self._read(ops.lookup, parent, name)
+
+    async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
+        return await self._write(ops.create, parent, name, node, hold)
+
+    async def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        return await self._write(ops.link, ino, parent, name)
+
+    async def unlink(self, parent: int, name: bytes) -> Freed:
+        return await self._write(ops.unlink, parent, name)
+
+    async def rmdir(self, parent: int, name: bytes) -> Freed:
+        return await self._write(ops.rmdir, parent, name)
+
+    async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
+                     flags: int = 0) -> Freed:
+        return await self._write(ops.rename, src_parent, src_name, dst_parent, dst_name, flags)
+
+    async def setattr(self, ino: int, change: AttrChange) -> Inode:
+        return await self._write(ops.setattr, ino, change)
+
+    async def readdir(self, ino: int, after_id: int, limit: int = 1000) -> list[tuple[DirEntry, Inode]]:
+        return await self._read(ops.readdir, ino, after_id, limit)
+
+    async def parent_of(self, ino: int) -> int:
+        return await self._read(ops.parent_of, ino)
+
+    # --- file data ------------------------------------------------------------------
+    async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
+        if self.read_only:
+            return await self._read(lambda tx: (ops.get(tx, ino), ops.block_map(tx, ino)))
+        return await self._write(ops.open_file, ino)
+
+    async def close_file(self, ino: int) -> Freed:
+        if self.read_only:
+            return Freed()
+        return await self._write(ops.close_file, ino)
+
+    async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
+                            size: int, mtime_ns: int) -> Freed:
+        keys = [b[0] for b in blocks.values() if b is not None]
+
+        def done_uploading(cur: Any) -> None:
+            if keys:
+                cur.execute("DELETE FROM uploads WHERE session_id=%s AND key = ANY(%s)", (self.session_id, keys))
+
+        return await self._write(ops.commit_blocks, ino, blocks, size, mtime_ns, after=done_uploading)
+
+    async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
+        return await self._write(ops.truncate, ino, size, mtime_ns)
+
+    async def block_map(self, ino: int) -> dict[int, str]:
+        return await self._read(ops.block_map, ino)
+
+    # --- objects: uploads and garbage collection ------------------------------------------
+    async def object_info(self, key: str) -> Optional[ObjectInfo]:
+        return await self._read(ops.object_info, key)
+
+    async def begin_upload(self, key: str, size: int) -> Optional[bool]:
+        """Register this session's upload of a block, so gc leaves it alone until its commit.
+        True: the block is in the bucket already; False: upload it; None: the collector is
+        deleting it right now: ask again shortly."""
+        def register(cur: Any) -> Optional[bool]:
+            cur.execute("SELECT uploaded, deleting FROM objects WHERE key=%s FOR SHARE", (key,))
+            row = cur.fetchone()
+            if row is not None and row[1]:
+                return None
+            cur.execute("INSERT INTO uploads (session_id, key) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+                        (self.session_id, key))
+            return bool(row is not None and row[0])
+
+        return await self.pool.run(register)
+
+    async def end_upload(self, key: str) -> None:
+        """An upload whose commit will not come (the block was superseded)."""
+        await self.pool.run(lambda cur: cur.execute("DELETE FROM uploads WHERE session_id=%s AND key=%s",
+                                                    (self.session_id, key)))
+
+    async def mark_uploaded(self, key: str) -> None:
+        pass  # a shared engine records a block when it is committed, after its upload
+
+    async def forget_objects(self, keys: list[str]) -> None:
+        if keys:
+            await self.pool.run(lambda cur: cur.execute(
+                "DELETE FROM objects WHERE key = ANY(%s) AND refcount<=0", (keys,)))
+
+    async def pending_objects(self) -> list[ObjectInfo]:
+        return []  # nothing is committed before it is uploaded
+
+    async def blocks_by_recency(self, budget: Optional[int] = None) -> list[tuple[str, int]]:
+        return await self._read(ops.blocks_by_recency, budget)
+
+    async def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]:
+        return await self._read(ops.collectable_objects, older_than, 0)
+
+    async def claim_garbage(self, older_than: float, covered_seq: int) -> list[str]:
+        """Mark unreferenced blocks for deletion: those no commit references since before
+        ``older_than`` and no session is uploading. A marked block is deleted from the
+        bucket, then forgotten (``garbage_deleted``); an upload of the same bytes meanwhile
+        waits for that (``begin_upload``)."""
+        def claim(cur: Any) -> list[str]:
+            cur.execute("SELECT key FROM objects WHERE refcount<=0 AND deleting=0 AND unreferenced_since<=%s"
+                        " ORDER BY key", (older_than,))
+            claimed = []
+            for (key,) in cur.fetchall():
+                # Locked first, then checked with a fresh snapshot: an upload registered
+                # before the lock is seen, one registered after waits for 'deleting' to go.
+                cur.execute("SELECT refcount FROM objects WHERE key=%s AND deleting=0 FOR UPDATE", (key,))
+                row = cur.fetchone()
+                if row is None or row[0] > 0:
+                    continue
+                cur.execute("SELECT 1 FROM uploads WHERE key=%s LIMIT 1", (key,))
+                if cur.fetchone() is not None:
+                    continue
+                cur.execute("UPDATE objects SET deleting=1 WHERE key=%s", (key,))
+                claimed.append(key)
+            return claimed
+
+        return await self.pool.run(claim)
+
+    async def garbage_deleted(self, keys: list[str]) -> None:
+        if keys:
+            await self.pool.run(lambda cur: cur.execute(
+                "DELETE FROM objects WHERE key = ANY(%s) AND deleting=1", (keys,)))
+
+    # --- sessions -------------------------------------------------------------------------
+    async def start(self) -> Freed:
+        """Register this mount as a session; clean up sessions whose heartbeat stopped."""
+        if not self.read_only:
+            def register(cur: Any) -> int:
+                cur.execute(f"INSERT INTO sessions (host, pid, mountpoint, started, heartbeat)"
+                            f" VALUES (%s, %s, %s, {_NOW}, {_NOW}) RETURNING id",
+                            (socket.gethostname(), os.getpid(), self.mountpoint))
+                return cur.fetchone()[0]
+
+            self.session_id = await self.pool.run(register)
+            log.info("metadata session %d on %s", self.session_id, self.pool.redacted)
+        freed = await self.clean_dead_sessions()
+        await self._refresh_stats()
+        return freed
+
+    async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Heartbeat, and clean up the sessions of nodes that stopped beating."""
+        task_status.started()
+        if self.read_only:
+            return
+        while not self.lost:
+            await trio.sleep(self.session_ttl / 3)
+            try:
+                await self.heartbeat()
+                await self.clean_dead_sessions()
+                await self._refresh_stats()
+            except SessionLost:
+                log.error("this mount's metadata session expired: it publishes nothing more")
+            except Exception as exc:  # noqa: BLE001 - the database may be restarting: keep beating
+                log.warning("metadata session upkeep failed: %s", exc)
+
+    async def heartbeat(self) -> None:
+        def beat(cur: Any) -> bool:
+            cur.execute(f"UPDATE sessions SET heartbeat={_NOW} WHERE id=%s", (self.session_id,))
+            return cur.rowcount == 1
+
+        if not await self.pool.run(beat):
+            self.lost = True
+            raise SessionLost()
+
+    async def clean_dead_sessions(self) -> Freed:
+        """The files held and the uploads registered by sessions whose heartbeat stopped
+        longer than the timeout ago: let go of them, deleting files that have no name left."""
+        def dead(cur: Any) -> list[int]:
+            cur.execute(f"SELECT id FROM sessions WHERE heartbeat < {_NOW} - %s AND id <> %s",
+                        (self.session_ttl, self.session_id))
+            return [r[0] for r in cur.fetchall()]
+
+        freed = Freed()
+        for session in await self.pool.run(dead):
+            one = await self._write(_clean_session, session)
+            freed.keys += one.keys
+            self.sessions_cleaned += 1
+            log.warning("cleaned up metadata session %d (no heartbeat for %.0f s): %d blocks freed",
+                        session, self.session_ttl, len(one.keys))
+        return freed
+
+    async def sessions(self) -> list[SessionInfo]:
+        def listing(cur: Any) -> list[SessionInfo]:
+            cur.execute(f"SELECT id, host, pid, mountpoint, started, {_NOW} - heartbeat FROM sessions ORDER BY id")
+            return [SessionInfo(*row) for row in cur.fetchall()]
+
+        return await self.pool.run(listing)
+
+    async def _refresh_stats(self) -> None:
+        def totals(cur: Any) -> EngineStats:
+            cur.execute("SELECT COALESCE(SUM(inodes), 0), COALESCE(SUM(used), 0) FROM counters")
+            inodes, used = cur.fetchone()
+            return EngineStats(int(inodes), int(used))
+
+        self._stats = await self.pool.run(totals)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def sync(self) -> None:
+        pass  # every operation is committed in the database when it returns
+
+    def close(self) -> None:
+        if self.session_id and not self.lost and not self.read_only:
+            try:
+                # A clean unmount: every file this node held is closed by now; let go of the rest.
+                self.pool.run_sync(lambda cur: _clean_session(_PgTx(cur, self), self.session_id))
+            except Exception as exc:  # noqa: BLE001 - the others clean it up after the timeout
+                log.warning("could not end the metadata session: %s", exc)
+        self.pool.close()
+
+
+def _clean_session(tx: ops.Tx, session: int) -> Freed:
+    freed = Freed()
+    held = [r[0] for r in tx.all("DELETE FROM holds WHERE session_id=? RETURNING inode", (session,))]
+    tx.exec("DELETE FROM uploads WHERE session_id=?", (session,))
+    tx.exec("DELETE FROM sessions WHERE id=?", (session,))
+    for ino in sorted(held):
+        tx.lock([ino])
+        row = tx.one("SELECT nlink FROM inodes WHERE id=?", (ino,))
+        if row is not None and row[0] == 0 and not tx.holds.held(tx, ino):
+            freed.keys += ops.drop_orphans(tx, [ino]).keys
+    return freed
+
