@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -180,6 +181,62 @@ class Moto:
 
 
 # --- systems -------------------------------------------------------------------------------
+class Postgres:
+    """A PostgreSQL server of our own on 127.0.0.1 (Debian's postgresql), for the shared
+    metadata engine: initdb in a temp dir as the ``postgres`` user, removed by ``close``."""
+
+    def __init__(self) -> None:
+        self.bin = _postgres_bin()
+        # Not under a private work dir: the postgres user must reach it.
+        self.root = Path(tempfile.mkdtemp(prefix="fusestate-pg-"))
+        self.data = self.root / "data"
+        self.port = free_port()
+        shutil.chown(self.root, "postgres", "postgres")
+        self._as_postgres([str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                           "--no-sync", "-E", "UTF8"])
+        self.start()
+
+    def _as_postgres(self, cmd: list[str]) -> None:
+        proc = subprocess.run(["runuser", "-u", "postgres", "--", *cmd], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RunError(f"{' '.join(cmd[:2])} failed: {(proc.stderr or proc.stdout).strip()[-400:]}")
+
+    def start(self) -> None:
+        options = f"-h 127.0.0.1 -p {self.port} -k {self.root} -c max_connections=200 -c fsync=on"
+        self._as_postgres([str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"),
+                           "-o", options, "-w", "start"])
+
+    def stop(self, mode: str = "fast") -> None:
+        """``mode`` immediate is a crash of the server."""
+        self._as_postgres([str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"])
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> str:
+        import psycopg
+
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def close(self) -> None:
+        with contextlib.suppress(RunError):
+            self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _postgres_bin() -> Path:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+    if not found:
+        raise RunError("PostgreSQL is not installed (Debian package postgresql; scripts/setup.sh installs it)")
+    return found[-1].parent
+
+
 class System:
     """A directory to benchmark in, and how to settle it between runs and to make its cache cold."""
 

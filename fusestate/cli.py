@@ -65,8 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between metadata journal shipments; fsync ships at once (default %(default)s)")
     m.add_argument("--gc-grace", type=float, default=3600.0,
                    help="seconds an unreferenced block is kept before deletion (default %(default)s)")
+    m.add_argument("--meta", default=os.environ.get("FUSESTATE_META_URL") or None, metavar="URL",
+                   help="metadata engine: 'sqlite' (the embedded default: one writer per volume) or "
+                        "postgresql://[user@]host[:port]/database, shared by every node that mounts the volume "
+                        "read-write at once (credentials as libpq takes them: PGPASSWORD, ~/.pgpass, PGSSLMODE); "
+                        "default $FUSESTATE_META_URL, else sqlite")
+    m.add_argument("--session-timeout", type=float, default=30.0,
+                   help="with --meta: seconds a node's session lives without a heartbeat before the other "
+                        "nodes clean it up (default %(default)s)")
     m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
-    m.add_argument("--attr-timeout", type=float, default=10.0, help="kernel attribute cache seconds (default %(default)s)")
+    m.add_argument("--attr-timeout", type=float, default=None,
+                   help="seconds the kernel caches names and attributes (default 10, or 1 with --meta: "
+                        "how long another node's rename or unlink may go unseen)")
     m.add_argument("--debug", action="store_true", help="verbose logging")
     m.add_argument("-o", dest="fuse_options", action="append", default=[], help="extra FUSE mount option")
 
@@ -123,7 +133,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         foreground=args.foreground, attr_timeout=args.attr_timeout, debug=args.debug,
         fuse_options=args.fuse_options, prefetch=args.prefetch, whole_blocks=args.whole_blocks,
         scratch_dirs=args.scratch_dirs,
-        journal_interval=args.journal_interval, gc_grace=args.gc_grace,
+        journal_interval=args.journal_interval, gc_grace=args.gc_grace, meta_url=args.meta,
+        session_timeout=args.session_timeout,
     )
 
 

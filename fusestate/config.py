@@ -28,6 +28,17 @@ def parse_size(text: str, option: str = "size") -> int:
         raise UserError(f"bad {option} {text!r}: expected a size such as 512M or 20G") from None
 
 
+def redact_url(url: str) -> str:
+    """A URL without its password, for every message and record."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}" if parts.username else host))
+
+
 def format_size(n: float) -> str:
     return humanfriendly.format_size(n, binary=True)
 
@@ -63,7 +74,7 @@ class MountConfig:
     takeover: bool = False
     foreground: bool = False
     metrics_addr: Optional[str] = f"127.0.0.1:{DEFAULT_METRICS_PORT}"  # "off" disables the exporter
-    attr_timeout: float = 10.0
+    attr_timeout: Optional[float] = None     # default: 10 s, 1 s for a shared engine
     remote_timeout: float = 30.0
     remote_retries: int = 6
     gc_grace: float = 3600.0                 # seconds an unreferenced block is kept
@@ -73,11 +84,26 @@ class MountConfig:
     prefetch: str = "auto"                   # auto | off | recent | all: background cache warming after mounting
     whole_blocks: str = "auto"               # auto | always | never: cold reads bring whole blocks to the node
     scratch_dirs: list[str] = field(default_factory=list)  # name globs of node-local directories (--scratch)
+    meta_url: Optional[str] = None           # a shared metadata engine (postgresql://...); None: embedded SQLite
+    session_timeout: float = 30.0            # shared engine: seconds without a heartbeat before others clean up
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.mountpoint = os.path.abspath(self.mountpoint)
+        if self.meta_url in ("", "sqlite"):
+            self.meta_url = None
+        if self.attr_timeout is None:
+            self.attr_timeout = 1.0 if self.meta_url else 10.0
+        if self.meta_url is not None:
+            if not self.meta_url.startswith(("postgresql://", "postgres://")):
+                raise UserError(f"bad --meta {redact_url(self.meta_url)!r}: expected postgresql://[user@]host[:port]/database "
+                                "or sqlite (the embedded default)")
+            if self.takeover:
+                raise UserError("--takeover is for the embedded engine's single writer; with --meta every node "
+                                "mounts read-write at once")
+            if self.scratch_dirs:
+                raise UserError("--scratch is not supported with --meta: a shared volume keeps no node-local files")
         self.cache_dir = os.path.abspath(self.cache_dir)
         if self.durability not in ("remote", "local"):
             raise UserError(f"bad --durability {self.durability!r}: expected remote or local")

@@ -21,23 +21,42 @@ stop_packaged_prometheus() {
     fi
 }
 
+# The same for a packaged PostgreSQL cluster: the tests start servers of their own.
+stop_packaged_service() {
+    if [ -d /run/systemd/system ]; then
+        systemctl disable --now --quiet "$1.service" >/dev/null 2>&1 || true
+    else
+        if [ -x "/etc/init.d/$1" ]; then
+            "/etc/init.d/$1" stop >/dev/null 2>&1 || true
+        fi
+        update-rc.d "$1" disable >/dev/null 2>&1 || true
+    fi
+}
+
 need_apt=0
 for cmd in fusermount3 db_bench ldb pkg-config prometheus promtool shellcheck systemd-analyze fio rclone s3fs strace; do
     command -v "$cmd" >/dev/null 2>&1 || need_apt=1
 done
 [ -e /usr/include/fuse3/fuse_lowlevel.h ] || need_apt=1
+# PostgreSQL's server, for the shared metadata engine's tests (they start their own server).
+compgen -G "/usr/lib/postgresql/*/bin/pg_ctl" >/dev/null || need_apt=1
 if [ "$need_apt" = 1 ]; then
     had_prometheus=0
     case "$(dpkg-query -W -f='${Status}' prometheus 2>/dev/null || true)" in
         *" installed") had_prometheus=1 ;;
     esac
+    had_postgresql=0
+    case "$(dpkg-query -W -f='${Status}' postgresql 2>/dev/null || true)" in
+        *" installed") had_postgresql=1 ;;
+    esac
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends \
         fuse3 libfuse3-dev pkg-config rocksdb-tools prometheus shellcheck systemd \
-        fio rclone s3fs strace >/dev/null
+        fio rclone s3fs strace postgresql >/dev/null
     # Only a server this script brought: one installed on purpose is left as it is.
     [ "$had_prometheus" = 1 ] || stop_packaged_prometheus
+    [ "$had_postgresql" = 1 ] || stop_packaged_service postgresql
 fi
 
 # A JDK for PySpark and for building the Spark Hadoop shim (spark/shim).

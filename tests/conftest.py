@@ -24,7 +24,7 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
 # Local-server and mount helpers shared with the benchmarks.
-from bench.systems import free_port, is_mounted, wait_or_kill, wait_port  # noqa: E402
+from bench.systems import Postgres, free_port, is_mounted, wait_or_kill, wait_port  # noqa: E402
 
 # Credentials and switches every daemon and client in the tests sees.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -74,6 +74,22 @@ def gcs_endpoint() -> Iterator[str]:
         yield url
     finally:
         stop_process(proc)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Postgres]:
+    """One PostgreSQL server per test process, on 127.0.0.1, removed afterwards."""
+    server = Postgres()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def pg_url(postgres_server: Postgres) -> str:
+    """A fresh, empty database on the test server."""
+    return postgres_server.create_database(f"t{uuid.uuid4().hex[:12]}")
 
 
 def make_s3_bucket(endpoint: str, name: str) -> None:

@@ -113,7 +113,12 @@ class Daemon:
         self.registry = CollectorRegistry()
         histograms = Histograms(self.registry)
         self.remote.stats.observer = Histograms.observer(histograms.remote)  # before the first request
-        self.volume = volume.load_or_create(self.remote, cfg.block_size, create=not cfg.read_only)
+        if cfg.meta_url:
+            from fusestate.meta.pgpool import check_connect  # psycopg: only shared mounts load it
+
+            check_connect(cfg.meta_url)
+        self.volume = volume.load_or_create(self.remote, cfg.block_size, create=not cfg.read_only,
+                                            meta_url=cfg.meta_url)
         self.meta = self._open_metadata()
         assert cfg.max_dirty is not None
         self.parts = components.build(self.meta, self.remote, self.layout, components.Settings(
@@ -125,7 +130,8 @@ class Daemon:
         p = self.parts
         self.memory, self.disk, self.staging = p.memory, p.disk, p.staging
         self.uploader, self.blocks, self.warmer, self.fs = p.uploader, p.blocks, p.warmer, p.fs
-        self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
+        assert cfg.attr_timeout is not None
+        self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout, shared=self.meta.shared)
         # The embedded engine's own durability: its journal shipped to the bucket, fenced by the lease.
         self.shipper: Optional[JournalShipper] = None
         if isinstance(self.meta, SQLiteEngine):
@@ -144,11 +150,11 @@ class Daemon:
         node was the volume's last writer, else restored from the bucket (taking the volume's
         lease, a new epoch, for a read-write mount)."""
         layout, cfg = self.layout, self.cfg
-        if getattr(cfg, "meta_url", None) not in (None, "sqlite"):
+        if cfg.meta_url:
             from fusestate.meta.postgres_engine import PostgresEngine  # psycopg: only shared mounts load it
 
             return PostgresEngine(cfg.meta_url, self.volume.block_size, mountpoint=cfg.mountpoint,
-                                  read_only=cfg.read_only)
+                                  read_only=cfg.read_only, session_ttl=cfg.session_timeout)
         known: dict[str, Any] = {}
         with contextlib.suppress(FileNotFoundError, ValueError), open(layout.volume_file) as f:
             known = json.load(f)

@@ -2,7 +2,7 @@
 
 Layout under the volume's root::
 
-    fusestate.json              format version, block size, volume id
+    fusestate.json              format version, block size, volume id, metadata engine
     blocks/ab/<hash>            content-addressed blocks (BLAKE3; SHA-256 before), never overwritten
     lease/<epoch>.json          one per read-write mount: holder, heartbeat, fencing
     meta/journal/...            metadata journal segments (see fusestate.meta.journal)
@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,10 +33,35 @@ class VolumeInfo:
     volume_id: str
     block_size: int
     format: int
+    meta: str = "sqlite"      # where the metadata lives: "sqlite" or postgresql://host:port/database
 
 
-def load_or_create(remote: RemoteStore, block_size: Optional[int], create: bool) -> VolumeInfo:
-    """Read the volume descriptor; create the volume if the prefix is empty."""
+def engine_identity(meta_url: Optional[str]) -> str:
+    """The database a volume's metadata lives in, as recorded: no user, no password."""
+    if not meta_url:
+        return "sqlite"
+    parts = urlsplit(meta_url)
+    host = parts.hostname or "localhost"
+    return f"postgresql://{host}:{parts.port or 5432}{parts.path or '/'}"
+
+
+def _check_engine(info: VolumeInfo, meta_url: Optional[str]) -> None:
+    named = engine_identity(meta_url)
+    if named == info.meta:
+        return
+    if info.meta == "sqlite":
+        raise UserError(f"the volume keeps its metadata in the embedded engine (sqlite), not {named}; "
+                        "mount it without --meta")
+    if named == "sqlite":
+        raise UserError(f"the volume keeps its metadata in {info.meta}; mount it with --meta {info.meta} "
+                        "(or FUSESTATE_META_URL)")
+    raise UserError(f"the volume keeps its metadata in {info.meta}, not {named}")
+
+
+def load_or_create(remote: RemoteStore, block_size: Optional[int], create: bool,
+                   meta_url: Optional[str] = None) -> VolumeInfo:
+    """Read the volume descriptor; create the volume if the prefix is empty. A mount that
+    names another metadata engine than the volume's is refused."""
     try:
         raw = remote.get(DESCRIPTOR)
     except FileNotFoundError:
@@ -45,7 +71,8 @@ def load_or_create(remote: RemoteStore, block_size: Optional[int], create: bool)
     if raw is not None:
         try:
             doc = json.loads(raw)
-            info = VolumeInfo(doc["volume_id"], int(doc["block_size"]), int(doc["format"]))
+            info = VolumeInfo(doc["volume_id"], int(doc["block_size"]), int(doc["format"]),
+                              doc.get("meta", "sqlite"))
         except (ValueError, KeyError) as exc:
             raise UserError(f"{remote.path(DESCRIPTOR)} is not a fusestate volume descriptor ({exc})") from None
         if info.format > FORMAT_VERSION:
@@ -54,11 +81,12 @@ def load_or_create(remote: RemoteStore, block_size: Optional[int], create: bool)
             raise UserError(
                 f"the volume uses {info.block_size}-byte blocks; --block-size {block_size} does not match"
             )
+        _check_engine(info, meta_url)
         return info
     if not create:
         raise UserError(f"no fusestate volume at {remote.root} (mount it read-write once to create it)")
-    info = VolumeInfo(uuid.uuid4().hex, block_size or 4 << 20, FORMAT_VERSION)
-    doc = {"format": info.format, "volume_id": info.volume_id, "block_size": info.block_size,
+    info = VolumeInfo(uuid.uuid4().hex, block_size or 4 << 20, FORMAT_VERSION, engine_identity(meta_url))
+    doc = {"format": info.format, "volume_id": info.volume_id, "block_size": info.block_size, "meta": info.meta,
            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     remote.put(DESCRIPTOR, json.dumps(doc, indent=2).encode())
     log.info("created volume %s at %s", info.volume_id, remote.root)

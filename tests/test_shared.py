@@ -1,0 +1,172 @@
+"""One volume, many nodes: two daemons, each with its own cache dir, mount one volume
+read-write at once with their metadata on a real PostgreSQL server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Bucket, Mount, assert_one_line_error, fusestate
+
+SESSION_TIMEOUT = 3.0
+
+
+def shared_pair(make_mount, bucket: Bucket, pg_url: str) -> tuple[Mount, Mount]:
+    opts = ["--meta", pg_url, "--metrics-addr", "off", "--session-timeout", str(SESSION_TIMEOUT)]
+    a = make_mount(bucket, name="node-a", cache="cache-a", extra=opts).mount()
+    b = make_mount(bucket, name="node-b", cache="cache-b", extra=opts).mount()
+    return a, b
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def test_fsynced_on_one_node_reads_whole_on_the_other(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    data = os.urandom(9 << 20)  # three blocks, the last one short
+    write_synced(a.path / "state.sst", data)
+    assert (b.path / "state.sst").read_bytes() == data
+    # A new version written on B and renamed over the name (Spark's and RocksDB's way) is
+    # what an open on A finds once A's cached name expires (--attr-timeout, 1 s here).
+    newer = os.urandom(5 << 20)
+    (b.path / "state.sst.tmp").write_bytes(newer)
+    os.rename(b.path / "state.sst.tmp", b.path / "state.sst")
+    time.sleep(1.2)
+    assert (a.path / "state.sst").read_bytes() == newer
+    st = b.status()
+    assert st["metadata"]["engine"] == "postgresql"
+    assert len(st["sessions"]) == 2 and sum(s["this"] for s in st["sessions"]) == 1
+
+
+def test_namespace_changes_from_both_nodes_at_once(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    """Creates, links, renames and unlinks in one directory from two nodes at once: every
+    name each node made is there exactly once, nothing else is."""
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    (a.path / "shared").mkdir()
+    errors: list[BaseException] = []
+
+    def churn(m: Mount, tag: str) -> None:
+        try:
+            d = m.path / "shared"
+            for i in range(40):
+                (d / f"{tag}-{i}.tmp").write_bytes(f"{tag}{i}".encode())
+                os.link(d / f"{tag}-{i}.tmp", d / f"{tag}-{i}.link")
+                os.rename(d / f"{tag}-{i}.tmp", d / f"{tag}-{i}")
+                os.unlink(d / f"{tag}-{i}.link")
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(m, tag)) for m, tag in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    expected = sorted(f"{tag}-{i}" for tag in "ab" for i in range(40))
+    for m in (a, b):
+        assert sorted(os.listdir(m.path / "shared")) == expected
+    assert (b.path / "shared" / "a-7").read_bytes() == b"a7"
+    assert os.stat(a.path / "shared" / "b-3").st_nlink == 1
+
+
+def test_no_replace_rename_has_one_winner(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    """Spark's commit protocol: two nodes rename onto one name without overwrite; one wins."""
+    from test_posix import renameat2, RENAME_NOREPLACE
+
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    (a.path / "from-a").write_bytes(b"a")
+    (b.path / "from-b").write_bytes(b"b")
+    outcomes = []
+    for m, name in ((a, "from-a"), (b, "from-b")):
+        try:
+            renameat2(m.path / name, m.path / "commits-7", RENAME_NOREPLACE)
+            outcomes.append("won")
+        except FileExistsError:
+            outcomes.append("lost")
+    assert outcomes == ["won", "lost"]
+    assert (b.path / "commits-7").read_bytes() == b"a"
+
+
+def test_open_unlinked_file_stays_readable_where_it_is_open(make_mount, file_bucket: Bucket,
+                                                           pg_url: str) -> None:
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    data = os.urandom(6 << 20)
+    write_synced(a.path / "old.sst", data)
+    with open(a.path / "old.sst", "rb") as f:
+        os.unlink(b.path / "old.sst")
+        time.sleep(1.2)  # A's cached name expires (--attr-timeout)
+        assert not (a.path / "old.sst").exists()
+        assert f.read() == data  # its blocks live while node A holds it open
+    assert os.listdir(b.path) == []
+
+
+def test_a_lost_node_is_cleaned_up_and_its_fsynced_files_survive(make_mount, file_bucket: Bucket,
+                                                                 pg_url: str) -> None:
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    synced = os.urandom(5 << 20)
+    write_synced(a.path / "synced.sst", synced)
+    held = a.path / "held.sst"
+    write_synced(held, os.urandom(1 << 20))
+    f = open(held, "rb")  # noqa: SIM115 - held open while the node dies
+    try:
+        os.unlink(b.path / "held.sst")  # open on A: kept for A
+        a.kill()
+        a.wipe_cache()
+    finally:
+        with contextlib.suppress(OSError):
+            f.close()  # its mount is dead: ENOTCONN
+    assert (b.path / "synced.sst").read_bytes() == synced
+    deadline = time.monotonic() + 10 * SESSION_TIMEOUT
+    while len(b.status()["sessions"]) > 1:
+        assert time.monotonic() < deadline, "the dead node's session was never cleaned up"
+        time.sleep(0.5)
+    (b.path / "after.txt").write_bytes(b"the volume goes on")
+    assert sorted(os.listdir(b.path)) == ["after.txt", "synced.sst"]
+    assert b.status()["files"] == 3  # root, synced.sst, after.txt: the held file went with A
+
+
+def test_mount_refuses_a_volume_on_another_engine(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    shared = make_mount(file_bucket, name="shared", cache="c1", extra=["--meta", pg_url, "--metrics-addr", "off"])
+    shared.mount()
+    shared.umount()
+    plain = make_mount(file_bucket, name="plain", cache="c2", extra=["--metrics-addr", "off"])
+    assert_one_line_error(plain.try_mount(), "postgresql://127.0.0.1:", "--meta")
+
+
+def test_unreachable_database_is_one_clear_line(make_mount, file_bucket: Bucket, tmp_path: Path) -> None:
+    from bench.systems import free_port
+
+    url = f"postgresql://postgres@127.0.0.1:{free_port()}/fs"
+    m = make_mount(file_bucket, extra=["--meta", url, "--metrics-addr", "off"])
+    assert_one_line_error(m.try_mount(), "metadata database", "127.0.0.1")
+
+
+def test_bad_meta_url_is_one_clear_line(make_mount, file_bucket: Bucket) -> None:
+    m = make_mount(file_bucket, extra=["--meta", "mysql://u:secret@h/db"])
+    line = assert_one_line_error(m.try_mount(), "--meta")
+    assert "secret" not in line
+
+
+def test_database_restart_under_a_live_mount(make_mount, file_bucket: Bucket, pg_url: str,
+                                             postgres_server) -> None:
+    """Operations wait while the database restarts, then go on; nothing is lost."""
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    write_synced(a.path / "before", b"1")
+    restarter = threading.Thread(target=postgres_server.restart)
+    restarter.start()
+    write_synced(a.path / "during", b"2")  # waits for the server if it lands in the gap
+    restarter.join()
+    write_synced(b.path / "after", b"3")
+    assert sorted(os.listdir(a.path)) == ["after", "before", "during"]
+    assert (b.path / "during").read_bytes() == b"2"
+    pytest.importorskip("psycopg")
+    fusestate("status", str(a.path))
