@@ -54,6 +54,12 @@ class Tx(Protocol):
     def all(self, sql: str, args: tuple = ()) -> list[tuple]: ...
     def exec(self, sql: str, args: tuple = ()) -> int: ...
     def lock(self, inodes: Iterable[int]) -> None: ...
+    def lock_moves(self) -> None:
+        """Serialize directory moves between parents with each other: the check that a
+        directory is not moved under itself walks ancestors it does not lock, so two such
+        moves at once could otherwise make a cycle (Linux's VFS keeps one rename lock for
+        the same reason). Taken before any inode lock."""
+        ...
     def unreferenced_mark(self) -> int:
         """The engine's position in its history when a block loses its last reference
         (SQLite: the journal sequence; gc keeps the block while a restore point needs it)."""
@@ -245,6 +251,11 @@ def rmdir(tx: Tx, parent_id: int, name: bytes) -> Freed:
     return freed
 
 
+def _is_dir(tx: Tx, ino: int) -> bool:
+    row = tx.one("SELECT mode FROM inodes WHERE id=?", (ino,))  # the type never changes: no lock needed
+    return row is not None and stat.S_ISDIR(row[0])
+
+
 def _is_ancestor(tx: Tx, ancestor: int, ino: int) -> bool:
     while True:
         if ino == ancestor:
@@ -264,6 +275,8 @@ def rename(tx: Tx, src_parent: int, src_name: bytes, dst_parent: int, dst_name: 
         _directory(tx, dst_parent)
         raise FsError(errno.ENOENT)
     target = _entry(tx, dst_parent, dst_name)
+    if src_parent != dst_parent and any(_is_dir(tx, i) for i in (ino, target) if i is not None):
+        tx.lock_moves()
     tx.lock({src_parent, dst_parent, ino} | ({target} if target is not None else set()))
     if _entry(tx, src_parent, src_name) != ino or _entry(tx, dst_parent, dst_name) != target:
         raise Restart()

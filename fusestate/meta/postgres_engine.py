@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCHEMA_LOCK = 0x66757365  # advisory lock id taken while the schema is created
+MOVE_LOCK = 0x66757366    # advisory lock id that serializes directory moves between parents
 SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clean a session up
 
 _SCHEMA = """
@@ -144,6 +145,9 @@ class _PgTx:
 
     def lock(self, inodes: Iterable[int]) -> None:
         self._cur.execute("SELECT id FROM inodes WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (sorted(set(inodes)),))
+
+    def lock_moves(self) -> None:
+        self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (MOVE_LOCK,))
 
     def unreferenced_mark(self) -> int:
         return 0

@@ -107,6 +107,9 @@ class _SQLiteTx:
     def lock(self, inodes: Iterable[int]) -> None:
         pass
 
+    def lock_moves(self) -> None:
+        pass
+
     def unreferenced_mark(self) -> int:
         return self._engine.journal_last_seq()
 

@@ -1,0 +1,538 @@
+"""The metadata engine contract: every engine (SQLite, PostgreSQL) answers every operation
+the same way. Each test runs once per engine against the real database (PostgreSQL: a
+server started by the tests on 127.0.0.1); the tests marked ``shared`` run two engines on
+one database, as two nodes do.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+import time
+from pathlib import Path
+from typing import Awaitable, Callable, Iterator
+
+import pytest
+import trio
+
+from fusestate.meta.engine import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, FsError, MetaEngine,
+                                   NewNode)
+from fusestate.meta.postgres_engine import PostgresEngine
+from fusestate.meta.sqlite_engine import SQLiteEngine
+
+BS = 64 * 1024
+FILE = NewNode(stat.S_IFREG | 0o644, 1000, 1000)
+DIR = NewNode(stat.S_IFDIR | 0o755, 1000, 1000)
+FAR_FUTURE = 2**62
+
+Body = Callable[..., Awaitable[None]]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def engine_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def new_engine(engine_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., MetaEngine]]:
+    """A factory of engines on one fresh database: each call is another node (PostgreSQL)."""
+    made: list[MetaEngine] = []
+    url = request.getfixturevalue("pg_url") if engine_kind == "postgresql" else ""
+
+    def make(**kw) -> MetaEngine:
+        if engine_kind == "sqlite":
+            engine: MetaEngine = SQLiteEngine(str(tmp_path / "meta.db"), block_size=BS)
+        else:
+            engine = PostgresEngine(url, block_size=BS, mountpoint=f"/node{len(made)}", **kw)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def drive(new_engine: Callable[..., MetaEngine], body: Body, nodes: int = 1, **kw) -> None:
+    """Start ``nodes`` engines on the database and run ``body(*engines)`` under trio."""
+    async def main() -> None:
+        engines = [new_engine(**kw) for _ in range(nodes)]
+        for e in engines:
+            await e.start()
+        await body(*engines)
+
+    trio.run(main)
+
+
+async def raises(code: int, call: Awaitable) -> None:
+    with pytest.raises(FsError) as info:
+        await call
+    assert info.value.errno == code, f"expected {errno.errorcode[code]}, got {errno.errorcode.get(info.value.errno)}"
+
+
+async def names(m: MetaEngine, ino: int) -> list[bytes]:
+    return [entry.name for entry, _ in await m.readdir(ino, 0, 100000)]
+
+
+def key(n: int) -> str:
+    return f"{n:064x}"
+
+
+shared_only = pytest.mark.parametrize("engine_kind", ["postgresql"])
+
+
+# --- namespace ------------------------------------------------------------------------
+
+def test_every_inode_type_is_created_and_looked_up(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        kinds = {
+            b"file": NewNode(stat.S_IFREG | 0o640, 1, 2),
+            b"dir": NewNode(stat.S_IFDIR | 0o750, 1, 2),
+            b"link": NewNode(stat.S_IFLNK | 0o777, 1, 2, symlink_target=b"../somewhere"),
+            b"fifo": NewNode(stat.S_IFIFO | 0o600, 1, 2),
+            b"sock": NewNode(stat.S_IFSOCK | 0o600, 1, 2),
+            b"chr": NewNode(stat.S_IFCHR | 0o600, 1, 2, rdev=(1 << 8) | 3),
+            b"blk": NewNode(stat.S_IFBLK | 0o600, 1, 2, rdev=(8 << 8) | 1),
+        }
+        made = {name: await m.create(ROOT_INODE, name, node) for name, node in kinds.items()}
+        for name, node in kinds.items():
+            found = await m.lookup(ROOT_INODE, name)
+            assert found.id == made[name].id
+            assert found.mode == node.mode and (found.uid, found.gid) == (1, 2)
+            assert found.rdev == node.rdev
+        assert (await m.lookup(ROOT_INODE, b"link")).symlink_target == b"../somewhere"
+        assert (await m.lookup(ROOT_INODE, b"link")).size == len(b"../somewhere")
+        assert (await m.getattr(made[b"dir"].id)).nlink == 2
+        assert (await m.getattr(ROOT_INODE)).nlink == 3  # ".", its own name, and dir's ".."
+        assert sorted(await names(m, ROOT_INODE)) == sorted(kinds)
+        assert m.stats().inodes == 1 + len(kinds)
+
+    drive(new_engine, body)
+
+
+def test_create_errors(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        f = await m.create(ROOT_INODE, b"f", FILE)
+        await raises(errno.EEXIST, m.create(ROOT_INODE, b"f", FILE))
+        await raises(errno.EEXIST, m.create(ROOT_INODE, b"f", DIR))
+        await raises(errno.ENOTDIR, m.create(f.id, b"x", FILE))
+        await raises(errno.ENAMETOOLONG, m.create(ROOT_INODE, b"n" * 256, FILE))
+        await raises(errno.ENAMETOOLONG, m.lookup(ROOT_INODE, b"n" * 256))
+        await m.create(ROOT_INODE, b"n" * 255, FILE)
+        d = await m.create(ROOT_INODE, b"d", DIR)
+        await m.rmdir(ROOT_INODE, b"d")
+        await raises(errno.ENOENT, m.create(d.id, b"x", FILE))  # into a removed directory
+        await raises(errno.ENOENT, m.lookup(ROOT_INODE, b"missing"))
+        await raises(errno.ENOTDIR, m.lookup(f.id, b"x"))
+
+    drive(new_engine, body)
+
+
+def test_dot_and_dotdot_and_parent(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        a = await m.create(ROOT_INODE, b"a", DIR)
+        b = await m.create(a.id, b"b", DIR)
+        assert (await m.lookup(b.id, b".")).id == b.id
+        assert (await m.lookup(b.id, b"..")).id == a.id
+        assert (await m.lookup(ROOT_INODE, b"..")).id == ROOT_INODE
+        assert await m.parent_of(b.id) == a.id
+
+    drive(new_engine, body)
+
+
+def test_setgid_directory_passes_its_group_down(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        d = await m.create(ROOT_INODE, b"d", NewNode(stat.S_IFDIR | stat.S_ISGID | 0o775, 1000, 50))
+        f = await m.create(d.id, b"f", NewNode(stat.S_IFREG | 0o644, 1000, 1000))
+        sub = await m.create(d.id, b"sub", NewNode(stat.S_IFDIR | 0o755, 1000, 1000))
+        assert f.gid == 50 and sub.gid == 50
+        assert sub.mode & stat.S_ISGID and not f.mode & stat.S_ISGID
+
+    drive(new_engine, body)
+
+
+def test_link_and_unlink_count_names(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        f = await m.create(ROOT_INODE, b"f", FILE)
+        d = await m.create(ROOT_INODE, b"d", DIR)
+        assert (await m.link(f.id, d.id, b"g")).nlink == 2
+        await raises(errno.EEXIST, m.link(f.id, ROOT_INODE, b"d"))
+        await raises(errno.EPERM, m.link(d.id, ROOT_INODE, b"d2"))
+        await raises(errno.EISDIR, m.unlink(ROOT_INODE, b"d"))
+        await raises(errno.ENOENT, m.unlink(ROOT_INODE, b"missing"))
+        freed = await m.unlink(ROOT_INODE, b"f")
+        assert freed.unlinked is not None and freed.unlinked.nlink == 1 and freed.deleted_inode is None
+        assert (await m.lookup(d.id, b"g")).nlink == 1
+        freed = await m.unlink(d.id, b"g")
+        assert freed.deleted_inode == f.id
+        await raises(errno.ENOENT, m.getattr(f.id))
+        await raises(errno.ENOENT, m.link(f.id, ROOT_INODE, b"back"))
+
+    drive(new_engine, body)
+
+
+def test_rmdir_rules(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        d = await m.create(ROOT_INODE, b"d", DIR)
+        await m.create(d.id, b"f", FILE)
+        await m.create(ROOT_INODE, b"file", FILE)
+        await raises(errno.ENOTEMPTY, m.rmdir(ROOT_INODE, b"d"))
+        await raises(errno.ENOTDIR, m.rmdir(ROOT_INODE, b"file"))
+        await raises(errno.EINVAL, m.rmdir(d.id, b"."))
+        await raises(errno.ENOENT, m.rmdir(ROOT_INODE, b"missing"))
+        await m.unlink(d.id, b"f")
+        assert (await m.getattr(ROOT_INODE)).nlink == 3
+        freed = await m.rmdir(ROOT_INODE, b"d")
+        assert freed.deleted_inode == d.id
+        assert (await m.getattr(ROOT_INODE)).nlink == 2
+        assert await names(m, ROOT_INODE) == [b"file"]
+
+    drive(new_engine, body)
+
+
+def test_rename_replace_noreplace_exchange(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        a = await m.create(ROOT_INODE, b"a", FILE)
+        b = await m.create(ROOT_INODE, b"b", FILE)
+        await raises(errno.EEXIST, m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b", RENAME_NOREPLACE))
+        await raises(errno.ENOENT, m.rename(ROOT_INODE, b"a", ROOT_INODE, b"none", RENAME_EXCHANGE))
+        await m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b", RENAME_EXCHANGE)
+        assert (await m.lookup(ROOT_INODE, b"a")).id == b.id
+        assert (await m.lookup(ROOT_INODE, b"b")).id == a.id
+        freed = await m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b")  # replaces a's inode (now named b)
+        assert freed.deleted_inode == a.id
+        assert (await m.lookup(ROOT_INODE, b"b")).id == b.id
+        await raises(errno.ENOENT, m.lookup(ROOT_INODE, b"a"))
+        await m.rename(ROOT_INODE, b"b", ROOT_INODE, b"c", RENAME_NOREPLACE)
+        assert await names(m, ROOT_INODE) == [b"c"]
+        await m.link(b.id, ROOT_INODE, b"c2")
+        assert not (await m.rename(ROOT_INODE, b"c", ROOT_INODE, b"c2")).keys  # two names of one file: nothing
+        assert sorted(await names(m, ROOT_INODE)) == [b"c", b"c2"]
+
+    drive(new_engine, body)
+
+
+def test_rename_of_directories(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        a = await m.create(ROOT_INODE, b"a", DIR)
+        sub = await m.create(a.id, b"sub", DIR)
+        b = await m.create(ROOT_INODE, b"b", DIR)
+        await m.create(b.id, b"x", FILE)
+        await m.create(ROOT_INODE, b"f", FILE)
+        await raises(errno.EINVAL, m.rename(ROOT_INODE, b"a", sub.id, b"a"))
+        await raises(errno.ENOTEMPTY, m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b"))
+        await raises(errno.ENOTDIR, m.rename(ROOT_INODE, b"a", ROOT_INODE, b"f"))
+        await raises(errno.EISDIR, m.rename(ROOT_INODE, b"f", ROOT_INODE, b"a"))
+        await m.rename(a.id, b"sub", b.id, b"sub")
+        assert (await m.getattr(a.id)).nlink == 2 and (await m.getattr(b.id)).nlink == 3
+        assert (await m.lookup(sub.id, b"..")).id == b.id
+        freed = await m.rename(b.id, b"sub", ROOT_INODE, b"a")  # over an empty directory
+        assert freed.deleted_inode == a.id
+        assert (await m.getattr(ROOT_INODE)).nlink == 4  # a (now sub), b, and "." + its name
+        await m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b", RENAME_EXCHANGE)
+        assert (await m.lookup(ROOT_INODE, b"b")).id == sub.id
+
+    drive(new_engine, body)
+
+
+def test_setattr_changes_what_it_names_and_ctime(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        d = await m.create(ROOT_INODE, b"d", DIR)
+        before = d.ctime_ns
+        await trio.sleep(0.002)
+        after = await m.setattr(d.id, AttrChange(mode=0o700, uid=7, gid=8, atime_ns=10**9, mtime_ns=2 * 10**9))
+        assert stat.S_ISDIR(after.mode) and stat.S_IMODE(after.mode) == 0o700
+        assert (after.uid, after.gid, after.atime_ns, after.mtime_ns) == (7, 8, 10**9, 2 * 10**9)
+        assert after.ctime_ns > before
+        assert await m.getattr(d.id) == after
+
+    drive(new_engine, body)
+
+
+def test_readdir_pages_in_id_order(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        d = await m.create(ROOT_INODE, b"d", DIR)
+        made = [await m.create(d.id, f"f{i:03}".encode(), FILE) for i in range(25)]
+        seen: list = []
+        after = 0
+        while page := await m.readdir(d.id, after, limit=7):
+            assert len(page) <= 7
+            seen += page
+            after = page[-1][0].entry_id
+        assert [entry.name for entry, _ in seen] == [f"f{i:03}".encode() for i in range(25)]
+        assert [node.id for _, node in seen] == [n.id for n in made]
+        ids = [entry.entry_id for entry, _ in seen]
+        assert ids == sorted(ids) and len(set(ids)) == 25
+
+    drive(new_engine, body)
+
+
+def test_scratch_directories_stay_apart(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        s = await m.create(ROOT_INODE, b"blockmgr-1", NewNode(DIR.mode, 0, 0, scratch_name=True))
+        inner = await m.create(s.id, b"f", FILE)
+        plain = await m.create(ROOT_INODE, b"plain", FILE)
+        assert s.scratch and inner.scratch and not plain.scratch
+        await raises(errno.EXDEV, m.link(inner.id, ROOT_INODE, b"g"))
+        await raises(errno.EXDEV, m.rename(ROOT_INODE, b"plain", s.id, b"plain"))
+        await raises(errno.EXDEV, m.rename(s.id, b"f", ROOT_INODE, b"f"))
+
+    drive(new_engine, body)
+
+
+# --- file data and the block ledger ---------------------------------------------------------
+
+def test_block_maps_count_references_and_free_the_last(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        a = await m.create(ROOT_INODE, b"a", FILE)
+        b = await m.create(ROOT_INODE, b"b", FILE)
+        assert not (await m.commit_blocks(a.id, {0: (key(1), BS), 1: (key(2), 100)}, BS + 100, 5)).keys
+        assert not (await m.commit_blocks(b.id, {0: (key(1), BS)}, BS, 6)).keys
+        assert await m.block_map(a.id) == {0: key(1), 1: key(2)}
+        assert (await m.object_info(key(1))).refcount == 2
+        attrs = await m.getattr(a.id)
+        assert (attrs.size, attrs.mtime_ns) == (BS + 100, 5)
+        assert m.stats().used_bytes == BS + 100
+        # a's block 0 moves to new bytes: key(1) still has b
+        assert not (await m.commit_blocks(a.id, {0: (key(3), BS)}, BS + 100, 7)).keys
+        # b's block 0 becomes a hole: key(1) loses its last reference
+        assert (await m.commit_blocks(b.id, {0: None}, BS, 8)).keys == [key(1)]
+        assert await m.block_map(b.id) == {}
+        # removing a frees both of its blocks
+        freed = await m.unlink(ROOT_INODE, b"a")
+        assert sorted(freed.keys) == [key(2), key(3)] and freed.deleted_inode == a.id
+        assert m.stats().used_bytes == 0
+        await raises(errno.ENOENT, m.commit_blocks(a.id, {0: (key(4), 1)}, 1, 9))
+
+    drive(new_engine, body)
+
+
+def test_truncate_drops_blocks_past_the_end(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        f = await m.create(ROOT_INODE, b"f", FILE)
+        await m.commit_blocks(f.id, {i: (key(i + 1), BS) for i in range(4)}, 4 * BS, 1)
+        node, freed = await m.truncate(f.id, BS + 10, 2)
+        assert node.size == BS + 10 and node.mtime_ns == 2
+        assert sorted(freed.keys) == [key(3), key(4)]
+        assert await m.block_map(f.id) == {0: key(1), 1: key(2)}
+        node, freed = await m.truncate(f.id, 10 * BS, 3)
+        assert node.size == 10 * BS and not freed.keys
+
+    drive(new_engine, body)
+
+
+def test_an_open_file_outlives_its_last_name(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        f = await m.create(ROOT_INODE, b"f", FILE, hold=True)
+        await m.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
+        freed = await m.unlink(ROOT_INODE, b"f")
+        assert not freed.keys and freed.deleted_inode is None
+        attrs, blocks = await m.open_file(f.id)  # a second handle on the same node
+        assert attrs.nlink == 0 and blocks == {0: key(1)}
+        assert await m.block_map(f.id) == {0: key(1)}
+        freed = await m.close_file(f.id)
+        assert freed.keys == [key(1)] and freed.deleted_inode == f.id
+        await raises(errno.ENOENT, m.getattr(f.id))
+
+    drive(new_engine, body)
+
+
+def test_garbage_is_claimed_once_and_then_forgotten(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        f = await m.create(ROOT_INODE, b"f", FILE)
+        await m.commit_blocks(f.id, {0: (key(1), BS), 1: (key(2), BS)}, 2 * BS, 1)
+        await m.mark_uploaded(key(1))
+        await m.mark_uploaded(key(2))
+        await m.commit_blocks(f.id, {1: None}, 2 * BS, 2)
+        assert await m.claim_garbage(time.time() - 3600, FAR_FUTURE) == []  # not old enough
+        assert await m.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(2)]
+        assert await m.claim_garbage(time.time() + 1, FAR_FUTURE) == []  # claimed once
+        await m.garbage_deleted([key(2)])
+        assert await m.object_info(key(2)) is None
+        assert (await m.object_info(key(1))).refcount == 1
+
+    drive(new_engine, body)
+
+
+@pytest.mark.parametrize("engine_kind", ["sqlite"])
+def test_start_drops_scratch_and_orphans_of_the_last_mount(new_engine) -> None:
+    """A node's own volume: what its last mount left (scratch files, files unlinked while
+    open) goes at the next start."""
+    async def main() -> None:
+        a = new_engine()
+        await a.start()
+        s = await a.create(ROOT_INODE, b"blockmgr-1", NewNode(DIR.mode, 0, 0, scratch_name=True))
+        f = await a.create(s.id, b"shuffle", FILE)
+        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
+        kept = await a.create(ROOT_INODE, b"kept", FILE, hold=True)
+        await a.commit_blocks(kept.id, {0: (key(2), BS)}, BS, 1)
+        await a.unlink(ROOT_INODE, b"kept")
+        a.close()
+        b = new_engine()
+        freed = await b.start()
+        assert sorted(freed.keys) == [key(1), key(2)]
+        assert await names(b, ROOT_INODE) == []
+        assert b.stats().inodes == 1
+
+    trio.run(main)
+
+
+@shared_only
+def test_a_clean_unmount_lets_go_of_what_its_session_held(new_engine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        f = await a.create(ROOT_INODE, b"f", FILE, hold=True)
+        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
+        await b.unlink(ROOT_INODE, b"f")
+        assert (await b.object_info(key(1))).refcount == 1
+        a.close()
+        await raises(errno.ENOENT, b.getattr(f.id))
+        assert (await b.object_info(key(1))).refcount == 0
+        assert [s.mountpoint for s in await b.sessions()] == ["/node1"]
+
+    drive(new_engine, body, nodes=2)
+
+
+# --- many nodes on one database ----------------------------------------------------------------
+
+@shared_only
+def test_one_name_created_by_many_at_once_has_one_winner(new_engine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        wins: list[int] = []
+        losses: list[int] = []
+
+        async def attempt(m: MetaEngine, i: int) -> None:
+            try:
+                wins.append((await m.create(ROOT_INODE, b"race", FILE)).id)
+            except FsError as e:
+                assert e.errno == errno.EEXIST
+                losses.append(i)
+
+        async with trio.open_nursery() as n:
+            for i in range(16):
+                n.start_soon(attempt, (a, b)[i % 2], i)
+        assert len(wins) == 1 and len(losses) == 15
+        assert (await b.lookup(ROOT_INODE, b"race")).id == wins[0]
+        assert await names(a, ROOT_INODE) == [b"race"]
+
+    drive(new_engine, body, nodes=2)
+
+
+@shared_only
+def test_concurrent_namespace_changes_lose_nothing(new_engine) -> None:
+    """Two nodes create, link, rename and unlink in one directory at once: every name each
+    node kept is there, once, and the link counts add up."""
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        d = await a.create(ROOT_INODE, b"d", DIR)
+
+        async def churn(m: MetaEngine, tag: str) -> None:
+            for i in range(30):
+                f = await m.create(d.id, f"{tag}{i}".encode(), FILE)
+                await m.link(f.id, d.id, f"{tag}{i}.link".encode())
+                await m.rename(d.id, f"{tag}{i}".encode(), d.id, f"{tag}{i}.final".encode())
+                if i % 3 == 0:
+                    await m.unlink(d.id, f"{tag}{i}.link".encode())
+
+        async with trio.open_nursery() as n:
+            n.start_soon(churn, a, "a")
+            n.start_soon(churn, b, "b")
+        listing = await b.readdir(d.id, 0, 100000)
+        got = sorted(entry.name for entry, _ in listing)
+        want = sorted(f"{t}{i}.final".encode() for t in "ab" for i in range(30)) + sorted(
+            f"{t}{i}.link".encode() for t in "ab" for i in range(30) if i % 3)
+        assert got == sorted(want)
+        for entry, node in listing:
+            twin = entry.name.endswith(b".link") or int(entry.name[1:].split(b".")[0]) % 3
+            assert node.nlink == (2 if twin else 1), entry.name
+
+    drive(new_engine, body, nodes=2)
+
+
+@shared_only
+def test_crossing_directory_moves_never_make_a_cycle(new_engine) -> None:
+    """Node A moves x under y's subtree while node B moves y under x's: one of them must
+    fail with EINVAL, whatever the timing; every directory stays reachable from the root."""
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        for round_ in range(15):
+            top = await a.create(ROOT_INODE, f"r{round_}".encode(), DIR)
+            px = await a.create(top.id, b"px", DIR)
+            py = await a.create(top.id, b"py", DIR)
+            x = await a.create(px.id, b"x", DIR)
+            y = await a.create(py.id, b"y", DIR)
+            xs = await a.create(x.id, b"xs", DIR)
+            ys = await a.create(y.id, b"ys", DIR)
+            outcomes: list[str] = []
+
+            async def move(m: MetaEngine, parent: int, name: bytes, into: int) -> None:
+                try:
+                    await m.rename(parent, name, into, name)
+                    outcomes.append("moved")
+                except FsError as e:
+                    assert e.errno in (errno.EINVAL, errno.ENOENT)
+                    outcomes.append("refused")
+
+            async with trio.open_nursery() as n:
+                n.start_soon(move, a, px.id, b"x", ys.id)
+                n.start_soon(move, b, py.id, b"y", xs.id)
+            assert sorted(outcomes) == ["moved", "refused"], outcomes
+            for node in (x, y, xs, ys):
+                ino, hops = node.id, 0
+                while ino != ROOT_INODE:
+                    ino = await b.parent_of(ino)
+                    hops += 1
+                    assert hops < 10, "a cycle of directories"
+
+    drive(new_engine, body, nodes=2)
+
+
+@shared_only
+def test_a_file_held_by_another_node_outlives_its_unlink(new_engine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        f = await a.create(ROOT_INODE, b"f", FILE, hold=True)
+        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
+        freed = await b.unlink(ROOT_INODE, b"f")
+        assert not freed.keys and freed.deleted_inode is None
+        assert await a.block_map(f.id) == {0: key(1)}
+        freed = await a.close_file(f.id)
+        assert freed.keys == [key(1)] and freed.deleted_inode == f.id
+
+    drive(new_engine, body, nodes=2)
+
+
+@shared_only
+def test_a_dead_session_is_cleaned_and_cannot_publish_again(new_engine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        f = await a.create(ROOT_INODE, b"f", FILE, hold=True)
+        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
+        await b.unlink(ROOT_INODE, b"f")
+        await trio.sleep(1.5)  # a stops beating
+        await b.heartbeat()
+        freed = await b.clean_dead_sessions()
+        assert freed.keys == [key(1)]
+        assert [s.mountpoint for s in await b.sessions()] == ["/node1"]
+        await raises(errno.EIO, a.create(ROOT_INODE, b"late", FILE))  # fenced
+        await raises(errno.ENOENT, b.lookup(ROOT_INODE, b"late"))
+
+    drive(new_engine, body, nodes=2, session_ttl=1.0)
+
+
+@shared_only
+def test_an_upload_in_flight_keeps_gc_away_from_its_block(new_engine) -> None:
+    """The collector never claims a block some node registered an upload of, and an upload
+    of bytes being deleted waits until the deletion is done."""
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        f = await a.create(ROOT_INODE, b"f", FILE)
+        await a.begin_upload(key(1), BS)
+        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
+        await a.commit_blocks(f.id, {0: None}, BS, 2)  # key(1) now unreferenced
+        assert await b.begin_upload(key(1), BS) is True   # b is about to commit the same bytes
+        assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == []
+        await b.end_upload(key(1))                        # b's commit will not come after all
+        assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(1)]
+        assert await b.begin_upload(key(1), BS) is None   # being deleted: ask again later
+        await a.garbage_deleted([key(1)])
+        assert await b.begin_upload(key(1), BS) is False  # gone: upload it again
+        g = await b.create(ROOT_INODE, b"g", FILE)
+        await b.commit_blocks(g.id, {0: (key(1), BS)}, BS, 3)
+        assert (await a.object_info(key(1))).refcount == 1
+        assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == []
+
+    drive(new_engine, body, nodes=2)
