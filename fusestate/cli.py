@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from fusestate import __version__
 from fusestate.config import (DEFAULT_CACHE_DIR, DEFAULT_METRICS_PORT, PREFETCH_MODES, WHOLE_BLOCK_MODES, MountConfig,
-                              format_size, parse_size)
+                              format_size, meta_url_of, parse_size)
 from fusestate.errors import UserError
 
 READY_FD_ENV = "FUSESTATE_READY_FD"
@@ -65,11 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between metadata journal shipments; fsync ships at once (default %(default)s)")
     m.add_argument("--gc-grace", type=float, default=3600.0,
                    help="seconds an unreferenced block is kept before deletion (default %(default)s)")
-    m.add_argument("--meta", default=os.environ.get("FUSESTATE_META_URL") or None, metavar="URL",
-                   help="metadata engine: 'sqlite' (the embedded default: one writer per volume) or "
-                        "postgresql://[user@]host[:port]/database, shared by every node that mounts the volume "
-                        "read-write at once (credentials as libpq takes them: PGPASSWORD, ~/.pgpass, PGSSLMODE); "
-                        "default $FUSESTATE_META_URL, else sqlite")
+    _add_meta_argument(m)
     m.add_argument("--session-timeout", type=float, default=30.0,
                    help="with --meta: seconds a node's session lives without a heartbeat before the other "
                         "nodes clean it up (default %(default)s)")
@@ -95,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--all-restore-points", action="store_true",
                    help="also check every restore point of the journal, not only the newest")
     c.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_meta_argument(c)
 
     g = sub.add_parser("gc", help="delete blocks no restore point references")
     g.add_argument("url")
@@ -102,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grace", type=float, default=3600.0,
                    help="keep unreferenced blocks younger than this many seconds (default %(default)s)")
     g.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
-    g.add_argument("--force", action="store_true", help="run even while a daemon holds the volume")
+    g.add_argument("--force", action="store_true", help="run even while a daemon holds the volume "
+                   "(a shared volume's gc always may)")
+    _add_meta_argument(g)
 
     t = sub.add_parser("stats", help="live rates and queues, refreshed like top")
     t.add_argument("mountpoint")
@@ -116,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     from fusestate.spark.pipeline import add_arguments as _spark_pipeline_arguments
     _spark_pipeline_arguments(sp)
     return parser
+
+
+def _add_meta_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--meta", default=os.environ.get("FUSESTATE_META_URL") or None, metavar="URL",
+                        help="metadata engine: 'sqlite' (the embedded default: one writer per volume) or "
+                             "postgresql://[user@]host[:port]/database, shared by every node that mounts the "
+                             "volume read-write at once (credentials as libpq takes them: PGPASSWORD, "
+                             "~/.pgpass, PGSSLMODE); default $FUSESTATE_META_URL, else sqlite")
 
 
 def _mount_config(args: argparse.Namespace) -> MountConfig:
@@ -333,15 +340,19 @@ def cmd_warmup(args: argparse.Namespace) -> int:
 def cmd_fsck(args: argparse.Namespace) -> int:
     from fusestate.maintenance import fsck
 
-    report = fsck(args.url, args.endpoint_url, verify=not args.quick, all_restore_points=args.all_restore_points)
+    report = fsck(args.url, args.endpoint_url, verify=not args.quick, all_restore_points=args.all_restore_points,
+                  meta_url=meta_url_of(args.meta))
     if args.json:
-        print(json.dumps({"healthy": report.healthy, "seq": report.seq, "referenced": report.referenced,
+        print(json.dumps({"healthy": report.healthy, "engine": report.engine, "seq": report.seq,
+                          "referenced": report.referenced, "problems": report.problems,
                           "stored": report.stored, "missing": report.missing, "corrupt": report.corrupt,
                           "unreferenced": report.unreferenced, "restore_points": report.restore_points,
                           "broken_restore_points": report.broken_restore_points}, indent=2))
     else:
-        print(f"metadata up to journal sequence {report.seq}: {report.referenced} blocks referenced, "
-              f"{report.stored} blocks in the bucket")
+        where = f"journal sequence {report.seq}" if report.engine == "sqlite" else report.engine
+        print(f"metadata ({where}): {report.referenced} blocks referenced, {report.stored} blocks in the bucket")
+        for problem in report.problems:
+            print(f"PROBLEM  {problem}")
         for key in report.missing:
             print(f"MISSING  {key}")
         for key in report.corrupt:
@@ -357,7 +368,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from fusestate.maintenance import gc
 
-    report = gc(args.url, args.endpoint_url, grace=args.grace, dry_run=args.dry_run, force=args.force)
+    report = gc(args.url, args.endpoint_url, grace=args.grace, dry_run=args.dry_run, force=args.force,
+                meta_url=meta_url_of(args.meta))
     verb = "would delete" if args.dry_run else "deleted"
     print(f"{verb} {len(report.deleted)} unreferenced blocks; kept {report.kept_young} younger than "
           f"the grace period; {report.referenced} blocks referenced")

@@ -54,6 +54,16 @@ def default_prefetch(url: str) -> str:
     return "off" if parse_url(url).scheme in ("file", "memory") else "recent"
 
 
+def meta_url_of(meta: Optional[str]) -> Optional[str]:
+    """--meta as given: None for the embedded engine, else a PostgreSQL URL (checked)."""
+    if meta in (None, "", "sqlite"):
+        return None
+    if not meta.startswith(("postgresql://", "postgres://")):
+        raise UserError(f"bad --meta {redact_url(meta)!r}: expected postgresql://[user@]host[:port]/database "
+                        "or sqlite (the embedded default)")
+    return meta
+
+
 @dataclass
 class MountConfig:
     url: str
@@ -91,14 +101,10 @@ class MountConfig:
 
     def __post_init__(self) -> None:
         self.mountpoint = os.path.abspath(self.mountpoint)
-        if self.meta_url in ("", "sqlite"):
-            self.meta_url = None
+        self.meta_url = meta_url_of(self.meta_url)
         if self.attr_timeout is None:
             self.attr_timeout = 1.0 if self.meta_url else 10.0
         if self.meta_url is not None:
-            if not self.meta_url.startswith(("postgresql://", "postgres://")):
-                raise UserError(f"bad --meta {redact_url(self.meta_url)!r}: expected postgresql://[user@]host[:port]/database "
-                                "or sqlite (the embedded default)")
             if self.takeover:
                 raise UserError("--takeover is for the embedded engine's single writer; with --meta every node "
                                 "mounts read-write at once")

@@ -1,7 +1,10 @@
-"""Offline volume checks and cleanup: ``fusestate fsck URL`` and ``fusestate gc URL``.
+"""Volume checks and cleanup: ``fusestate fsck URL`` and ``fusestate gc URL``.
 
-Both rebuild the volume's metadata from the bucket in a temporary directory,
-exactly as a fresh node would, and compare it with the blocks in the bucket.
+For a volume of the embedded engine both rebuild the metadata from the bucket in a
+temporary directory, exactly as a fresh node would, and compare it with the blocks in the
+bucket (offline: its one daemon collects garbage itself). For a shared volume both read
+the database, and gc takes part in the collection protocol the daemons follow, so it
+may run while every node has the volume mounted.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from fusestate.blocks.keys import BLOCK_PREFIX, key_matches, key_of_object, obje
 from fusestate.daemon import volume
 from fusestate.daemon.lease import read_leases
 from fusestate.errors import UserError
-from fusestate.meta import journal
+import trio
+
+from fusestate.meta import journal, operations
 from fusestate.meta.restore import restore_metadata
+from fusestate.meta.sqlite_engine import ReadOnlyTx
 from fusestate.remote import RemoteStore, open_bucket
 
 log = logging.getLogger(__name__)
@@ -37,17 +43,30 @@ class FsckReport:
     restore_points: int = 0
     broken_restore_points: list[int] = field(default_factory=list)
     seq: int = 0
+    problems: list[str] = field(default_factory=list)   # inconsistencies in the metadata tables
+    engine: str = "sqlite"
 
     @property
     def healthy(self) -> bool:
-        return not (self.missing or self.corrupt or self.broken_restore_points)
+        return not (self.missing or self.corrupt or self.broken_restore_points or self.problems)
 
 
-def open_remote(url: str, endpoint_url: Optional[str]) -> RemoteStore:
+def open_volume(url: str, endpoint_url: Optional[str], meta_url: Optional[str]) -> tuple[RemoteStore, volume.VolumeInfo]:
+    """The volume's bucket and record; refused in one line if ``meta_url`` names another
+    engine than the volume's (none for the embedded one)."""
+    if meta_url:
+        from fusestate.meta.pgpool import check_connect  # psycopg: only shared volumes load it
+
+        check_connect(meta_url)
     fs, location = open_bucket(url, endpoint_url)
     remote = RemoteStore(fs, location.root)
-    volume.load_or_create(remote, None, create=False)
-    return remote
+    return remote, volume.load_or_create(remote, None, create=False, meta_url=meta_url)
+
+
+def _shared_engine(meta_url: str, info: volume.VolumeInfo, label: str) -> Any:
+    from fusestate.meta.postgres_engine import PostgresEngine
+
+    return PostgresEngine(meta_url, info.block_size, mountpoint=label, pool_size=2)
 
 
 def _referenced(db: sqlite3.Connection) -> set[str]:
@@ -85,10 +104,19 @@ def _mtime(info: dict[str, Any]) -> float:
 
 
 def fsck(url: str, endpoint_url: Optional[str] = None, verify: bool = True,
-         all_restore_points: bool = False) -> FsckReport:
-    remote = open_remote(url, endpoint_url)
+         all_restore_points: bool = False, meta_url: Optional[str] = None) -> FsckReport:
+    remote, info = open_volume(url, endpoint_url, meta_url)
     stored = stored_blocks(remote)
-    report = FsckReport(stored=len(stored))
+    report = FsckReport(stored=len(stored), engine=info.meta)
+    if meta_url:
+        engine = _shared_engine(meta_url, info, "fusestate fsck")
+        try:
+            referenced = trio.run(engine.referenced)
+            report.problems = trio.run(engine.check)
+        finally:
+            engine.close()
+        _compare(remote, report, referenced, stored, verify)
+        return report
     epochs = {r.epoch: r.starts_after for r in read_leases(remote)}
 
     def check_point(db: sqlite3.Connection, seq: int) -> None:
@@ -103,8 +131,16 @@ def fsck(url: str, endpoint_url: Optional[str] = None, verify: bool = True,
         db = sqlite3.connect(path)
         try:
             referenced = _referenced(db)
+            report.problems = operations.consistency_problems(ReadOnlyTx(db))
         finally:
             db.close()
+    _compare(remote, report, referenced, stored, verify)
+    return report
+
+
+def _compare(remote: RemoteStore, report: FsckReport, referenced: set[str], stored: dict[str, float],
+             verify: bool) -> None:
+    """Blocks the metadata references against those in the bucket; ``verify`` hashes them."""
     report.referenced = len(referenced)
     report.missing = sorted(k for k in referenced if k not in stored)
     report.unreferenced = sorted(k for k in stored if k not in referenced)
@@ -114,7 +150,6 @@ def fsck(url: str, endpoint_url: Optional[str] = None, verify: bool = True,
             for key, ok in zip(present, pool.map(lambda k: key_matches(k, remote.get(object_name(k))), present)):
                 if not ok:
                     report.corrupt.append(key)
-    return report
 
 
 @dataclass
@@ -125,9 +160,11 @@ class GcReport:
 
 
 def gc(url: str, endpoint_url: Optional[str] = None, grace: float = 3600.0,
-       dry_run: bool = False, force: bool = False) -> GcReport:
+       dry_run: bool = False, force: bool = False, meta_url: Optional[str] = None) -> GcReport:
     """Delete blocks that no restore point of the volume can reference, once older than ``grace``."""
-    remote = open_remote(url, endpoint_url)
+    remote, info = open_volume(url, endpoint_url, meta_url)
+    if meta_url:
+        return _gc_shared(remote, _shared_engine(meta_url, info, "fusestate gc"), grace, dry_run)
     leases = read_leases(remote)
     if leases and leases[-1].expires_at > time.time() and not force:
         raise UserError(f"the volume is mounted by {leases[-1].describe()}; its daemon collects garbage "
@@ -163,4 +200,35 @@ def gc(url: str, endpoint_url: Optional[str] = None, grace: float = 3600.0,
     if not dry_run:
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(lambda k: remote.delete(object_name(k)), report.deleted))
+    return report
+
+
+def _gc_shared(remote: RemoteStore, engine: Any, grace: float, dry_run: bool) -> GcReport:
+    """The daemons' collection, run once by hand: blocks unreferenced for longer than
+    ``grace``, and blocks in the bucket the database does not know (an upload whose node
+    died before it could record it), each claimed in the database before it is deleted,
+    so an upload of the same bytes meanwhile waits rather than loses them."""
+    report = GcReport()
+    cutoff = time.time() - grace
+
+    async def collect() -> None:
+        await engine.start()
+        referenced = await engine.referenced()
+        report.referenced = len(referenced)
+        stored = stored_blocks(remote)
+        report.kept_young = sum(1 for k, mtime in stored.items() if mtime > cutoff and k not in referenced)
+        old = [key for key, mtime in stored.items() if mtime <= cutoff]
+        if dry_run:
+            report.deleted = sorted(set(await engine.collectable_objects(cutoff, 0)) | set(await engine.unknown(old)))
+            return
+        claimed = await engine.claim_garbage(cutoff, 0) + await engine.sweep_unknown(old)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            await trio.to_thread.run_sync(lambda: list(pool.map(lambda k: remote.delete(object_name(k)), claimed)))
+        await engine.garbage_deleted(claimed)
+        report.deleted = sorted(claimed)
+
+    try:
+        trio.run(collect)
+    finally:
+        engine.close()
     return report

@@ -270,10 +270,18 @@ def make_mount(tmp_path: Path) -> Iterator:
         m.cleanup()
 
 
-@pytest.fixture
-def mnt(make_mount, file_bucket: Bucket) -> Mount:
-    """A mounted file:// volume with default options."""
-    return make_mount(file_bucket).mount()
+ENGINES = ["sqlite", "postgresql"]
+
+
+def engine_args(engine: str, request: pytest.FixtureRequest) -> list[str]:
+    """The mount options that put a volume's metadata in ``engine`` (a fresh database)."""
+    return ["--meta", request.getfixturevalue("pg_url")] if engine == "postgresql" else []
+
+
+@pytest.fixture(params=ENGINES)
+def mnt(make_mount, file_bucket: Bucket, request: pytest.FixtureRequest) -> Mount:
+    """A mounted file:// volume with default options, once per metadata engine."""
+    return make_mount(file_bucket, extra=engine_args(request.param, request)).mount()
 
 
 @pytest.fixture
@@ -317,6 +325,23 @@ def block_keys(data: bytes, block_size: int = BLOCK_SIZE) -> set[str]:
         if chunk.count(0) != len(chunk):
             keys.add(block_key(chunk))
     return keys
+
+
+def fsck_report(m: "Mount", *flags: str) -> tuple[int, dict]:
+    """``fusestate fsck --json`` of a mount's volume, with its engine: exit code and report."""
+    args = ["fsck", m.bucket.url, "--json", *flags]
+    if m.bucket.endpoint:
+        args += ["--endpoint-url", m.bucket.endpoint]
+    if "--meta" in m.extra:
+        args += ["--meta", m.extra[m.extra.index("--meta") + 1]]
+    proc = fusestate(*args, check=False, timeout=300)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def assert_fsck_clean(m: "Mount") -> None:
+    code, report = fsck_report(m)
+    assert code == 0 and report["healthy"], report
+    assert not (report["missing"] or report["corrupt"] or report["problems"]), report
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:

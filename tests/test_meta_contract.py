@@ -536,3 +536,48 @@ def test_an_upload_in_flight_keeps_gc_away_from_its_block(new_engine) -> None:
         assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == []
 
     drive(new_engine, body, nodes=2)
+
+
+@shared_only
+def test_blocks_nobody_will_commit_become_garbage(new_engine) -> None:
+    """An upload superseded before its commit, the uploads of a node that died, and the
+    deletions it had claimed: each ends as an unreferenced block the collector takes, and
+    a block that may be gone is never taken for present."""
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        assert await a.begin_upload(key(1), BS) is False
+        await a.end_upload(key(1))
+        info = await b.object_info(key(1))
+        assert info is not None and info.refcount == 0 and not info.uploaded
+        assert await b.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(1)]
+        await b.garbage_deleted([key(1)])
+
+        f = await a.create(ROOT_INODE, b"f", FILE)
+        await a.begin_upload(key(3), BS)
+        await a.commit_blocks(f.id, {0: (key(3), BS)}, BS, 1)
+        await a.unlink(ROOT_INODE, b"f")
+        assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(3)]  # a dies mid-deletion
+        assert await a.begin_upload(key(2), BS) is False                     # and mid-upload
+        await trio.sleep(1.5)
+        await b.heartbeat()
+        await b.clean_dead_sessions()
+        two, three = await b.object_info(key(2)), await b.object_info(key(3))
+        assert (two.refcount, two.uploaded, three.refcount, three.uploaded) == (0, False, 0, False)
+        assert await b.begin_upload(key(3), BS) is False  # maybe deleted: upload it again
+        await b.end_upload(key(3))
+        assert sorted(await b.claim_garbage(time.time() + 1, FAR_FUTURE)) == [key(2), key(3)]
+
+    drive(new_engine, body, nodes=2, session_ttl=1.0)
+
+
+@shared_only
+def test_a_sweep_of_unknown_blocks_holds_back_uploads_of_the_same_bytes(new_engine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        assert await a.begin_upload(key(1), BS) is False  # registered: not unknown
+        f = await a.create(ROOT_INODE, b"f", FILE)
+        await a.commit_blocks(f.id, {0: (key(2), BS)}, BS, 1)  # known
+        assert await b.sweep_unknown([key(1), key(2), key(3)]) == [key(3)]
+        assert await a.begin_upload(key(3), BS) is None  # being deleted: wait
+        await b.garbage_deleted([key(3)])
+        assert await a.begin_upload(key(3), BS) is False
+
+    drive(new_engine, body, nodes=2)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
                                  run_state_machine_as_test)
 
-from conftest import Bucket, Mount
+from conftest import ENGINES, Bucket, Mount
 
 BS = 64 * 1024
 
@@ -58,9 +58,14 @@ def module_mount(base: Path, extra: list[str]) -> Iterator[Mount]:
         m.cleanup()
 
 
-@pytest.fixture(scope="module")
-def model_mnt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
-    with module_mount(tmp_path_factory.mktemp("model"), ["--block-size", "64K"]) as m:
+@pytest.fixture(scope="module", params=ENGINES)
+def model_mnt(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Mount]:
+    """One mount per metadata engine for the whole module (PostgreSQL: a fresh database)."""
+    extra = ["--block-size", "64K"]
+    if request.param == "postgresql":
+        server = request.getfixturevalue("postgres_server")
+        extra += ["--meta", server.create_database(f"model{uuid.uuid4().hex[:12]}")]
+    with module_mount(tmp_path_factory.mktemp("model"), extra) as m:
         yield m
 
 

@@ -13,7 +13,8 @@ from typing import Callable
 
 import pytest
 
-from conftest import Bucket, Mount, block_keys, digest, is_mounted, proc_stat, resident_bytes, sha
+from conftest import (ENGINES, Bucket, Mount, assert_fsck_clean, block_keys, digest, engine_args, is_mounted, proc_stat,
+                      resident_bytes, sha)
 
 MiB = 1 << 20
 BLOCK = 4 * MiB
@@ -478,8 +479,10 @@ def _check_files(m: Mount, files: dict[str, bytes]) -> None:
         assert (m.path / name).read_bytes() == data, name
 
 
-def test_crash_after_fsync_keeps_every_file(make_mount, file_bucket: Bucket) -> None:
-    m: Mount = make_mount(file_bucket).mount()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_crash_after_fsync_keeps_every_file(make_mount, file_bucket: Bucket, engine: str,
+                                            request: pytest.FixtureRequest) -> None:
+    m: Mount = make_mount(file_bucket, extra=engine_args(engine, request)).mount()
     files = _write_fsynced_files(m)
     m.kill()
     # Every fsync returned only once its data was in the bucket.
@@ -489,14 +492,20 @@ def test_crash_after_fsync_keeps_every_file(make_mount, file_bucket: Bucket) -> 
     m.umount()
 
 
-def test_crash_after_fsync_then_losing_the_cache_dir(make_mount, file_bucket: Bucket) -> None:
-    """Node loss: only the bucket remains; every fsynced file comes back from the journal."""
-    m: Mount = make_mount(file_bucket).mount()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_crash_after_fsync_then_losing_the_cache_dir(make_mount, file_bucket: Bucket, engine: str,
+                                                     request: pytest.FixtureRequest) -> None:
+    """Node loss: only the bucket (and the shared database) remain; every fsynced file comes
+    back, from the journal or from the database."""
+    m: Mount = make_mount(file_bucket, extra=engine_args(engine, request)).mount()
     files = _write_fsynced_files(m)
     m.kill()
     m.wipe_cache()
-    m.mount("--takeover")  # the old holder is gone; its lease has not expired yet
+    # The old holder is gone; on a journaled volume its lease has not expired yet.
+    m.mount(*(["--takeover"] if engine == "sqlite" else []))
     _check_files(m, files)
+    m.umount()
+    assert_fsck_clean(m)
 
 
 def test_full_cache_disk_waits_for_uploads_and_loses_nothing(make_mount, file_bucket: Bucket,

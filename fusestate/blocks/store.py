@@ -19,6 +19,7 @@ local file, and its blocks are not copied to this node.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -95,6 +96,8 @@ class BlockStore:
         self._background = BackgroundThreads(prefetch_concurrency, "refetch")
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
+        # Shared engines: how many seals on this node wait to commit each uploaded block.
+        self._awaiting_commit: collections.Counter[str] = collections.Counter()
         self._waiting_for_room = 0  # staging writes waiting for a full cache disk to make room
         # Blocks of scratch files (key -> size): in staging for good, never queued for upload.
         self._scratch: dict[str, int] = {}
@@ -186,9 +189,24 @@ class BlockStore:
         return await trio.to_thread.run_sync(self.staging.has_room, self.block_size, limiter=self._local_io)
 
     async def upload_before_commit(self, key: str, size: int) -> None:
-        """A shared engine commits a block only once it is in the bucket: queue it, wait."""
-        self.uploader.add(key, size)
-        await self.uploader.wait_uploaded([key])
+        """A shared engine commits a block only once it is in the bucket: queue it, wait.
+        Then ``committed`` or ``abandon`` the key."""
+        self._awaiting_commit[key] += 1
+        try:
+            self.uploader.add(key, size)
+            await self.uploader.wait_uploaded([key])
+        except BaseException:
+            await self._stop_awaiting(key)
+            raise
+
+    async def _stop_awaiting(self, key: str) -> None:
+        """The last seal of these bytes on this node that was to commit them will not: the
+        engine records the uploaded block as unreferenced, for the collector."""
+        self._awaiting_commit[key] -= 1
+        if self._awaiting_commit[key] <= 0:
+            del self._awaiting_commit[key]
+            with trio.CancelScope(shield=True):
+                await self.meta.end_upload(key)
 
     async def committed(self, key: Optional[str], size: int, upload: bool = True) -> None:
         """A sealed key is now referenced by the metadata: queue it if it is new.
@@ -196,7 +214,12 @@ class BlockStore:
         ``upload=False`` for a scratch file's block: it stays in staging, outside the
         write-back queue and its dirty bound, until the file is deleted (or a normal
         file references the same bytes, which queues it then)."""
-        if key is None or self.meta.shared:
+        if key is None:
+            return
+        if self.meta.shared:
+            self._awaiting_commit[key] -= 1  # committed: the engine ended its upload registration
+            if self._awaiting_commit[key] <= 0:
+                del self._awaiting_commit[key]
             return
         info = await self.meta.object_info(key)
         if info is not None and not info.uploaded:
@@ -229,7 +252,8 @@ class BlockStore:
     async def abandon(self, key: Optional[str]) -> None:
         """A sealed key that will not be referenced after all: drop its staging file."""
         if key and self.meta.shared:
-            return  # another file may wait for the same bytes' upload: let it go to the bucket
+            await self._stop_awaiting(key)  # uploaded already: the collector deletes it in time
+            return
         if key and await self.meta.object_info(key) is None and key not in self._staging_inflight:
             self.staging.remove(key)
 

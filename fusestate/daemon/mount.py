@@ -331,19 +331,30 @@ class Daemon:
         if not keys:
             return 0
         deleting = self.uploader.deleting
+        failed: list[str] = []
+
+        async def delete(key: str) -> None:
+            try:
+                await self.remote.adelete(object_name(key))
+            except Exception as exc:  # noqa: BLE001 - kept for the next round
+                failed.append(key)
+                log.warning("garbage collection could not delete block %s: %s", key[:16], exc)
+
         for key in keys:
             deleting[key] = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
                 for key in keys:
-                    nursery.start_soon(self.remote.adelete, object_name(key))
+                    nursery.start_soon(delete, key)
         finally:
             for key in keys:
                 deleting.pop(key).set()
-        await self.meta.garbage_deleted(keys)
-        self.gc_deleted += len(keys)
-        log.info("garbage collection deleted %d blocks", len(keys))
-        return len(keys)
+        deleted = [k for k in keys if k not in failed]
+        await self.meta.garbage_deleted(deleted)
+        await self.meta.garbage_kept(failed)
+        self.gc_deleted += len(deleted)
+        log.info("garbage collection deleted %d blocks", len(deleted))
+        return len(deleted)
 
     async def _signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -215,6 +215,9 @@ class MetaEngine(Protocol):
     async def garbage_deleted(self, keys: list[str]) -> None:
         """The claimed blocks are gone from the bucket."""
         ...
+    async def garbage_kept(self, keys: list[str]) -> None:
+        """The claimed blocks could not be deleted (the bucket failed): they stay unreferenced."""
+        ...
 
     # --- lifecycle ------------------------------------------------------------
     async def run(self, task_status: "trio.TaskStatus" = ...) -> None:

@@ -487,7 +487,8 @@ def purge_scratch(tx: Tx) -> Freed:
 
 def _incref(tx: Tx, key: str, size: int) -> None:
     row = tx.one("INSERT INTO objects (key, size, refcount, uploaded) VALUES (?, ?, 1, ?)"
-                 " ON CONFLICT (key) DO UPDATE SET refcount=objects.refcount+1, unreferenced_since=NULL"
+                 " ON CONFLICT (key) DO UPDATE SET refcount=objects.refcount+1, unreferenced_since=NULL,"
+                 " uploaded=CASE WHEN excluded.uploaded=1 THEN 1 ELSE objects.uploaded END"
                  " RETURNING refcount, size", (key, size, int(tx.commits_uploaded)))
     assert row is not None
     if row[0] == 1:
@@ -545,3 +546,39 @@ def blocks_by_recency(tx: Tx, budget: Optional[int]) -> list[tuple[str, int]]:
         out.append((key, size))
         total += size
     return out
+
+
+# --- fsck ----------------------------------------------------------------------------------
+
+def consistency_problems(tx: Tx, limit: int = 20) -> list[str]:
+    """What ``fusestate fsck`` reports about the tables themselves: names that point
+    nowhere, link counts that disagree with the names, reference counts that disagree
+    with the block maps. Each check names at most ``limit`` rows."""
+    problems: list[str] = []
+    for (parent, name, ino) in tx.all(
+            "SELECT e.parent, e.name, e.inode FROM entries e LEFT JOIN inodes i ON i.id = e.inode"
+            f" WHERE i.id IS NULL LIMIT {limit}"):
+        problems.append(f"entry {bytes(name)!r} in directory {parent} names inode {ino}, which does not exist")
+    for (ino, nlink, names) in tx.all(
+            "SELECT i.id, i.nlink, COUNT(e.id) FROM inodes i LEFT JOIN entries e ON e.inode = i.id"
+            f" WHERE (i.mode & {_S_IFMT}) <> {stat.S_IFDIR} GROUP BY i.id, i.nlink"
+            f" HAVING i.nlink <> COUNT(e.id) LIMIT {limit}"):
+        problems.append(f"inode {ino} has {nlink} links but {names} names")
+    for (ino, nlink, subdirs) in tx.all(
+            "SELECT d.id, d.nlink, COUNT(c.id) FROM inodes d LEFT JOIN entries e ON e.parent = d.id"
+            f" LEFT JOIN inodes c ON c.id = e.inode AND (c.mode & {_S_IFMT}) = {stat.S_IFDIR}"
+            f" WHERE (d.mode & {_S_IFMT}) = {stat.S_IFDIR} AND d.nlink > 0 GROUP BY d.id, d.nlink"
+            f" HAVING d.nlink <> 2 + COUNT(c.id) LIMIT {limit}"):
+        problems.append(f"directory {ino} has {nlink} links but {subdirs} subdirectories")
+    for (key, refcount, uses) in tx.all(
+            "SELECT o.key, o.refcount, COUNT(b.key) FROM objects o LEFT JOIN blocks b ON b.key = o.key"
+            f" GROUP BY o.key, o.refcount HAVING o.refcount <> COUNT(b.key) LIMIT {limit}"):
+        problems.append(f"block {key[:16]} has refcount {refcount} but {uses} uses")
+    for (key,) in tx.all("SELECT DISTINCT b.key FROM blocks b LEFT JOIN objects o ON o.key = b.key"
+                         f" WHERE o.key IS NULL LIMIT {limit}"):
+        problems.append(f"block {key[:16]} is used by a file but not recorded")
+    return problems
+
+
+def referenced_keys(tx: Tx) -> set[str]:
+    return {row[0] for row in tx.all("SELECT DISTINCT key FROM blocks")}

@@ -42,6 +42,7 @@ T = TypeVar("T")
 
 SCHEMA_LOCK = 0x66757365  # advisory lock id taken while the schema is created
 MOVE_LOCK = 0x66757366    # advisory lock id that serializes directory moves between parents
+GC_LOCK = 0x66757367      # shared by upload registrations, exclusive for the sweep of unknown objects
 SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clean a session up
 
 _SCHEMA = """
@@ -66,7 +67,7 @@ CREATE INDEX IF NOT EXISTS blocks_by_key ON blocks (key);
 CREATE TABLE IF NOT EXISTS objects (
     key TEXT PRIMARY KEY, size BIGINT NOT NULL, refcount BIGINT NOT NULL,
     uploaded INTEGER NOT NULL DEFAULT 1, unreferenced_since DOUBLE PRECISION, unreferenced_seq BIGINT,
-    deleting INTEGER NOT NULL DEFAULT 0
+    deleting BIGINT NOT NULL DEFAULT 0  -- the session deleting it from the bucket, 0 if none
 );
 CREATE TABLE IF NOT EXISTS sessions (
     id BIGSERIAL PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, mountpoint TEXT NOT NULL,
@@ -77,7 +78,8 @@ CREATE TABLE IF NOT EXISTS holds (
 );
 CREATE INDEX IF NOT EXISTS holds_by_inode ON holds (inode);
 CREATE TABLE IF NOT EXISTS uploads (
-    session_id BIGINT NOT NULL, key TEXT NOT NULL, PRIMARY KEY (session_id, key)
+    session_id BIGINT NOT NULL, key TEXT NOT NULL, size BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (session_id, key)
 );
 CREATE INDEX IF NOT EXISTS uploads_by_key ON uploads (key);
 CREATE TABLE IF NOT EXISTS counters (
@@ -85,6 +87,8 @@ CREATE TABLE IF NOT EXISTS counters (
 );
 """
 
+_UNKNOWN = ("SELECT k FROM unnest(%s::text[]) AS k WHERE NOT EXISTS (SELECT 1 FROM objects WHERE key=k)"
+            " AND NOT EXISTS (SELECT 1 FROM uploads WHERE key=k)")
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock: one clock for every node
 
 
@@ -289,20 +293,23 @@ class PostgresEngine:
         True: the block is in the bucket already; False: upload it; None: the collector is
         deleting it right now: ask again shortly."""
         def register(cur: Any) -> Optional[bool]:
+            # Against the sweep of objects the database does not know (``sweep_unknown``),
+            # which cannot lock a row that is not there.
+            cur.execute("SELECT pg_advisory_xact_lock_shared(%s)", (GC_LOCK,))
             cur.execute("SELECT uploaded, deleting FROM objects WHERE key=%s FOR SHARE", (key,))
             row = cur.fetchone()
             if row is not None and row[1]:
                 return None
-            cur.execute("INSERT INTO uploads (session_id, key) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-                        (self.session_id, key))
+            cur.execute("INSERT INTO uploads (session_id, key, size) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
+                        (self.session_id, key, size))
             return bool(row is not None and row[0])
 
         return await self.pool.run(register)
 
     async def end_upload(self, key: str) -> None:
-        """An upload whose commit will not come (the block was superseded)."""
-        await self.pool.run(lambda cur: cur.execute("DELETE FROM uploads WHERE session_id=%s AND key=%s",
-                                                    (self.session_id, key)))
+        """An upload whose commit will not come (the block was superseded): the block is
+        recorded as unreferenced, so the collector deletes it in time."""
+        await self._write(_end_uploads, "session_id=? AND key=?", (self.session_id, key))
 
     async def mark_uploaded(self, key: str) -> None:
         pass  # a shared engine records a block when it is committed, after its upload
@@ -319,7 +326,8 @@ class PostgresEngine:
         return await self._read(ops.blocks_by_recency, budget)
 
     async def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]:
-        return await self._read(ops.collectable_objects, older_than, 0)
+        return [r[0] for r in await self._read(lambda tx: tx.all(
+            "SELECT key FROM objects WHERE refcount<=0 AND deleting=0 AND unreferenced_since<=?", (older_than,)))]
 
     async def claim_garbage(self, older_than: float, covered_seq: int) -> list[str]:
         """Mark unreferenced blocks for deletion: those no commit references since before
@@ -328,7 +336,7 @@ class PostgresEngine:
         waits for that (``begin_upload``)."""
         def claim(cur: Any) -> list[str]:
             cur.execute("SELECT key FROM objects WHERE refcount<=0 AND deleting=0 AND unreferenced_since<=%s"
-                        " ORDER BY key", (older_than,))
+                        " ORDER BY key LIMIT 1000", (older_than,))
             claimed = []
             for (key,) in cur.fetchall():
                 # Locked first, then checked with a fresh snapshot: an upload registered
@@ -340,7 +348,7 @@ class PostgresEngine:
                 cur.execute("SELECT 1 FROM uploads WHERE key=%s LIMIT 1", (key,))
                 if cur.fetchone() is not None:
                     continue
-                cur.execute("UPDATE objects SET deleting=1 WHERE key=%s", (key,))
+                cur.execute("UPDATE objects SET deleting=%s WHERE key=%s", (self.session_id, key))
                 claimed.append(key)
             return claimed
 
@@ -349,7 +357,36 @@ class PostgresEngine:
     async def garbage_deleted(self, keys: list[str]) -> None:
         if keys:
             await self.pool.run(lambda cur: cur.execute(
-                "DELETE FROM objects WHERE key = ANY(%s) AND deleting=1", (keys,)))
+                "DELETE FROM objects WHERE key = ANY(%s) AND deleting=%s", (keys, self.session_id)))
+
+    async def unknown(self, keys: list[str]) -> list[str]:
+        """The keys the database has no row and no upload registered for."""
+        def find(cur: Any) -> list[str]:
+            cur.execute(_UNKNOWN, (keys,))
+            return [r[0] for r in cur.fetchall()]
+
+        return await self.pool.run(find) if keys else []
+
+    async def garbage_kept(self, keys: list[str]) -> None:
+        if keys:
+            await self.pool.run(lambda cur: cur.execute(
+                "UPDATE objects SET deleting=0 WHERE key = ANY(%s) AND deleting=%s", (keys, self.session_id)))
+
+    async def sweep_unknown(self, keys: list[str]) -> list[str]:
+        """Claim blocks found in the bucket that the database knows nothing of (no row, no
+        upload registered): left by an upload whose node died before it could register
+        the block as unreferenced. Returns the keys to delete, then ``garbage_deleted``.
+        The caller passes only blocks older than its grace period."""
+        def claim(cur: Any) -> list[str]:
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (GC_LOCK,))
+            cur.execute(_UNKNOWN, (keys,))
+            unknown = [r[0] for r in cur.fetchall()]
+            for key in unknown:
+                cur.execute(f"INSERT INTO objects (key, size, refcount, uploaded, deleting, unreferenced_since)"
+                            f" VALUES (%s, 0, 0, 1, %s, {_NOW})", (key, self.session_id))
+            return unknown
+
+        return await self.pool.run(claim) if keys else []
 
     # --- sessions -------------------------------------------------------------------------
     async def start(self) -> Freed:
@@ -409,6 +446,13 @@ class PostgresEngine:
                         session, self.session_ttl, len(one.keys))
         return freed
 
+    async def check(self) -> list[str]:
+        """What is inconsistent in the tables (``fusestate fsck``)."""
+        return await self._read(shared_problems)
+
+    async def referenced(self) -> set[str]:
+        return await self._read(ops.referenced_keys)
+
     async def sessions(self) -> list[SessionInfo]:
         def listing(cur: Any) -> list[SessionInfo]:
             cur.execute(f"SELECT id, host, pid, mountpoint, started, {_NOW} - heartbeat FROM sessions ORDER BY id")
@@ -443,7 +487,10 @@ class PostgresEngine:
 def _clean_session(tx: ops.Tx, session: int) -> Freed:
     freed = Freed()
     held = [r[0] for r in tx.all("DELETE FROM holds WHERE session_id=? RETURNING inode", (session,))]
-    tx.exec("DELETE FROM uploads WHERE session_id=?", (session,))
+    _end_uploads(tx, "session_id=?", (session,))
+    # Deletions it claimed may or may not have happened: the blocks are unreferenced still,
+    # and maybe gone from the bucket, so the next upload of their bytes must not skip the PUT.
+    tx.exec("UPDATE objects SET deleting=0, uploaded=0 WHERE deleting=?", (session,))
     tx.exec("DELETE FROM sessions WHERE id=?", (session,))
     for ino in sorted(held):
         tx.lock([ino])
@@ -452,3 +499,33 @@ def _clean_session(tx: ops.Tx, session: int) -> Freed:
             freed.keys += ops.drop_orphans(tx, [ino]).keys
     return freed
 
+
+
+def _end_uploads(tx: ops.Tx, where: str, args: tuple) -> None:
+    """Registered uploads whose commits will not come become unreferenced objects: the
+    block may be in the bucket, and the collector deletes it once its grace has passed."""
+    for key, size in tx.all(f"DELETE FROM uploads WHERE {where} RETURNING key, size", args):
+        if tx.one("SELECT 1 FROM uploads WHERE key=?", (key,)) is None:
+            # uploaded=0: the PUT may not have happened, so the next upload of these bytes
+            # must not skip it.
+            tx.exec("INSERT INTO objects (key, size, refcount, uploaded, unreferenced_since)"
+                    " VALUES (?, ?, 0, 0, ?) ON CONFLICT DO NOTHING", (key, size, tx.now_ns / 1e9))
+
+
+def shared_problems(tx: ops.Tx, limit: int = 20) -> list[str]:
+    """Checks of the shared tables on top of ``operations.consistency_problems``: files
+    without names that no live session holds, and the per-session counters."""
+    problems = ops.consistency_problems(tx, limit)
+    for (ino,) in tx.all("SELECT i.id FROM inodes i WHERE i.nlink = 0 AND NOT EXISTS"
+                         f" (SELECT 1 FROM holds h JOIN sessions s ON s.id = h.session_id WHERE h.inode = i.id)"
+                         f" LIMIT {limit}"):
+        problems.append(f"inode {ino} has no name and no node holds it open")
+    row = tx.one("SELECT (SELECT COALESCE(SUM(inodes), 0) FROM counters), (SELECT COUNT(*) FROM inodes),"
+                 " (SELECT COALESCE(SUM(used), 0) FROM counters),"
+                 " (SELECT COALESCE(SUM(size), 0) FROM objects WHERE refcount > 0)")
+    assert row is not None
+    if int(row[0]) != int(row[1]):
+        problems.append(f"the inode counters say {row[0]}, the table holds {row[1]}")
+    if int(row[2]) != int(row[3]):
+        problems.append(f"the usage counters say {row[2]} bytes, the blocks in use add up to {row[3]}")
+    return problems

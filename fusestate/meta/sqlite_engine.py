@@ -353,7 +353,7 @@ class SQLiteEngine:
         def scan() -> list[tuple[str, int]]:
             db = sqlite3.connect(self.path)
             try:
-                return ops.blocks_by_recency(_ReadOnlyTx(db), budget)
+                return ops.blocks_by_recency(ReadOnlyTx(db), budget)
             finally:
                 db.close()
 
@@ -376,6 +376,9 @@ class SQLiteEngine:
     async def garbage_deleted(self, keys: list[str]) -> None:
         pass
 
+    async def garbage_kept(self, keys: list[str]) -> None:
+        pass  # claiming forgot them: left in the bucket for `fusestate gc`
+
     # --- lifecycle --------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -394,7 +397,7 @@ class SQLiteEngine:
         return EngineStats(self._inodes, self._used)
 
 
-class _ReadOnlyTx(_SQLiteTx):
+class ReadOnlyTx(_SQLiteTx):
     """Reads on a connection of their own (a worker thread's)."""
 
     def __init__(self, db: sqlite3.Connection) -> None:  # noqa: super().__init__ needs an engine

@@ -10,6 +10,7 @@ can be driven (and tested) without a mount.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import logging
@@ -499,26 +500,34 @@ class FileSystem:
 
     async def _store_sealed(self, f: OpenFile, index: int, generation: int, data: BlockData) -> None:
         size = len(data)
+        awaiting_commit = False  # shared engines: uploaded, and registered for a commit
         try:
             try:
                 key = await self.blocks.seal(data) if data else None
                 if key is not None and self.meta.shared:
                     await self.blocks.upload_before_commit(key, len(data))
+                    awaiting_commit = True
                 # One commit of this file at a time, so the generation checked is still the
                 # newest when the block map changes (an older seal never overwrites a newer).
                 async with f.commit_lock:
                     if not f.is_current(index, generation) or self._files.get(f.inode) is not f:
+                        awaiting_commit = False
                         await self.blocks.abandon(key)  # superseded by a newer write or truncate
                         return
                     try:
                         freed = await self.meta.commit_blocks(
                             f.inode, {index: (key, len(data)) if key else None}, f.node.size, f.node.mtime_ns)
+                        awaiting_commit = False
                     except FsError as exc:
                         if exc.errno != errno.ENOENT:
                             raise
+                        awaiting_commit = False
                         await self.blocks.abandon(key)  # the file is gone
                         return
             except Exception as exc:  # noqa: BLE001 - never take the daemon down; fsync reports it
+                if awaiting_commit:
+                    with contextlib.suppress(Exception):
+                        await self.blocks.abandon(key)  # a retry seals and uploads these bytes again
                 f.error = self._seal_error(f, index, exc, quiet=f.out_of_space)
                 f.out_of_space = f.error.errno == errno.ENOSPC
                 if f.is_current(index, generation) and index not in f.dirty:
