@@ -159,5 +159,12 @@ def points_plot(path: Path, points: dict[str, list[tuple[float, float]]], img_re
     return f"![{alt}]({img_rel}/{img.name})"
 
 
+def ratio_between(row: dict[str, Any], num: str, den: str) -> Optional[float]:
+    """One system's median over another's in a summary row (None if either has none)."""
+    a = row["systems"].get(num, {}).get("median")
+    b = row["systems"].get(den, {}).get("median")
+    return a / b if a is not None and b else None
+
+
 def goal_row(goal: str, measured: str, met: Optional[bool]) -> dict[str, Any]:
     return {"goal": goal, "measured": measured, "met": met}

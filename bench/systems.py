@@ -2,7 +2,8 @@
 
 ``local`` is a plain directory on local disk (the baseline). ``fusestate-file`` and
 ``fusestate-s3`` are fusestate mounts of a ``file://`` bucket and of a bucket on a moto S3
-server; ``rclone`` (``--vfs-cache-mode full``) and ``s3fs`` (s3fs-fuse) are the peers, mounted
+server; ``fusestate-pg`` is ``fusestate-file`` with its metadata in a PostgreSQL server of
+its own on 127.0.0.1 (the shared engine, without a network between); ``rclone`` (``--vfs-cache-mode full``) and ``s3fs`` (s3fs-fuse) are the peers, mounted
 on the same moto endpoint. Every mountpoint is unique under the run's work dir, and
 :func:`open_systems` unmounts all of them on the way out, lazily if a clean unmount fails.
 A system that cannot start (peer not installed, mount refused) is kept with its ``error``:
@@ -27,7 +28,7 @@ from typing import Any, Iterator, Optional
 
 from bench.common import BIN, FUSESTATE, RunError, log, run_cmd
 
-ALL = ["local", "fusestate-file", "fusestate-s3", "rclone", "s3fs"]
+ALL = ["local", "fusestate-file", "fusestate-pg", "fusestate-s3", "rclone", "s3fs"]
 S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3"}
 SETTLE_TIMEOUT = 300.0
 RCLONE_UPLOAD_TRIES = 3  # an rclone upload failing this many times in a row is a failed run
@@ -255,6 +256,9 @@ class System:
     def stop(self) -> None:
         pass
 
+    def close(self) -> None:
+        """After the last stop: release what the system owns besides its mount."""
+
     def settle(self, timeout: float = SETTLE_TIMEOUT) -> float:
         """Wait until background uploads are done and the disk is synced; returns seconds waited.
         Uploads that do not finish within ``timeout`` are an error (of the run that left them)."""
@@ -380,6 +384,27 @@ class FusestateSystem(System):
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "url": self.url, "mount_args": self.args}
+
+
+class SharedFusestateSystem(FusestateSystem):
+    """``fusestate-pg``: a ``file://`` bucket, its metadata in a PostgreSQL server started
+    for it (kept across remounts, removed by ``close``)."""
+
+    def __init__(self, name: str, root: Path, **kw: Any) -> None:
+        (root / "bucket").mkdir(parents=True, exist_ok=True)
+        super().__init__(name, root, f"file://{root / 'bucket'}", **kw)
+        self.server: Optional[Postgres] = None
+
+    def start(self) -> None:
+        if self.server is None:
+            self.server = Postgres()
+            self.args += ["--meta", self.server.create_database("fusestate")]
+        super().start()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
 
 class PeerSystem(System):
@@ -544,6 +569,8 @@ def make_system(name: str, work: Path, moto: Optional[Moto], *, cache_size: str 
     if name == "fusestate-file":
         (root / "bucket").mkdir(parents=True, exist_ok=True)
         return FusestateSystem(name, root, f"file://{root / 'bucket'}", cache_size=cache_size, extra=fusestate_extra)
+    if name == "fusestate-pg":
+        return SharedFusestateSystem(name, root, cache_size=cache_size, extra=fusestate_extra)
     if moto is None:
         raise ValueError(f"{name} needs a moto server")
     if name == "fusestate-s3":
@@ -599,4 +626,6 @@ def open_systems(names: list[str], work: Path, *, cache_size: str = "8G",
                     s.stop()
                 except Exception as exc:  # noqa: BLE001 - keep stopping the others
                     log(f"  {s.name}: stop failed: {exc}")
+                finally:
+                    s.close()
             detach_all_under(work)

@@ -87,15 +87,17 @@ def test_run_list() -> None:
 def test_files_scenario_tiny(tmp_path: Path) -> None:
     results, work = tmp_path / "results", tmp_path / "work"
     env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(tmp_path / "run"))
-    proc = subprocess.run([str(RUN), "--tiny", "--scenario", "files", "--systems", "local,fusestate-file",
+    systems = ["local", "fusestate-file", "fusestate-pg"]
+    proc = subprocess.run([str(RUN), "--tiny", "--scenario", "files", "--systems", ",".join(systems),
                            "--results", str(results), "--workdir", str(work), "--no-report"],
-                          capture_output=True, text=True, timeout=120, env=env)
+                          capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path, doc), = load_results(results).values()
-    assert doc["scenario"] == "files" and doc["systems"] == ["local", "fusestate-file"]
+    assert doc["scenario"] == "files" and doc["systems"] == systems
     assert doc["machine"]["cores"] and doc["machine"]["versions"]["fio"]
+    assert {"create", "stat", "readdir", "rename", "unlink"} <= {row["metric"] for row in doc["summary"]}
     for row in doc["summary"]:
-        for name in ("local", "fusestate-file"):
+        for name in systems:
             cell = row["systems"][name]
             assert cell["median"] is not None and cell["median"] > 0, (row["metric"], name, cell)
     assert not any(is_mounted(p) for p in work.rglob("mnt"))

@@ -4,8 +4,10 @@ fio writes one file sequentially in 1 MiB blocks and fsyncs it at the end (so ev
 pays for making the data durable in its own way), reads it back sequentially and in
 random 4 KiB reads (fio drops the file's page cache first: the system's own caches are
 warm), then once more sequentially after the system's caches are made cold. The
-small-file phase creates, stats and unlinks many 4 KiB files (each phase bounded in time,
-so a slow peer costs seconds, not the run).
+small-file phase creates, stats, lists, renames and unlinks many 4 KiB files (each phase
+bounded in time, so a slow peer costs seconds, not the run): the metadata rate, where
+``fusestate-pg`` (the shared PostgreSQL engine) and ``fusestate-file`` (the embedded SQLite
+engine) differ most.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
-from bench.render import bars_from_rows, goal_row, medians_note, percentile_lines, ratio_table
+from bench.render import (bars_from_rows, goal_row, md_table, medians_note, percentile_lines, ratio_between,
+                          ratio_table)
 from bench.systems import ALL, System, open_systems
 
 NAME = "files"
 TITLE = "Files (fio, small files)"
-SUMMARY = "fio sequential write/read 1 MiB, random read 4 KiB, cold sequential read; small-file create/stat/unlink"
+SUMMARY = ("fio sequential write/read 1 MiB, random read 4 KiB, cold sequential read; "
+           "small-file create/stat/readdir/rename/unlink")
 BUDGET = {"tiny": None, "quick": 130.0, "full": None}
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"file_mib": 16, "randread_seconds": 1, "small_files": 100, "phase_seconds": 5, "timeout": 60},
@@ -37,6 +41,8 @@ METRICS = [
     Metric("randread", "IOPS", label="random read 4 KiB, direct I/O"),
     Metric("create", "files/s", label="create 4 KiB file"),
     Metric("stat", "files/s", label="stat"),
+    Metric("readdir", "entries/s", label="readdir (names and attributes)"),
+    Metric("rename", "files/s", label="rename in the directory"),
     Metric("unlink", "files/s", label="unlink"),
 ]
 PCTS = ("50.000000", "90.000000", "99.000000", "99.900000", "99.990000")
@@ -74,7 +80,8 @@ def _timed(paths: list[Path], op: Callable[[Path], object], limit: float) -> tup
 
 
 def small_files(d: Path, n: int, limit: float) -> dict[str, float]:
-    """create/stat/unlink rates over up to ``n`` files, each phase cut off after ``limit`` seconds."""
+    """create/stat/readdir/rename/unlink rates over up to ``n`` files, each phase cut off after
+    ``limit`` seconds (readdir: whole listings with attributes, as ``ls -l`` makes them)."""
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     payload = os.urandom(4096)
@@ -88,6 +95,13 @@ def small_files(d: Path, n: int, limit: float) -> dict[str, float]:
     done, rates["create"] = _timed(names, create, limit)
     created = names[:done]
     _, rates["stat"] = _timed(created, os.stat, limit)
+    t, listed = time.monotonic(), 0
+    while not listed or (time.monotonic() - t < limit / 4 and listed < 20 * len(created)):
+        with os.scandir(d) as it:
+            listed += sum(1 for e in it if e.stat(follow_symlinks=False))
+    rates["readdir"] = listed / (time.monotonic() - t)
+    done, rates["rename"] = _timed(created, lambda p: os.rename(p, p.with_suffix(".r")), limit)
+    created = [p.with_suffix(".r") for p in created[:done]] + created[done:]
     _, rates["unlink"] = _timed(created, os.unlink, limit)
     rates["files"] = len(created)
     return rates
@@ -194,7 +208,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"`--end_fsync=1`, sequential read, {p['randread_seconds']} s of random 4 KiB reads with `--direct=1` (the "
              f"page cache would answer them all otherwise), and a sequential "
              f"read after the caches are made cold. Small files: up to {p['small_files']:,} files of 4 KiB "
-             f"created, stat'ed, unlinked ({p['phase_seconds']} s per phase at most). " + medians_note(doc),
+             f"created, stat'ed, listed, renamed, unlinked ({p['phase_seconds']} s per phase at most). "
+             + medians_note(doc),
              ratio_table(rows, names, show_variant=False)]
     by = {r["metric"]: r for r in rows}
     tput = [by[m] for m in ("seqwrite", "seqread", "seqread_cold") if m in by]
@@ -202,7 +217,12 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
         img = bars_from_rows(img_dir / "files-throughput.png", tput, names, ylabel="MiB/s",
                              title="fio sequential throughput, 1 MiB blocks (x = failed)")
         parts.append(f"![fio throughput]({img_rel}/{img.name})")
-    meta = [by[m] for m in ("create", "stat", "unlink") if m in by]
+    meta = [by[m] for m in ("create", "stat", "readdir", "rename", "unlink") if m in by]
+    engines = [[r["label"], f"{ratio:.2f}"] for r in meta
+               if (ratio := ratio_between(r, "fusestate-pg", "fusestate-file")) is not None]
+    if engines:
+        parts.append("The metadata engines side by side, PostgreSQL (shared, on the same machine) over "
+                     "SQLite (embedded):\n\n" + md_table(["operation", "fusestate-pg / fusestate-file"], engines))
     if meta:
         img = bars_from_rows(img_dir / "files-metadata.png", meta, names, ylabel="files/s", log=True,
                              title="small files: operations per second (log scale)")

@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
 from bench.db_bench_ratio import LINE
-from bench.render import bars_from_rows, goal_row, md_table, medians_note, percentile_lines, ratio_table
+from bench.render import (bars_from_rows, goal_row, md_table, medians_note, percentile_lines, ratio_between,
+                          ratio_table)
 from bench.systems import ALL, System, open_systems
 
 NAME = "rocksdb"
@@ -229,4 +230,9 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
             measured = f"{ratio:.2f}" if ratio is not None else f"error: {row['systems'][name].get('error')}"
             out.append(goal_row(f"db_bench {bench}, WAL off, warm cache, {name} / {BASELINE} ≥ 0.9", measured,
                                 ratio is not None and ratio >= 0.9))
+        if "fusestate-pg" in row["systems"] and "fusestate-file" in row["systems"]:
+            # The shared engine against the embedded one: data must not wait on the database.
+            ratio = ratio_between(row, "fusestate-pg", "fusestate-file")
+            out.append(goal_row(f"db_bench {bench}, WAL off, PostgreSQL engine / SQLite engine ≥ 0.9",
+                                f"{ratio:.2f}" if ratio is not None else "error", ratio is not None and ratio >= 0.9))
     return out
