@@ -303,13 +303,14 @@ def test_mount_helper_translates_options(tmp_path: Path):
     helper = str(SYSTEMD / "mount.fusestate")
     opts = ("rw,_netdev,nofail,x-systemd.requires=network-online.target,comment=x,cache_dir=/var/cache/fs/a,"
             "cache_size=50G,max_dirty=1G,allow_other,ro,endpoint_url=http://127.0.0.1:9000/x?a=b,"
-            "metrics_addr=0.0.0.0:9567,readahead=4,takeover,scratch=blockmgr-*,nosuid,nodev")
+            "metrics_addr=0.0.0.0:9567,readahead=4,takeover,scratch=blockmgr-*,nosuid,nodev,"
+            "meta=postgresql://fs@db.internal:5432/volumes,session_timeout=20")
     subprocess.run([helper, "s3://bucket/vol", "/mnt/a b", "-n", "-o", opts, "-t", "fusestate"], check=True, env=env)
     assert _calls(log) == [[
         "mount", "s3://bucket/vol", "/mnt/a b", "--cache-dir", "/var/cache/fs/a", "--cache-size", "50G",
         "--max-dirty", "1G", "--allow-other", "--read-only", "--endpoint-url", "http://127.0.0.1:9000/x?a=b",
         "--metrics-addr", "0.0.0.0:9567", "--readahead", "4", "--takeover", "--scratch", "blockmgr-*",
-        "-o", "nosuid", "-o", "nodev"]]
+        "-o", "nosuid", "-o", "nodev", "--meta", "postgresql://fs@db.internal:5432/volumes", "--session-timeout", "20"]]
     # Every option of the fstab example is understood.
     for line in (SYSTEMD / "fstab.example").read_text().splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
@@ -453,6 +454,7 @@ def _render(values: dict, namespace: str = "storage") -> dict[str, list[dict]]:
 VALUE_SETS = {
     "default": "default-values.yaml",
     "servicemonitor": "servicemonitor-values.yaml",
+    "shared": "shared-values.yaml",
 }
 
 
@@ -468,6 +470,17 @@ def test_chart_lints_clean():
         report = helm.lint(str(CHART), _ci_values(name), strict=True, namespace="storage")
         problems = [m for m in report["messages"] if m["severity"] >= 2]
         assert not report["errors"] and not problems, report
+
+
+def test_chart_refuses_a_shared_engine_with_a_volume_per_node():
+    helm = _helm()
+    values = {"volume": {"url": "s3://b/v"}, "meta": {"url": "postgresql://fs@db:5432/volumes"}}
+    with pytest.raises(Exception, match="set volume.perNode=false"):
+        _render(values)
+    values["volume"]["perNode"] = False
+    env = _env(_container(_render(values)))
+    assert env["FUSESTATE_META_URL"] == {"name": "FUSESTATE_META_URL", "value": "postgresql://fs@db:5432/volumes"}
+    assert helm  # rendered with Helm's own engine
 
 
 def test_chart_objects(rendered):
@@ -540,9 +553,18 @@ def test_daemonset_contract(rendered):
     assert "mountpoint -q" in " ".join(container["readinessProbe"]["exec"]["command"])
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
 
-    # A volume of its own per node: the URL ends in the node's name.
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    if name == "shared":
+        # One volume for every node, its metadata in the database named by the user's Secret.
+        assert env["FUSESTATE_URL"]["value"] == values["volume"]["url"]
+        assert env["FUSESTATE_META_URL"]["valueFrom"]["secretKeyRef"] == {"name": "fusestate-meta", "key": "url"}
+        args = container["args"][1:]
+        assert "--scratch" not in args
+        assert args[args.index("--session-timeout") + 1] == "20"
+        return
+    # A volume of its own per node: the URL ends in the node's name.
     assert env["FUSESTATE_URL"]["value"] == values["volume"]["url"].rstrip("/") + "/$(NODE_NAME)"
+    assert "FUSESTATE_META_URL" not in env and "--session-timeout" not in container["args"]
 
     if name == "default":
         assert volumes["cache"]["hostPath"] == {"path": "/var/cache/fusestate", "type": "DirectoryOrCreate"}
@@ -596,7 +618,8 @@ def test_daemonset_command_runs_fusestate_mount(rendered, tmp_path: Path):
     assert Path(env["FUSESTATE_MOUNTPOINT"]).is_dir() and Path(env["FUSESTATE_CACHE_DIR"]).is_dir()
     (argv,) = _calls(log)
     volume = values["volume"]
-    url = volume["url"].rstrip("/") + "/node-a"
+    shared = "meta" in values
+    url = volume["url"].rstrip("/") + ("" if shared else "/node-a")
     assert argv[:3] == ["mount", url, env["FUSESTATE_MOUNTPOINT"]]
     rest = argv[3:]
 
@@ -609,7 +632,7 @@ def test_daemonset_command_runs_fusestate_mount(rendered, tmp_path: Path):
     assert option("--durability") == volume.get("durability", "remote")
     assert option("--endpoint-url") == volume.get("endpointUrl")
     assert "--foreground" in rest and "--allow-other" in rest
-    scratch = volume.get("scratch", ["blockmgr-*"])
+    scratch = [] if shared else volume.get("scratch", ["blockmgr-*"])
     assert [rest[i + 1] for i, a in enumerate(rest) if a == "--scratch"] == scratch
     extra = [str(a) for a in volume.get("extraArgs", [])]
     assert rest[len(rest) - len(extra):] == extra

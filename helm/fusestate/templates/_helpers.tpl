@@ -65,6 +65,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/* The Secret with the credentials: the user's, or the chart's when it makes one; empty if none. */}}
+{{/* "true" when the volume's metadata is in a shared engine (meta.url or meta.existingSecret). */}}
+{{- define "fusestate.sharedMeta" -}}
+{{- if or .Values.meta.url .Values.meta.existingSecret -}}true{{- end -}}
+{{- end }}
+
 {{- define "fusestate.secretName" -}}
 {{- if .Values.credentials.existingSecret }}
 {{- .Values.credentials.existingSecret }}
