@@ -15,8 +15,8 @@ from typing import Awaitable, Callable, Iterator
 import pytest
 import trio
 
-from fusestate.meta.engine import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, FsError, MetaEngine,
-                                   NewNode)
+from fusestate.meta.engine import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, FsError, Inode,
+                                   MetaEngine, NewNode)
 from fusestate.meta.postgres_engine import PostgresEngine
 from fusestate.meta.sqlite_engine import SQLiteEngine
 
@@ -78,6 +78,15 @@ def key(n: int) -> str:
 
 
 shared_only = pytest.mark.parametrize("engine_kind", ["postgresql"])
+
+
+async def held_and_unlinked(a: MetaEngine, b: MetaEngine) -> Inode:
+    """A one-block file open on node ``a`` whose only name node ``b`` removes: it stays."""
+    f = await a.create(ROOT_INODE, b"f", FILE, hold=True)
+    await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
+    freed = await b.unlink(ROOT_INODE, b"f")
+    assert not freed.keys and freed.deleted_inode is None
+    return f
 
 
 # --- namespace ------------------------------------------------------------------------
@@ -379,9 +388,7 @@ def test_start_drops_scratch_and_orphans_of_the_last_mount(new_engine) -> None:
 @shared_only
 def test_a_clean_unmount_lets_go_of_what_its_session_held(new_engine) -> None:
     async def body(a: MetaEngine, b: MetaEngine) -> None:
-        f = await a.create(ROOT_INODE, b"f", FILE, hold=True)
-        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
-        await b.unlink(ROOT_INODE, b"f")
+        f = await held_and_unlinked(a, b)
         assert (await b.object_info(key(1))).refcount == 1
         a.close()
         await raises(errno.ENOENT, b.getattr(f.id))
@@ -486,10 +493,7 @@ def test_crossing_directory_moves_never_make_a_cycle(new_engine) -> None:
 @shared_only
 def test_a_file_held_by_another_node_outlives_its_unlink(new_engine) -> None:
     async def body(a: MetaEngine, b: MetaEngine) -> None:
-        f = await a.create(ROOT_INODE, b"f", FILE, hold=True)
-        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
-        freed = await b.unlink(ROOT_INODE, b"f")
-        assert not freed.keys and freed.deleted_inode is None
+        f = await held_and_unlinked(a, b)
         assert await a.block_map(f.id) == {0: key(1)}
         freed = await a.close_file(f.id)
         assert freed.keys == [key(1)] and freed.deleted_inode == f.id
@@ -500,9 +504,7 @@ def test_a_file_held_by_another_node_outlives_its_unlink(new_engine) -> None:
 @shared_only
 def test_a_dead_session_is_cleaned_and_cannot_publish_again(new_engine) -> None:
     async def body(a: MetaEngine, b: MetaEngine) -> None:
-        f = await a.create(ROOT_INODE, b"f", FILE, hold=True)
-        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
-        await b.unlink(ROOT_INODE, b"f")
+        f = await held_and_unlinked(a, b)
         await trio.sleep(1.5)  # a stops beating
         await b.heartbeat()
         freed = await b.clean_dead_sessions()
