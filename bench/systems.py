@@ -184,9 +184,12 @@ class Moto:
 # --- systems -------------------------------------------------------------------------------
 class Postgres:
     """A PostgreSQL server of our own on 127.0.0.1 (Debian's postgresql), for the shared
-    metadata engine: initdb in a temp dir as the ``postgres`` user, removed by ``close``."""
+    metadata engine: initdb in a temp dir as the ``postgres`` user, removed by ``close``.
+    ``fsync=False`` for tests: a restart's shutdown checkpoint then takes no time even on
+    a disk busy with other tests (only a crash of the machine could lose its data)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fsync: bool = True) -> None:
+        self.fsync = fsync
         self.bin = _postgres_bin()
         # Not under a private work dir: the postgres user must reach it.
         self.root = Path(tempfile.mkdtemp(prefix="fusestate-pg-"))
@@ -203,7 +206,8 @@ class Postgres:
             raise RunError(f"{' '.join(cmd[:2])} failed: {(proc.stderr or proc.stdout).strip()[-400:]}")
 
     def start(self) -> None:
-        options = f"-h 127.0.0.1 -p {self.port} -k {self.root} -c max_connections=200 -c fsync=on"
+        options = (f"-h 127.0.0.1 -p {self.port} -k {self.root} -c max_connections=200"
+                   f" -c fsync={'on' if self.fsync else 'off'}")
         self._as_postgres([str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"),
                            "-o", options, "-w", "start"])
 

@@ -79,7 +79,7 @@ def gcs_endpoint() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[Postgres]:
     """One PostgreSQL server per test process, on 127.0.0.1, removed afterwards."""
-    server = Postgres()
+    server = Postgres(fsync=False)
     try:
         yield server
     finally:
