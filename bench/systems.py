@@ -205,19 +205,26 @@ class Postgres:
         if proc.returncode != 0:
             raise RunError(f"{' '.join(cmd[:2])} failed: {(proc.stderr or proc.stdout).strip()[-400:]}")
 
-    def start(self) -> None:
+    def _pg_ctl(self, action: str) -> list[str]:
         options = (f"-h 127.0.0.1 -p {self.port} -k {self.root} -c max_connections=200"
                    f" -c fsync={'on' if self.fsync else 'off'}")
-        self._as_postgres([str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"),
-                           "-o", options, "-w", "start"])
+        return [str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"), "-o", options,
+                "-m", "fast", "-w", action]
+
+    def start(self) -> None:
+        self._as_postgres(self._pg_ctl("start"))
+
+    def restart_soon(self, delay: float) -> subprocess.Popen:
+        """Restart the server ``delay`` seconds from now, from a process forked now: one
+        forked later by a process that holds files open on a mount would close them on
+        its way to exec, and a close on a shared volume flushes through this very
+        database, so the restart would wait for itself."""
+        return subprocess.Popen(["sh", "-c", f"sleep {delay}; exec runuser -u postgres -- \"$@\"", "sh",
+                                 *self._pg_ctl("restart")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self, mode: str = "fast") -> None:
         """``mode`` immediate is a crash of the server."""
         self._as_postgres([str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"])
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"

@@ -50,6 +50,27 @@ def test_fsynced_on_one_node_reads_whole_on_the_other(make_mount, file_bucket: B
     assert len(st["sessions"]) == 2 and sum(s["this"] for s in st["sessions"]) == 1
 
 
+def test_a_reopened_file_keeps_its_cached_pages_until_another_node_changes_it(make_mount, file_bucket: Bucket,
+                                                                             pg_url: str) -> None:
+    """Close-to-open without rereading what did not change: B's second open of an
+    unchanged file reads from B's page cache; once A rewrote bytes in place (same size),
+    B's next open reads the new bytes."""
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    old = os.urandom(2 << 20)
+    write_synced(a.path / "f", old)
+    assert (b.path / "f").read_bytes() == old
+    read_before = b.status()["fuse"]["bytes_read"]
+    assert (b.path / "f").read_bytes() == old
+    assert b.status()["fuse"]["bytes_read"] == read_before  # from the page cache
+    new = os.urandom(4096)
+    with open(a.path / "f", "r+b") as f:
+        f.write(new)
+        f.flush()
+        os.fsync(f.fileno())
+    assert (b.path / "f").read_bytes() == new + old[4096:]
+    assert b.status()["fuse"]["bytes_read"] > read_before
+
+
 def test_namespace_changes_from_both_nodes_at_once(make_mount, file_bucket: Bucket, pg_url: str) -> None:
     """Creates, links, renames and unlinks in one directory from two nodes at once: every
     name each node made is there exactly once, nothing else is."""
@@ -227,10 +248,9 @@ def test_database_restart_under_a_live_mount(make_mount, file_bucket: Bucket, pg
     """Operations wait while the database restarts, then go on; nothing is lost."""
     a, b = shared_pair(make_mount, file_bucket, pg_url)
     write_synced(a.path / "before", b"1")
-    restarter = threading.Thread(target=postgres_server.restart)
-    restarter.start()
+    restarter = postgres_server.restart_soon(0.05)
     write_synced(a.path / "during", b"2")  # waits for the server if it lands in the gap
-    restarter.join()
+    assert restarter.wait(timeout=60) == 0
     write_synced(b.path / "after", b"3")
     assert sorted(os.listdir(a.path)) == ["after", "before", "during"]
     assert (b.path / "during").read_bytes() == b"2"

@@ -131,7 +131,7 @@ class Daemon:
         self.memory, self.disk, self.staging = p.memory, p.disk, p.staging
         self.uploader, self.blocks, self.warmer, self.fs = p.uploader, p.blocks, p.warmer, p.fs
         assert cfg.attr_timeout is not None
-        self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout, shared=self.meta.shared)
+        self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
         # The embedded engine's own durability: its journal shipped to the bucket, fenced by the lease.
         self.shipper: Optional[JournalShipper] = None
         if isinstance(self.meta, SQLiteEngine):

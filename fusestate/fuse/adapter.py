@@ -61,12 +61,10 @@ class FuseOperations(pyfuse3.Operations):
     enable_writeback_cache = True
     supports_dot_lookup = True
 
-    def __init__(self, fs: FileSystem, attr_timeout: float = 10.0, shared: bool = False) -> None:
+    def __init__(self, fs: FileSystem, attr_timeout: float = 10.0) -> None:
         super().__init__()
         self.fs = fs
         self.attr_timeout = attr_timeout
-        # Other nodes write to a shared volume: the page cache is dropped at each open.
-        self.shared = shared
         self.counters: dict[str, int] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -164,9 +162,9 @@ class FuseOperations(pyfuse3.Operations):
     @_translate_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         fh = await self.fs.open(inode, flags)
-        # On a volume of one node, all writes pass through this mount's page cache, so it
-        # never goes stale; only a truncating open must drop it.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=not (flags & os.O_TRUNC or self.shared))
+        # A truncating open drops the cached pages; otherwise they stay while they hold the
+        # file's content (on a shared volume another node may have changed it).
+        return pyfuse3.FileInfo(fh=fh, keep_cache=not flags & os.O_TRUNC and self.fs.keeps_page_cache(fh))
 
     @_translate_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,

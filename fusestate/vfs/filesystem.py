@@ -61,6 +61,14 @@ class Handle:
     read_ends: deque[int] = field(default_factory=lambda: deque([0], maxlen=SCAN_STREAMS))
 
 
+CACHED_CONTENT_MAX = 100_000  # files whose cached content a shared mount remembers
+
+
+def _content_version(size: int, keys: dict[int, str]) -> int:
+    """Content-addressed blocks and the size say all about a file's bytes."""
+    return hash((size, tuple(sorted(keys.items()))))
+
+
 @dataclass(frozen=True)
 class StatFs:
     block_size: int
@@ -85,6 +93,9 @@ class FileSystem:
         # Name patterns of directories made scratch when created (see Inode.scratch).
         self.scratch_dirs = tuple(scratch_dirs)
         self._files: dict[int, OpenFile] = {}
+        # Shared engines: the content (size and block map) this node's page cache holds of
+        # each file it has had open, so an open that finds the same content keeps the cache.
+        self._cached_content: dict[int, int] = {}
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         # Directories open on this node (count of handles), and the last attributes of those
@@ -331,8 +342,24 @@ class FileSystem:
         f = self._files.get(ino)
         if f is None:
             f = self._files[ino] = OpenFile(node=node, keys=keys)
+            f.page_cache_valid = self._cached_content.get(ino) == _content_version(node.size, keys)
         f.held = True
         return f
+
+    def keeps_page_cache(self, fh: int) -> bool:
+        """Whether the kernel may keep the file's cached pages for this open: always on a
+        volume of one node (every write passes through this mount); on a shared volume
+        when the file's content is what it was when this node last had it open."""
+        h = self._handle(fh)
+        return not self.meta.shared or h.file.page_cache_valid
+
+    def _remember_content(self, f: OpenFile) -> None:
+        if not self.meta.shared:
+            return
+        if len(self._cached_content) >= CACHED_CONTENT_MAX:
+            del self._cached_content[next(iter(self._cached_content))]  # the oldest
+        self._cached_content.pop(f.inode, None)
+        self._cached_content[f.inode] = _content_version(f.node.size, f.keys)
 
     async def open(self, ino: int, flags: int) -> int:
         if ino in self._files:
@@ -602,6 +629,7 @@ class FileSystem:
             return
         if f.held:
             f.held = False
+            self._remember_content(f)
             await self._settle(await self.meta.close_file(f.inode))
         if not f.busy and self._files.get(f.inode) is f:
             del self._files[f.inode]

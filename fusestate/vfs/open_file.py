@@ -42,6 +42,7 @@ class OpenFile:
     out_of_space: bool = False                 # a seal found the cache disk full: writes check for room first
     attrs_dirty: bool = False                  # size/mtime changed in memory since last persisted
     held: bool = False                         # the engine knows this node holds it open
+    page_cache_valid: bool = True              # shared engines: the kernel's cached pages hold this content
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one block-map commit at a time
 
     def __post_init__(self) -> None:
