@@ -54,6 +54,9 @@ class Tx(Protocol):
     def all(self, sql: str, args: tuple = ()) -> list[tuple]: ...
     def exec(self, sql: str, args: tuple = ()) -> int: ...
     def lock(self, inodes: Iterable[int]) -> None: ...
+    def changed(self, ino: int) -> None:
+        """An inode's row was updated or deleted (an engine that caches attributes drops it)."""
+        ...
     def lock_moves(self) -> None:
         """Serialize directory moves between parents with each other: the check that a
         directory is not moved under itself walks ancestors it does not lock, so two such
@@ -99,6 +102,7 @@ def _check_name(name: bytes) -> None:
 
 
 def _save(tx: Tx, node: Inode) -> None:
+    tx.changed(node.id)
     tx.exec("UPDATE inodes SET mode=?, uid=?, gid=?, size=?, nlink=?, atime_ns=?, mtime_ns=?, ctime_ns=?"
             " WHERE id=?", (node.mode, node.uid, node.gid, node.size, node.nlink,
                             node.atime_ns, node.mtime_ns, node.ctime_ns, node.id))
@@ -453,6 +457,7 @@ def _drop_if_unused(tx: Tx, node: Inode) -> Freed:
 
 def _delete_inode(tx: Tx, ino: int, freed: Freed) -> None:
     _drop_blocks(tx, ino, 0, freed)
+    tx.changed(ino)
     tx.inodes_delta -= tx.exec("DELETE FROM inodes WHERE id=?", (ino,))
     freed.deleted_inode = ino
 
@@ -475,6 +480,7 @@ def purge_scratch(tx: Tx) -> Freed:
             "SELECT e.parent, COUNT(*) FROM entries e JOIN inodes c ON c.id = e.inode"
             " JOIN inodes p ON p.id = e.parent WHERE c.scratch = 1 AND p.scratch = 0"
             " AND (c.mode & ?) = ? GROUP BY e.parent", (_S_IFMT, stat.S_IFDIR)):
+        tx.changed(parent)
         tx.exec("UPDATE inodes SET nlink = nlink - ? WHERE id=?", (subdirs, parent))
     tx.exec("DELETE FROM entries WHERE inode IN (SELECT id FROM inodes WHERE scratch = 1)")
     for (ino,) in tx.all("SELECT id FROM inodes WHERE scratch = 1"):

@@ -150,6 +150,9 @@ class _PgTx:
     def lock(self, inodes: Iterable[int]) -> None:
         self._cur.execute("SELECT id FROM inodes WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (sorted(set(inodes)),))
 
+    def changed(self, ino: int) -> None:
+        pass  # no attribute cache: other nodes change rows too
+
     def lock_moves(self) -> None:
         self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (MOVE_LOCK,))
 

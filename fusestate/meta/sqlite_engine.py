@@ -11,6 +11,7 @@ references, with snapshots (``restore``) and a lease with fencing (``daemon.leas
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sqlite3
@@ -29,6 +30,7 @@ from fusestate.meta.journal import JOURNAL_SCHEMA, Change
 T = TypeVar("T")
 
 SCHEMA_VERSION = 1
+ATTR_CACHE_MAX = 100_000  # inodes whose attributes getattr answers without a query
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes (
@@ -110,6 +112,9 @@ class _SQLiteTx:
     def lock_moves(self) -> None:
         pass
 
+    def changed(self, ino: int) -> None:
+        self._engine._attrs.pop(ino, None)
+
     def unreferenced_mark(self) -> int:
         return self._engine.journal_last_seq()
 
@@ -125,6 +130,7 @@ class SQLiteEngine:
         self.block_size = block_size
         self.read_only = read_only
         self._holds = _LocalHolds()
+        self._attrs: dict[int, Inode] = {}
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -277,7 +283,15 @@ class SQLiteEngine:
 
     # --- namespace ----------------------------------------------------------
     async def getattr(self, ino: int) -> Inode:
-        return self._read(ops.get, ino)
+        """From the attribute cache: this engine is the volume's one writer, and every
+        operation drops the inodes it changes from the cache."""
+        node = self._attrs.get(ino)
+        if node is None:
+            node = self._read(ops.get, ino)
+            if len(self._attrs) >= ATTR_CACHE_MAX:
+                del self._attrs[next(iter(self._attrs))]  # the oldest
+            self._attrs[ino] = node
+        return dataclasses.replace(node)
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
         return self._read(ops.lookup, parent, name)
@@ -384,6 +398,7 @@ class SQLiteEngine:
         task_status.started()
 
     async def start(self) -> Freed:
+        self._attrs.clear()
         freed = Freed()
         if self.read_only:
             return freed
