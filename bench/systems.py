@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from bench.common import BIN, FUSESTATE, RunError, log, run_cmd
+from fusestate.meta.local_postgres import LocalPostgres as Postgres, free_port
 
 ALL = ["local", "fusestate-file", "fusestate-pg", "fusestate-s3", "rclone", "s3fs"]
 S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3"}
@@ -38,12 +39,6 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 
 # --- helpers -------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
     """Wait for a process told to stop; kill it if it does not within ``timeout``."""
     try:
@@ -182,73 +177,6 @@ class Moto:
 
 
 # --- systems -------------------------------------------------------------------------------
-class Postgres:
-    """A PostgreSQL server of our own on 127.0.0.1 (Debian's postgresql), for the shared
-    metadata engine: initdb in a temp dir as the ``postgres`` user, removed by ``close``.
-    ``fsync=False`` for tests: a restart's shutdown checkpoint then takes no time even on
-    a disk busy with other tests (only a crash of the machine could lose its data)."""
-
-    def __init__(self, fsync: bool = True) -> None:
-        self.fsync = fsync
-        self.bin = _postgres_bin()
-        # Not under a private work dir: the postgres user must reach it.
-        self.root = Path(tempfile.mkdtemp(prefix="fusestate-pg-"))
-        self.data = self.root / "data"
-        self.port = free_port()
-        shutil.chown(self.root, "postgres", "postgres")
-        self._as_postgres([str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
-                           "--no-sync", "-E", "UTF8"])
-        self.start()
-
-    def _as_postgres(self, cmd: list[str]) -> None:
-        proc = subprocess.run(["runuser", "-u", "postgres", "--", *cmd], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RunError(f"{' '.join(cmd[:2])} failed: {(proc.stderr or proc.stdout).strip()[-400:]}")
-
-    def _pg_ctl(self, action: str) -> list[str]:
-        options = (f"-h 127.0.0.1 -p {self.port} -k {self.root} -c max_connections=200"
-                   f" -c fsync={'on' if self.fsync else 'off'}")
-        return [str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"), "-o", options,
-                "-m", "fast", "-w", action]
-
-    def start(self) -> None:
-        self._as_postgres(self._pg_ctl("start"))
-
-    def restart_soon(self, delay: float) -> subprocess.Popen:
-        """Restart the server ``delay`` seconds from now, from a process forked now: one
-        forked later by a process that holds files open on a mount would close them on
-        its way to exec, and a close on a shared volume flushes through this very
-        database, so the restart would wait for itself."""
-        return subprocess.Popen(["sh", "-c", f"sleep {delay}; exec runuser -u postgres -- \"$@\"", "sh",
-                                 *self._pg_ctl("restart")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def stop(self, mode: str = "fast") -> None:
-        """``mode`` immediate is a crash of the server."""
-        self._as_postgres([str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"])
-
-    def url(self, database: str = "postgres") -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
-
-    def create_database(self, name: str) -> str:
-        import psycopg
-
-        with psycopg.connect(self.url(), autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return self.url(name)
-
-    def close(self) -> None:
-        with contextlib.suppress(RunError):
-            self.stop("immediate")
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _postgres_bin() -> Path:
-    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
-    if not found:
-        raise RunError("PostgreSQL is not installed (Debian package postgresql; scripts/setup.sh installs it)")
-    return found[-1].parent
-
-
 class System:
     """A directory to benchmark in, and how to settle it between runs and to make its cache cold."""
 

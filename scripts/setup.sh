@@ -77,9 +77,4 @@ if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[
     exit 1
 fi
 rm -f "$log"
-# The fusestate:// Hadoop file system for Spark (a no-op when the jar is up to date).
-if ! PYTHON=.venv/bin/python bash spark/shim/build.sh >/dev/null; then
-    echo "setup: building spark/shim failed" >&2
-    exit 1
-fi
 echo "fusestate is installed in $(pwd)/.venv"

@@ -9,18 +9,19 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, Bucket, assert_one_line_error, block_key
+from conftest import BIN, ROOT, Bucket, assert_one_line_error, block_key
 
 pyspark = pytest.importorskip("pyspark")
 if shutil.which("java") is None:
     pytest.skip("no java on this machine", allow_module_level=True)
 
-from fusestate.spark.config import SparkSetupError, shim_jar  # noqa: E402
+from fusestate.spark.config import shim_jar  # noqa: E402
 from fusestate.spark.pipeline import final_view, read_output, stop_session  # noqa: E402
 
 # Small state: 2,000 keys x 256 bytes, 5 micro-batches of ~1,100 events.
@@ -233,10 +234,7 @@ def _checkpoint_ssts(job: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def shim() -> Path:
-    try:
-        return shim_jar()
-    except SparkSetupError as exc:
-        pytest.skip(f"the shim jar cannot be built here: {exc}")
+    return shim_jar()
 
 
 SHIM_CHECK = """
@@ -501,7 +499,7 @@ def test_bad_configuration_fails_before_the_query_starts(make_mount, file_bucket
     assert f"on the fusestate mount {m.path}, not on local disk" in line
     # The shim's jar is missing.
     line = refused_pipeline(m.path / "job", out, "--use-shim", "--shim-jar", str(tmp_path / "gone.jar"))
-    assert f"the shim jar {tmp_path / 'gone.jar'} does not exist" in line and "build.sh" in line
+    assert f"the shim jar {tmp_path / 'gone.jar'} does not exist" in line and "the installed one is" in line
     # Checkpoint schemes that do not keep the state on the mount, or need the shim.
     line = refused_pipeline(m.path / "job", out, "--checkpoint", "s3a://bucket/checkpoints/q")
     assert "scheme s3a://" in line and "fusestate://" in line
@@ -541,12 +539,92 @@ def test_check_state_conf_refuses_settings_a_job_built_itself(make_mount, file_b
     check_state_conf(dict(good, **{"spark.local.dir": str(tmp_path)}), on_mount=False)  # a baseline's
 
 
-def test_shim_build_failure_names_its_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A jar that cannot be built says why (build.sh's own message), not a CalledProcessError."""
-    from fusestate.spark import config
+def test_the_installed_shim_jar_is_built_from_the_current_sources() -> None:
+    """The jar ships as package data: an edit of the Java sources without a rebuild
+    (bash spark/shim/build.sh) would ship the old classes."""
+    from fusestate.spark.shim import installed_jar, jar_digest, source_digest
 
-    (tmp_path / "build.sh").write_text("echo 'build.sh: javac not found (install a JDK)' >&2\nexit 1\n")
-    monkeypatch.setattr(config, "SHIM_DIR", tmp_path)
-    monkeypatch.setattr(config, "SHIM_JAR", tmp_path / "build" / "shim.jar")
-    with pytest.raises(config.SparkSetupError, match="could not be built: build.sh: javac not found"):
-        config.shim_jar()
+    assert jar_digest(installed_jar()) == source_digest(ROOT / "spark" / "shim")
+
+
+def test_a_wheel_carries_the_shim_jar(tmp_path: Path) -> None:
+    """Executors of a cluster get fusestate from a wheel (an image, a venv): the jar is in it."""
+    import zipfile
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("fusestate-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        assert "fusestate/spark/jars/fusestate-hadoop-shim.jar" in z.namelist()
+
+
+RENAME_RACE = """
+import java.net.URI;
+import java.nio.file.Files;
+import java.nio.file.Paths;
+import org.apache.hadoop.conf.Configuration;
+import org.apache.hadoop.fs.FileAlreadyExistsException;
+import org.apache.hadoop.fs.FileContext;
+import org.apache.hadoop.fs.Options;
+import org.apache.hadoop.fs.Path;
+
+public class RenameRace {
+    public static void main(String[] args) throws Exception {
+        String dir = args[0], tag = args[1], barrier = args[3];
+        int n = Integer.parseInt(args[2]);
+        Configuration conf = new Configuration();
+        conf.set("fs.fusestate.impl", "io.fusestate.hadoop.FusestateFileSystem");
+        conf.set("fs.AbstractFileSystem.fusestate.impl", "io.fusestate.hadoop.FusestateFs");
+        FileContext fc = FileContext.getFileContext(URI.create("fusestate:///"), conf);
+        for (int i = 0; i < n; i++) {
+            Files.write(Paths.get(dir, "." + tag + "-" + i + ".tmp"), tag.getBytes());
+        }
+        while (!Files.exists(Paths.get(barrier))) {
+            Thread.sleep(1);
+        }
+        for (int i = 0; i < n; i++) {
+            Path tmp = new Path("fusestate://" + dir + "/." + tag + "-" + i + ".tmp");
+            try {
+                fc.rename(tmp, new Path("fusestate://" + dir + "/" + i), Options.Rename.NONE);
+                System.out.println(i + " won");
+            } catch (FileAlreadyExistsException e) {
+                System.out.println(i + " lost");
+            }
+        }
+    }
+}
+"""
+
+
+def test_shim_no_overwrite_rename_has_one_winner_across_nodes(make_mount, file_bucket: Bucket, pg_url: str,
+                                                               tmp_path: Path, shim) -> None:
+    """Spark writes offsets/N and commits/N by a rename that must fail when the target exists
+    (two drivers on one checkpoint). Two nodes of a shared volume race for the same names
+    through the shim's FileContext: every name has exactly one winner, whose bytes it holds."""
+    from test_shared import shared_pair
+
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    (a.path / "log").mkdir()
+    (tmp_path / "RenameRace.java").write_text(RENAME_RACE)
+    classpath = f"{shim}:{Path(pyspark.__file__).parent / 'jars'}/*:{tmp_path}"
+    subprocess.run(["javac", "-nowarn", "-d", str(tmp_path), "-cp", classpath, str(tmp_path / "RenameRace.java")],
+                   check=True, capture_output=True, timeout=120)
+    n, barrier = 150, tmp_path / "go"
+    racers = {tag: subprocess.Popen(["java", "-cp", classpath, "RenameRace", str(m.path / "log"), tag, str(n),
+                                     str(barrier)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for tag, m in (("a", a), ("b", b))}
+    deadline = time.monotonic() + 60
+    while sum(1 for name in os.listdir(a.path / "log") if name.endswith(".tmp")) < 2 * n:
+        assert time.monotonic() < deadline, "the racers did not write their files"
+        time.sleep(0.1)
+    barrier.touch()
+    won: dict[str, set[int]] = {}
+    for tag, proc in racers.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        won[tag] = {int(line.split()[0]) for line in out.splitlines() if line.endswith(" won")}
+    assert won["a"] | won["b"] == set(range(n)) and not won["a"] & won["b"]
+    for i in range(n):
+        assert (b.path / "log" / str(i)).read_text() == ("a" if i in won["a"] else "b")
+    assert 0 < len(won["a"]) < n, "the two nodes never raced for a name"

@@ -44,17 +44,6 @@ METRICS = [
     Metric("restart_s", "s", higher_is_better=False, label="restart to first batch done"),
     Metric("restart_fetched_bytes", "B", higher_is_better=False, label="bytes fetched by the restart"),
 ]
-SHIM = ROOT / "spark" / "shim" / "build" / "fusestate-hadoop-shim.jar"
-
-
-def ensure_shim() -> None:
-    """spark_bench's shim setup needs the fusestate:// jar (scripts/setup.sh builds it too)."""
-    if not SHIM.exists():
-        log("  building spark/shim")
-        run_cmd(["bash", str(ROOT / "spark" / "shim" / "build.sh")], timeout=600,
-                env=dict(os.environ, PYTHON=str(BIN / "python")), cwd=ROOT)
-
-
 def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
     first, restart = setup.get("first_run", {}), setup.get("restart", {})
     out = {"records_per_s": first.get("records_per_second"), "batch_ms_median": first.get("batch_ms_median"),
@@ -123,7 +112,6 @@ def run(ctx: Context) -> dict[str, Any]:
     setups = chosen_setups(ctx, p.get("setups", SETUPS))
     env = spark_env(ctx)
     try:
-        ensure_shim()
     except Exception as exc:  # noqa: BLE001
         return shim_error_doc(p, setups, METRICS, [""], exc)
     runs: list[dict[str, Any]] = []

@@ -29,8 +29,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,13 +36,9 @@ from typing import Mapping, Optional
 from urllib.parse import urlsplit
 
 from fusestate.errors import UserError
+from fusestate.spark import shim
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-SHIM_DIR = ROOT / "spark" / "shim"
-SHIM_JAR = SHIM_DIR / "build" / "fusestate-hadoop-shim.jar"
-SHIM_SCHEME = "fusestate"
-SHIM_FS_CLASS = "io.fusestate.hadoop.FusestateFileSystem"
-SHIM_AFS_CLASS = "io.fusestate.hadoop.FusestateFs"
+SHIM_SCHEME, SHIM_FS_CLASS, SHIM_AFS_CLASS = shim.SCHEME, shim.FS_CLASS, shim.AFS_CLASS
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 ROCKSDB_PREFIX = "spark.sql.streaming.stateStore.rocksdb."
 # What Spark names the dirs it makes in spark.local.dir (Utils.createTempDir, DiskBlockManager).
@@ -94,17 +88,13 @@ class SparkSetupError(UserError):
     quietly copy every state file the shim exists to link: refused before the session starts."""
 
 
-def shim_jar(build: bool = True) -> Path:
-    """The shim jar, built with ``spark/shim/build.sh`` when missing (and ``build``)."""
-    if not SHIM_JAR.exists() and build:
-        proc = subprocess.run(["bash", str(SHIM_DIR / "build.sh")], capture_output=True, text=True,
-                              env=dict(os.environ, PYTHON=sys.executable))
-        if proc.returncode != 0:
-            reason = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-            raise SparkSetupError(f"the fusestate:// shim jar {SHIM_JAR} is missing and could not be built: {reason}")
-    if not SHIM_JAR.exists():
-        raise SparkSetupError(f"the fusestate:// shim jar {SHIM_JAR} is missing: build it with spark/shim/build.sh")
-    return SHIM_JAR
+def shim_jar() -> Path:
+    """The shim jar installed with fusestate (package data: no build at run time)."""
+    jar = shim.installed_jar()
+    if not jar.is_file():
+        raise SparkSetupError(f"the fusestate:// shim jar {jar} is missing from this installation: reinstall "
+                              f"fusestate (in a source tree: bash spark/shim/build.sh)")
+    return jar
 
 
 def live_fusestate_mount(path: str | os.PathLike) -> Optional[str]:
@@ -164,10 +154,10 @@ def check_state_conf(conf: Mapping[str, str], *, on_mount: bool = True) -> None:
         jars = [j for j in jars if j.endswith(".jar") and "://" not in j]
         if not jars:
             raise SparkSetupError(f"the {SHIM_SCHEME}:// shim is registered but no jar is on spark.jars or "
-                                  f"spark.driver.extraClassPath: add {SHIM_JAR}")
+                                  f"spark.driver.extraClassPath: add {shim.installed_jar()}")
         for jar in jars:
             if not Path(jar).is_file():
-                raise SparkSetupError(f"the shim jar {jar} does not exist: build it with spark/shim/build.sh")
+                raise SparkSetupError(f"the shim jar {jar} does not exist (the installed one is {shim.installed_jar()})")
     if not on_mount:
         return
     local_mount = live_fusestate_mount(local_dir) if local_dir else None
@@ -224,7 +214,7 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
 
     ``checkpoint`` overrides the checkpoint directory (default ``<state_dir>/checkpoints/<query>``):
     a path, ``file://`` or ``fusestate://``. ``use_shim`` registers the ``fusestate://`` Hadoop
-    file system (spark/shim; ``shim_jar_path`` for a jar built elsewhere) and names the
+    file system (the jar installed with fusestate; ``shim_jar_path`` for another copy) and names the
     checkpoint with that scheme; it needs the checkpoint and ``spark.local.dir`` on one mount.
     Settings that cannot work raise :class:`SparkSetupError` before anything is created.
     """

@@ -63,6 +63,8 @@ public class FusestateFileSystem extends RawLocalFileSystem {
     public static final AtomicLong COPIED = new AtomicLong();
     /** Renames followed by a directory fsync (durability barriers). */
     public static final AtomicLong SYNCED = new AtomicLong();
+    /** Renames without overwrite made atomic with a link (see {@link #renameNoReplace}). */
+    public static final AtomicLong RENAMED_NO_REPLACE = new AtomicLong();
 
     // Static: RawLocalFileSystem's constructor already asks for the URI (working directory).
     /** Copies turned into hard links in this JVM. */
@@ -78,6 +80,11 @@ public class FusestateFileSystem extends RawLocalFileSystem {
     /** Renames on a fusestate mount made durable in this JVM. */
     public static long syncedCount() {
         return SYNCED.get();
+    }
+
+    /** No-overwrite renames made with link and unlink in this JVM. */
+    public static long renamedNoReplaceCount() {
+        return RENAMED_NO_REPLACE.get();
     }
 
     private static final URI URI_ROOT = URI.create(SCHEME + ":///");
@@ -221,6 +228,36 @@ public class FusestateFileSystem extends RawLocalFileSystem {
             SYNCED.incrementAndGet();
         }
         return renamed;
+    }
+
+    /**
+     * Rename the regular file src to dst only if dst does not exist, atomically for every node
+     * of a shared volume: link(2) creates dst or fails with EEXIST in one step (one transaction
+     * of the volume's metadata engine), then src is removed. Java has no renameat2; a check
+     * followed by rename(2), which Hadoop's local file system does, lets two nodes both
+     * "win" (Spark's offset and commit logs rely on the loser failing). Returns false when
+     * this cannot be done with a link (not a regular file, not on a fusestate mount), for the
+     * caller's ordinary rename.
+     *
+     * @throws org.apache.hadoop.fs.FileAlreadyExistsException when dst exists
+     */
+    static boolean renameNoReplace(java.nio.file.Path src, java.nio.file.Path dst) throws IOException {
+        if (src == null || dst == null || dst.getParent() == null
+                || !Files.isRegularFile(src, LinkOption.NOFOLLOW_LINKS) || !sameFusestateMount(src, dst)) {
+            return false;
+        }
+        try {
+            Files.createLink(dst, src);
+        } catch (FileAlreadyExistsException e) {
+            throw new org.apache.hadoop.fs.FileAlreadyExistsException("rename destination " + dst + " already exists.");
+        } catch (NoSuchFileException e) {
+            throw new FileNotFoundException("rename source " + src + " or destination directory does not exist");
+        }
+        Files.delete(src);
+        syncDirectory(dst.getParent());
+        SYNCED.incrementAndGet();
+        RENAMED_NO_REPLACE.incrementAndGet();
+        return true;
     }
 
     /** fsync a directory (Linux lets a read-only channel on a directory be forced). */
