@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("spark-pipeline", help="run the reference Spark streaming job with its state on a mount")
     from fusestate.spark.pipeline import add_arguments as _spark_pipeline_arguments
     _spark_pipeline_arguments(sp)
+
+    sc = sub.add_parser("spark-cluster", help="run the reference Spark job on a cluster of nodes, one shared volume")
+    from fusestate.spark.cluster import add_arguments as _spark_cluster_arguments
+    _spark_cluster_arguments(sc)
     return parser
 
 
@@ -392,8 +396,16 @@ def cmd_spark_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spark_cluster(args: argparse.Namespace) -> int:
+    from fusestate.spark.cluster import run as run_spark_cluster
+
+    run_spark_cluster(args)
+    return 0
+
+
 COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "warmup": cmd_warmup,
-            "fsck": cmd_fsck, "gc": cmd_gc, "stats": cmd_stats, "spark-pipeline": cmd_spark_pipeline}
+            "fsck": cmd_fsck, "gc": cmd_gc, "stats": cmd_stats, "spark-pipeline": cmd_spark_pipeline,
+            "spark-cluster": cmd_spark_cluster}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -538,3 +538,14 @@ def test_prometheus_scrapes_the_daemon(make_mount, file_bucket: Bucket, promethe
     # Prometheus saw the counter move, not only its final value.
     assert prom.value("increase(fusestate_uploaded_bytes_total[1m])") > 0
     m.umount()
+
+
+def test_a_shared_volume_serves_its_metrics(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    """A shared volume ships no journal: its scrape has no journal metrics, and still answers
+    (it failed with HTTP 500 when the collector asked for a journal that does not exist)."""
+    m = make_mount(file_bucket, extra=["--meta", pg_url, "--metrics-addr", "127.0.0.1:0"]).mount()
+    (m.path / "f").write_bytes(b"x" * 5000)
+    got = scrape(metrics_url(m))
+    assert got.value("fusestate_fuse_operations_total", op="create") >= 1
+    assert not got.has("fusestate_journal_entries_pending")
+    m.umount()

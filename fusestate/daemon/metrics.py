@@ -178,6 +178,16 @@ class DaemonCollector(Collector):
 
     def _metadata(self, d: "Daemon") -> Iterable[Metric]:
         sh = d.shipper
+        if sh is not None:  # a shared volume's metadata is in its database: no journal to ship
+            yield from self._journal(d, sh)
+        yield _counter("fusestate_gc_deleted_blocks_total", "Blocks deleted by garbage collection", d.gc_deleted)
+        lease = d.lease
+        yield _gauge("fusestate_lease_epoch", "Epoch of this mount's lease",
+                     lease.record.epoch if lease and lease.record else 0)
+        yield _gauge("fusestate_lease_held", "1 while this mount holds the volume's lease",
+                     1 if lease and lease.record and not lease.lost else 0)
+
+    def _journal(self, d: "Daemon", sh) -> Iterable[Metric]:
         read_only = d.cfg.read_only
         yield _gauge("fusestate_journal_entries_pending", "Journal entries not yet in the bucket",
                      0 if read_only else sh.pending_entries())
@@ -191,12 +201,6 @@ class DaemonCollector(Collector):
                      age if age is not None else time.time() - d.started_at)
         yield _counter("fusestate_journal_ship_failures_total", "Journal shipments that failed", sh.stats.failures)
         yield _counter("fusestate_snapshots_shipped_total", "Metadata snapshots shipped", sh.stats.snapshots_shipped)
-        yield _counter("fusestate_gc_deleted_blocks_total", "Blocks deleted by garbage collection", d.gc_deleted)
-        lease = d.lease
-        yield _gauge("fusestate_lease_epoch", "Epoch of this mount's lease",
-                     lease.record.epoch if lease and lease.record else 0)
-        yield _gauge("fusestate_lease_held", "1 while this mount holds the volume's lease",
-                     1 if lease and lease.record and not lease.lost else 0)
 
     def _fuse(self, d: "Daemon") -> Iterable[Metric]:
         ops = d.ops

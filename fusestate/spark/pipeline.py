@@ -305,7 +305,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-changelog", action="store_true", help="turn RocksDB changelog checkpointing off")
     p.add_argument("--min-deltas-for-snapshot", type=int, default=10)
     p.add_argument("--driver-memory", default="1g", help="JVM heap (default %(default)s)")
-    p.add_argument("--master", default="local[2]")
+    p.add_argument("--master", default="local[2]",
+                   help="local[N], or a cluster's spark://HOST:PORT (default %(default)s): then every executor's "
+                        "node must mount the same shared volume at the same path, which is checked before the query")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="another Spark setting (repeatable); it wins over the ones the state layout makes")
     p.add_argument("--report", default=None, help="also write the final report (JSON) here")
 
 
@@ -319,6 +323,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
                         shuffle_partitions=args.partitions, compression=args.state_compression,
                         block_size_kb=args.block_size_kb)
+    for item in args.conf:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--conf {item}: expected KEY=VALUE")
+        layout.conf[key.strip()] = value
     mount = layout.mount
     output = Path(args.output).resolve()
     input_dir = Path(args.input).resolve() if args.input else output.with_name(output.name + ".input")
