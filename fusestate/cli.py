@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="cache, staging, upload queue at a glance")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--warm", nargs="?", const="", default=None, metavar="PATH",
+                   help="which files under PATH (default: the whole volume) this node holds in its cache, "
+                        "by directory: where a shared volume's state is warm")
 
     c = sub.add_parser("fsck", help="verify a volume in the bucket (exit 1 if damaged)")
     c.add_argument("url")
@@ -266,11 +269,45 @@ def _stats_table(before: dict, after: dict, seconds: float) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.warm is not None:
+        return _print_warm(args)
     status = _fetch_status(args.mountpoint)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
         return 0
     _print_status(status)
+    return 0
+
+
+def _print_warm(args: argparse.Namespace) -> int:
+    from fusestate.daemon import control
+    from fusestate.daemon.paths import control_socket
+
+    mountpoint = os.path.abspath(args.mountpoint)
+    path = os.path.abspath(os.path.join(mountpoint, args.warm))
+    if os.path.commonpath([path, mountpoint]) != mountpoint:
+        raise UserError(f"{args.warm} is not under the mount {mountpoint}")
+    socket_path = control_socket(mountpoint)
+    if not os.path.exists(socket_path):
+        raise UserError(f"{mountpoint} is not a fusestate mount")
+    reply = control.request(socket_path, {"command": "warm", "path": os.path.relpath(path, mountpoint).lstrip(".")},
+                            timeout=600)
+    if not reply.get("ok"):
+        raise UserError(reply.get("error", "status --warm failed"))
+    warm = reply["warm"]
+    if args.json:
+        print(json.dumps(warm, indent=2, sort_keys=True))
+        return 0
+    dirs = warm["dirs"]
+    width = max([len(d["path"]) for d in dirs] + [9])
+    print(f"{'directory':<{width}}  {'warm files':>12}  {'warm bytes':>21}  {'warm':>5}")
+    for d in dirs:
+        share = f"{100 * d['warm_bytes'] / d['bytes']:.0f}%" if d["bytes"] else "-"
+        print(f"{d['path']:<{width}}  {d['warm_files']:>5} of {d['files']:<5}  "
+              f"{format_size(d['warm_bytes']):>9} of {format_size(d['bytes']):<9}  {share:>5}")
+    total, held = sum(d["bytes"] for d in dirs), sum(d["warm_bytes"] for d in dirs)
+    print(f"{warm['files_seen']} files, {format_size(held)} of {format_size(total)} warm on this node"
+          + (" (stopped at the walk's file limit)" if warm["truncated"] else ""))
     return 0
 
 

@@ -256,3 +256,33 @@ def test_database_restart_under_a_live_mount(make_mount, file_bucket: Bucket, pg
     assert (b.path / "during").read_bytes() == b"2"
     pytest.importorskip("psycopg")
     fusestate("status", str(a.path))
+
+
+def test_each_node_reports_where_the_volumes_files_are_warm(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    """A file is warm on the node that wrote it and on a node that read it, nowhere else:
+    `fusestate status --warm` and the fusestate_warm_bytes metric say so per directory."""
+    import urllib.request
+
+    opts = ["--meta", pg_url, "--session-timeout", str(SESSION_TIMEOUT), "--block-size", "64K"]
+    a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=[*opts, "--metrics-addr", "127.0.0.1:0"]).mount()
+    b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=[*opts, "--metrics-addr", "off"]).mount()
+    for d in ("p1", "p2"):
+        (a.path / d).mkdir()
+        write_synced(a.path / d / "f", os.urandom(200_000))
+    assert (b.path / "p2" / "f").read_bytes() == (a.path / "p2" / "f").read_bytes()
+
+    def warm(m: Mount, *path: str) -> dict[str, dict]:
+        proc = fusestate("status", str(m.path), "--warm", *path, "--json")
+        assert proc.returncode == 0, proc.stderr
+        return {d["path"]: d for d in json.loads(proc.stdout)["dirs"]}
+
+    on_a, on_b = warm(a), warm(b)
+    assert on_a["/p1"]["warm_bytes"] == on_a["/p2"]["warm_bytes"] == 200_000
+    assert on_b["/p2"]["warm_bytes"] == 200_000 and on_b["/p2"]["warm_files"] == 1
+    assert on_b["/p1"]["warm_bytes"] == 0 and on_b["/p1"]["files"] == 1
+    assert set(warm(b, "p2")) == {"/p2"}
+    text = fusestate("status", str(b.path), "--warm").stdout
+    assert "/p2" in text and "100%" in text and "warm on this node" in text
+    addr = a.status()["metrics_addr"]
+    scrape = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    assert 'fusestate_warm_bytes{dir="/p1"} 200000.0' in scrape

@@ -92,6 +92,7 @@ class DaemonCollector(Collector):
         yield from self._writeback(d)
         yield from self._remote(d)
         yield from self._metadata(d)
+        yield from self._locality(d)
         yield from self._fuse(d)
         yield _gauge("fusestate_files", "Inodes in the volume", d.meta.stats().inodes)
         yield _gauge("fusestate_used_bytes", "Bytes of distinct blocks the volume references", d.meta.stats().used_bytes)
@@ -201,6 +202,19 @@ class DaemonCollector(Collector):
                      age if age is not None else time.time() - d.started_at)
         yield _counter("fusestate_journal_ship_failures_total", "Journal shipments that failed", sh.stats.failures)
         yield _counter("fusestate_snapshots_shipped_total", "Metadata snapshots shipped", sh.stats.snapshots_shipped)
+
+    def _locality(self, d: "Daemon") -> Iterable[Metric]:
+        found = d.last_locality
+        warm_bytes = GaugeMetricFamily("fusestate_warm_bytes",
+                                       "Bytes of a directory's files whose blocks this node holds", labels=["dir"])
+        warm_files = GaugeMetricFamily("fusestate_warm_files",
+                                       "Files of a directory with blocks this node holds", labels=["dir"])
+        for wd in (found.dirs if found else []):
+            if wd.warm_bytes:
+                warm_bytes.add_metric([wd.path], wd.warm_bytes)
+                warm_files.add_metric([wd.path], wd.warm_files)
+        yield warm_bytes
+        yield warm_files
 
     def _fuse(self, d: "Daemon") -> Iterable[Metric]:
         ops = d.ops

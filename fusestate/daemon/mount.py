@@ -24,6 +24,7 @@ from fusestate.daemon import components, control, volume
 from fusestate.daemon.allocator import keep_block_buffers_mapped
 from fusestate.daemon.metrics import Histograms, start_exporter
 from fusestate.daemon.lease import Lease, LeaseLost, read_leases
+from fusestate.daemon.locality import REFRESH_SECONDS as LOCALITY_REFRESH_SECONDS, Locality, warm_dirs
 from fusestate.daemon.paths import CacheLayout, control_socket
 from fusestate.errors import UserError
 from fusestate.localio import libc
@@ -144,6 +145,7 @@ class Daemon:
         self.blocks.read_observer = Histograms.observer(histograms.block_read)
         self.ops.op_observer = Histograms.observer(histograms.fuse)
         self.metrics_addr: Optional[tuple[str, int]] = None
+        self.last_locality: Optional[Locality] = None  # refreshed for the metrics
 
     def _open_metadata(self) -> MetaEngine:
         """The shared engine the volume names, or the embedded one: local metadata if this
@@ -236,6 +238,7 @@ class Daemon:
                 nursery.start_soon(self.warmer.run)
             if self.cfg.metrics_addr and self.cfg.metrics_addr != "off":
                 self.metrics_addr = start_exporter(self, self.cfg.metrics_addr, self.registry)
+                nursery.start_soon(self._refresh_locality)
             await nursery.start(control.serve, control_socket(self.cfg.mountpoint), self.handle_control)
             try:
                 pyfuse3.init(self.ops, self.cfg.mountpoint, self.fuse_options())
@@ -394,6 +397,12 @@ class Daemon:
             return {"ok": True}
         if command == "gc":
             return {"ok": True, "deleted": await self.collect_garbage()}
+        if command == "warm":
+            path = str(request.get("path", ""))
+            found = await self.locality(path)
+            if not path.strip("/"):
+                self.last_locality = found  # a walk of the whole volume: the metrics' too
+            return {"ok": True, "warm": found.as_dict()}
         if command == "warmup":
             fetched = await self.warmup([int(i) for i in request.get("inodes", [])])
             return {"ok": True, "fetched": fetched}
@@ -408,6 +417,23 @@ class Daemon:
         return [{"id": x.id, "host": x.host, "pid": x.pid, "mountpoint": x.mountpoint,
                  "heartbeat_age_seconds": round(x.heartbeat_age, 1), "this": x.id == self.meta.session_id}  # type: ignore[attr-defined]
                 for x in found]
+
+    def holds_block(self, key: str) -> bool:
+        """Whether this node has the block without asking the bucket."""
+        return key in self.memory or key in self.disk or os.path.exists(self.staging.path(key))
+
+    async def locality(self, path: str = "") -> Locality:
+        """Which files under ``path`` (relative to the mount) are warm on this node."""
+        return await warm_dirs(self.meta, self.holds_block, self.volume.block_size, path)
+
+    async def _refresh_locality(self) -> None:
+        """Keep the metrics' view of warm directories at most REFRESH_SECONDS old."""
+        while True:
+            try:
+                self.last_locality = await self.locality()
+            except Exception as exc:  # noqa: BLE001 - a metric must not end the mount
+                log.warning("could not compute which files are warm here: %s", exc)
+            await trio.sleep(LOCALITY_REFRESH_SECONDS)
 
     async def warmup(self, inodes: list[int]) -> int:
         fetched = 0
@@ -469,6 +495,7 @@ class Daemon:
             },
             "fuse": {
                 "operations": sum(self.ops.counters.values()),
+                "operation_counts": dict(self.ops.counters),
                 "kernel_readahead": self.kernel_readahead,
                 "bytes_read": self.ops.bytes_read, "bytes_written": self.ops.bytes_written,
             },

@@ -84,16 +84,14 @@ class Node:
         self.mount_args = mount_args  # URL and 'fusestate mount' options; None: no mount
         self.local_dir = local_dir    # the node's SPARK_LOCAL_DIRS
         self.proc: Optional[subprocess.Popen] = None
-        for d in (self.cache_dir, self.runtime_dir, self.work_dir):
+        # A control socket's path must fit in 108 bytes: the runtime dir is short, not under root.
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix=f"fusestate-{name}-"))
+        for d in (self.cache_dir, self.work_dir):
             d.mkdir(parents=True, exist_ok=True)
 
     @property
     def cache_dir(self) -> Path:
         return self.root / "cache"
-
-    @property
-    def runtime_dir(self) -> Path:
-        return self.root / "run"
 
     @property
     def work_dir(self) -> Path:
@@ -182,6 +180,9 @@ class Node:
         out of the volume), as a replacement machine would start."""
         shutil.rmtree(self.cache_dir, ignore_errors=True)
         self.cache_dir.mkdir(parents=True)
+
+    def remove_runtime_dir(self) -> None:
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     def status(self) -> dict[str, Any]:
         """The node's fusestate daemon's status (``fusestate status`` as JSON)."""
@@ -312,13 +313,18 @@ class Cluster:
         self.workers.append(node)
         return node
 
-    def start_driver(self, pipeline_args: Sequence[str], name: Optional[str] = None) -> Node:
+    def start_driver(self, pipeline_args: Sequence[str], name: Optional[str] = None,
+                     mount_args: Optional[list[str]] = None) -> Node:
         """Start the reference pipeline (``fusestate spark-pipeline`` arguments) on a driver
-        node of its own; its ``--master`` is this cluster's. Wait with :meth:`Node.wait`."""
+        node of its own; its ``--master`` is this cluster's. Wait with :meth:`Node.wait`.
+        ``mount_args`` mount something else than the cluster's volume there."""
         name = name or f"driver{len(self.drivers) + 1}"
-        node = self.node(name, DRIVER_HOST, self.mount_args() if self.shared_volume else None)
+        if mount_args is None and self.shared_volume:
+            mount_args = self.mount_args()
+        node = self.node(name, DRIVER_HOST, mount_args)
         state_dir = str(Path(node.local_dir).parent)
-        args = ["--master", self.master_url, "--state-dir", state_dir]
+        args = ["--master", self.master_url, "--state-dir", state_dir,
+                "--expect-executors", str(sum(1 for w in self.workers if w.alive()))]
         if self.shared_volume:
             args.append("--use-shim")
         else:
@@ -331,6 +337,7 @@ class Cluster:
         for node in [*self.drivers, *self.workers]:
             with contextlib.suppress(Exception):
                 node.stop()
+            node.remove_runtime_dir()
         if self.master is not None and self.master.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.master.pid, signal.SIGTERM)

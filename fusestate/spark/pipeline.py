@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 
 from fusestate.errors import UserError
 from fusestate.spark.config import ROCKSDB_PREFIX, SHUFFLE_SCRATCH, shuffle_is_scratch, state_conf
+from fusestate.spark.preflight import check_executors, check_shared_checkpoint
 
 EPOCH_MS = 1_700_000_000_000          # event time of the first event
 BATCH_SPAN_MS = 60_000                # event time covered by one input file
@@ -308,6 +309,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", default="local[2]",
                    help="local[N], or a cluster's spark://HOST:PORT (default %(default)s): then every executor's "
                         "node must mount the same shared volume at the same path, which is checked before the query")
+    p.add_argument("--expect-executors", type=int, default=1,
+                   help="on a cluster: executors to wait for, and check, before the query starts (default %(default)s)")
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                    help="another Spark setting (repeatable); it wins over the ones the state layout makes")
     p.add_argument("--report", default=None, help="also write the final report (JSON) here")
@@ -338,7 +341,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stale = layout.remove_stale_local_dirs()  # a killed run's working dirs and shuffle files
     t_stale = time.time()
     status_before = fusestate_status(mount)
-    if status_before is not None and not shuffle_is_scratch(status_before.get("scratch_dirs", [])):
+    on_cluster = args.master.startswith("spark://")
+    if on_cluster and not args.local:
+        check_shared_checkpoint(layout, status_before)
+    shared = status_before is not None and status_before["metadata"]["engine"] == "postgresql"
+    if status_before is not None and not shared and not shuffle_is_scratch(status_before.get("scratch_dirs", [])):
         print(f"note: {mount} was mounted without --scratch '{SHUFFLE_SCRATCH}': Spark's shuffle files will "
               "be uploaded with the state, and every fsync waits for them", file=sys.stderr, flush=True)
     t_status = time.time()
@@ -346,6 +353,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_session = time.time()
     batches: list[dict] = []
     try:
+        if on_cluster and not args.local:
+            check_executors(spark, layout, args.expect_executors)
         query = (build_query(spark, input_dir, args.payload_bytes).writeStream
                  .outputMode("update").foreachBatch(batch_writer(output))
                  .option("checkpointLocation", layout.checkpoint_uri)

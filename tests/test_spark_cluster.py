@@ -1,0 +1,190 @@
+"""The reference pipeline on a Spark standalone cluster whose workers are separate nodes, each
+with its own fusestate daemon mounting one shared volume (fusestate.spark.cluster).
+
+Every cluster here forces what a real one does now and then: 4 state partitions on 2
+single-core executors with ``spark.locality.wait=0s``, so a partition's state store moves
+between nodes from batch to batch, and a maintenance thread that snapshots every second, so
+one node uploads a snapshot into a partition's directory while another loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from conftest import Bucket
+
+pytest.importorskip("pyspark")
+if shutil.which("java") is None:
+    pytest.skip("no java on this machine", allow_module_level=True)
+
+from fusestate.spark.cluster import Cluster, Node  # noqa: E402
+from fusestate.spark.pipeline import final_view, read_output  # noqa: E402
+
+BATCHES = 6
+SIZE = ["--keys", "4000", "--payload-bytes", "256", "--events-per-batch", "1000"]
+# State stores move between nodes, and snapshots are uploaded while others load them.
+CONF = ["spark.locality.wait=0s", "spark.sql.streaming.stateStore.maintenanceInterval=1s",
+        "spark.sql.streaming.stateStore.minDeltasForSnapshot=2", "spark.executor.memory=768m"]
+PIPELINE_TIMEOUT = 420
+
+
+def pipeline_args(output: Path, report: Path, checkpoint: str, batches: int = BATCHES) -> list[str]:
+    args = ["--output", str(output), "--report", str(report), "--checkpoint", checkpoint,
+            "--batches", str(batches), "--partitions", "4", "--driver-memory", "768m", *SIZE]
+    for c in CONF:
+        args += ["--conf", c]
+    return args
+
+
+@pytest.fixture(scope="module")
+def local_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same pipeline in local mode with its state on local disk: the expected output."""
+    root = tmp_path_factory.mktemp("local-reference")
+    out = root / "out"
+    proc = subprocess.run([sys.executable, "-m", "fusestate.spark.pipeline", "--local", "--state-dir",
+                           str(root / "state"), "--output", str(out), "--batches", str(BATCHES),
+                           "--partitions", "4", "--driver-memory", "768m", *SIZE],
+                          capture_output=True, text=True, timeout=PIPELINE_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, file_bucket: Bucket, pg_url: str):
+    with Cluster(tmp_path / "cluster", file_bucket.url, pg_url, mountpoint=str(tmp_path / "state"),
+                 worker_memory="1g", session_timeout=5.0) as c:
+        yield c
+
+
+def tail(node: Node, lines: int = 30) -> str:
+    return "\n".join(node.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_for_batch(output: Path, batch: int, driver: Node, timeout: float = PIPELINE_TIMEOUT) -> None:
+    done = output / f"batch-{batch:06d}" / "_SUCCESS"
+    deadline = time.monotonic() + timeout
+    while not done.exists():
+        assert driver.alive(), f"the driver ended before batch {batch}:\n{tail(driver)}"
+        assert time.monotonic() < deadline, f"batch {batch} did not complete:\n{tail(driver)}"
+        time.sleep(0.2)
+
+
+def finish(driver: Node) -> None:
+    code = driver.wait(PIPELINE_TIMEOUT)
+    assert code == 0, f"the pipeline failed:\n{tail(driver)}"
+
+
+def counter(status: dict, key: str) -> float:
+    return status["remote"][key]
+
+
+def test_pipeline_on_a_two_worker_cluster_equals_local_mode(cluster: Cluster, local_reference: Path,
+                                                            tmp_path: Path) -> None:
+    cluster.start(workers=2)
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    driver = cluster.start_driver(pipeline_args(out, report, cluster.checkpoint("q")))
+    finish(driver)
+    assert read_output(out) == read_output(local_reference)  # batch for batch
+    result = json.loads(report.read_text())
+    s = result["summary"]
+    # Snapshots and loads went through the shim on the volume: every state file Spark
+    # "copied" between a working dir and the checkpoint was a hard link made by a worker.
+    assert s["rocksdb_files_copied"] > 0
+    links = [w.status()["fuse"]["operation_counts"].get("link", 0) for w in cluster.workers]
+    assert sum(links) >= s["rocksdb_files_copied"], links
+    # Both nodes ran state stores.
+    assert all(w.status()["fuse"]["bytes_written"] > 0 for w in cluster.workers)
+
+
+@pytest.mark.slow
+def test_losing_a_worker_node_mid_stream(cluster: Cluster, local_reference: Path, tmp_path: Path) -> None:
+    """Kill one worker node (its JVMs and its fusestate daemon at once) and wipe its cache:
+    the query goes on with the other worker, no batch lost or doubled, and the lost node's
+    state stores are loaded on the survivor by links and blocks read on demand."""
+    cluster.start(workers=2)
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    driver = cluster.start_driver(pipeline_args(out, report, cluster.checkpoint("q"), batches=BATCHES + 2))
+    wait_for_batch(out, 2, driver)
+    survivor, lost = cluster.workers
+    before = survivor.status()
+    lost.kill()
+    lost.wipe_cache()
+    finish(driver)
+    after = survivor.status()
+    expected = read_output(local_reference)
+    got = read_output(out)
+    assert sorted(got) == list(range(BATCHES + 2))
+    assert {b: got[b] for b in expected} == expected
+    result = json.loads(report.read_text())
+    post = [b for b in result["batches"] if b["batch"] > 2]
+    loaded_files = sum(b["rocksdb"].get("rocksdbFilesCopied", 0) for b in post)
+    loaded_bytes = sum(b["rocksdb"].get("rocksdbBytesCopied", 0) for b in post)
+    fetched = after["remote"]["bytes_in"] - before["remote"]["bytes_in"]
+    assert loaded_files > 0 and loaded_bytes > 0
+    # The loads were links: the survivor read from the bucket only the blocks its queries touched.
+    assert fetched < loaded_bytes / 2, (fetched, loaded_bytes)
+    links = after["fuse"]["operation_counts"].get("link", 0) - before["fuse"]["operation_counts"].get("link", 0)
+    assert links >= loaded_files
+
+
+@pytest.mark.slow
+def test_driver_node_lost_and_the_query_restarted_on_another_node(cluster: Cluster, local_reference: Path,
+                                                                  tmp_path: Path) -> None:
+    cluster.start(workers=2)
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    checkpoint = cluster.checkpoint("q")
+    first = cluster.start_driver(pipeline_args(out, tmp_path / "first.json", checkpoint))
+    wait_for_batch(out, 2, first)
+    first.kill()
+    first.wipe_cache()
+    second = cluster.start_driver(pipeline_args(out, report, checkpoint), name="driver2")
+    finish(second)
+    result = json.loads(report.read_text())
+    resumed = [b["batch"] for b in result["batches"]]
+    assert resumed and 3 <= resumed[0] <= 4, resumed  # from the last committed batch on, not from 0
+    assert final_view(out) == final_view(local_reference)
+
+
+def driver_error(cluster: Cluster, tmp_path: Path, name: str, mount_args: Optional[list[str]] = None) -> str:
+    driver = cluster.start_driver(pipeline_args(tmp_path / name, tmp_path / f"{name}.json", cluster.checkpoint(name)),
+                                  name=name, mount_args=mount_args)
+    code = driver.wait(PIPELINE_TIMEOUT)
+    assert code != 0, f"the pipeline ran on a bad setup:\n{tail(driver)}"
+    errors = [line for line in driver.log.read_text().splitlines() if line.startswith("fusestate: ")]
+    assert len(errors) == 1, tail(driver)
+    assert not (tmp_path / name).exists() or not list((tmp_path / name).glob("batch-*"))
+    return errors[0]
+
+
+def test_bad_cluster_setups_are_one_line_before_the_query(cluster: Cluster, tmp_path: Path,
+                                                           file_bucket: Bucket, postgres_server) -> None:
+    cluster.start_master()
+    cluster.add_worker()
+    bare = cluster.add_worker(mount=False)
+    cluster.wait_for_workers(2)
+    line = driver_error(cluster, tmp_path, "no-mount")
+    assert f"the executor on {bare.host} has no fusestate mount holding the checkpoint" in line
+    bare.stop()
+    cluster.workers.remove(bare)
+
+    other_bucket = tmp_path / "other-bucket"
+    other_bucket.mkdir()
+    stranger = cluster.add_worker(volume_url=f"file://{other_bucket}",
+                                  meta_url=postgres_server.create_database("other"))
+    cluster.wait_for_workers(2)
+    line = driver_error(cluster, tmp_path, "other-volume")
+    assert f"the executor on {stranger.host} mounts another volume" in line
+
+    # The driver's checkpoint on a volume that only one node can mount (an embedded engine).
+    own = tmp_path / "own-bucket"
+    own.mkdir()
+    line = driver_error(cluster, tmp_path, "own-volume", mount_args=[f"file://{own}", "--metrics-addr", "off"])
+    assert "a volume only this node can mount (metadata engine sqlite)" in line
