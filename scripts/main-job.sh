@@ -4,9 +4,20 @@
 #   BUCKET_URL   bucket to mount (default: a file:// bucket under /var/lib/fusestate)
 #   MOUNTPOINT   where to mount it (default /mnt/fusestate)
 #   NUM          RocksDB keys to write (default 1000000)
+#   CLUSTER=1    instead: the pipeline on a Spark cluster of two worker nodes and a driver
+#                node, each with its own fusestate daemon on one shared volume (a new
+#                file:// bucket and a PostgreSQL server the job starts); one worker node is
+#                lost after batch 2 and the query goes on without it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+
+if [ "${CLUSTER:-0}" = 1 ]; then
+    CLUSTER_BUCKET=/var/lib/fusestate/cluster-bucket
+    rm -rf "$CLUSTER_BUCKET" && mkdir -p "$CLUSTER_BUCKET"
+    exec .venv/bin/fusestate spark-cluster --bucket "file://$CLUSTER_BUCKET" --workers 2 \
+        --batches "${BATCHES:-6}" --keys "${KEYS:-20000}" --lose-worker-after 2
+fi
 
 BUCKET_DIR=/var/lib/fusestate/default-bucket
 BUCKET_URL=${BUCKET_URL:-file://$BUCKET_DIR}

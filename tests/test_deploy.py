@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"
 CHART = ROOT / "helm" / "fusestate"
 SPARK_TEMPLATE = ROOT / "helm" / "examples" / "spark-executor-pod-template.yaml"
+SPARK_CLUSTER_TEMPLATE = ROOT / "helm" / "examples" / "spark-cluster-pod-template.yaml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "fusestate-dashboard.json"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 FUSESTATE_BIN = Path(sys.executable).parent / "fusestate"
@@ -674,6 +675,28 @@ def test_spark_pod_template():
     assert volume_path in script and "fuse.fusestate" in script
     assert volumes["spark-local-dir-1"]["hostPath"]["path"] in script  # created once the volume is mounted
     assert f"file://{volume_path}/checkpoints/" in SPARK_TEMPLATE.read_text()
+    kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (pip), which bundles the Kubernetes schemas")
+    for version in (KUBE_FLOOR, kv.latest_version()):
+        kv.validate(doc, version, strict=True)
+
+
+def test_spark_cluster_pod_template():
+    """The shared volume's template gives Spark the volume itself as its local dir, so that
+    the local dirs and the fusestate:// checkpoint are one mount (links do not cross mounts)."""
+    doc = yaml.safe_load(SPARK_CLUSTER_TEMPLATE.read_text())
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    volume_path = f"{chart_values['hostMountPath']}/{chart_values['volume']['name']}"
+    spec = doc["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["spark-local-dir-1"]["hostPath"]["path"] == volume_path
+    (main,) = spec["containers"]
+    mounts = {m["name"]: m for m in main["volumeMounts"]}
+    local = mounts["spark-local-dir-1"]
+    assert local["mountPropagation"] == "HostToContainer" and "subPath" not in local
+    text = SPARK_CLUSTER_TEMPLATE.read_text()
+    assert f"fusestate://{local['mountPath']}/checkpoints/" in text
+    from fusestate.spark.shim import FS_CLASS, AFS_CLASS, JAR_NAME
+    assert FS_CLASS in text and AFS_CLASS in text and JAR_NAME in text
     kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (pip), which bundles the Kubernetes schemas")
     for version in (KUBE_FLOOR, kv.latest_version()):
         kv.validate(doc, version, strict=True)

@@ -388,8 +388,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if meta is None:
             from fusestate.meta.local_postgres import LocalPostgres
 
-            print(f"== starting PostgreSQL for the volume's metadata under {root}", flush=True)
-            server = LocalPostgres(root=root)
+            print("== starting a PostgreSQL server for the volume's metadata", flush=True)
+            server = LocalPostgres()
             meta = server.create_database("fusestate")
         bucket = args.bucket
         if bucket is None:
