@@ -80,13 +80,6 @@ def run_spark_bench(ctx: Context, p: dict[str, Any], setups: list[str], tag: str
         shutil.rmtree(work, ignore_errors=True)
 
 
-def shim_error_doc(p: dict[str, Any], setups: list[str], metrics: list[Metric],
-                   variants: list[str], exc: BaseException) -> dict[str, Any]:
-    """The result when the fusestate:// jar cannot be built: every cell says so."""
-    runs = [record(s, 0, v, error=f"shim: {error_text(exc)}") for s in setups for v in variants]
-    return {"params": p, "systems": setups, "summary": summarize(runs, metrics, setups, variants), "runs": runs}
-
-
 def spark_bench_records(ctx: Context, p: dict[str, Any], setups: list[str], env: dict[str, str], *, repeat: int,
                         variant: str, label: str,
                         metrics_of: Callable[[dict[str, Any]], dict[str, float]]) -> list[dict[str, Any]]:
@@ -111,9 +104,6 @@ def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
     setups = chosen_setups(ctx, p.get("setups", SETUPS))
     env = spark_env(ctx)
-    try:
-    except Exception as exc:  # noqa: BLE001
-        return shim_error_doc(p, setups, METRICS, [""], exc)
     runs: list[dict[str, Any]] = []
     for repeat in ctx.repetitions():
         if repeat >= p.get("repeats", ctx.repeats):

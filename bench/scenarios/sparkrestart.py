@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from bench.common import Context, Metric, summarize
 from bench.render import goal_row, medians_note, points_plot, ratio_table
-from bench.scenarios.spark import chosen_setups, shim_error_doc, spark_bench_records, spark_env
+from bench.scenarios.spark import chosen_setups, spark_bench_records, spark_env
 
 NAME = "spark-restart"
 FLOOR = "floor"
@@ -82,9 +82,6 @@ def run(ctx: Context) -> dict[str, Any]:
     setups = chosen_setups(ctx, SETUPS)
     variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
     env = spark_env(ctx)
-    try:
-    except Exception as exc:  # noqa: BLE001
-        return shim_error_doc(p, setups, METRICS, variants, exc)
     runs: list[dict[str, Any]] = []
     floor_runs: list[dict[str, Any]] = []
     for repeat in ctx.repetitions():
