@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from bench.scenarios import bigstate, checkpoint, files, restore, rocksdb, spark, sparkrestart
+from bench.scenarios import bigstate, checkpoint, files, restore, rocksdb, spark, sparkcluster, sparkrestart
 
 SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (rocksdb, files, bigstate, checkpoint, restore, spark,
-                                                          sparkrestart)}
+                                                          sparkrestart, sparkcluster)}

@@ -1,0 +1,154 @@
+"""Scenario 8: the Spark pipeline on a cluster of nodes, and losing one of them.
+
+Two setups of the same Spark standalone cluster (``fusestate.spark.cluster``: a master, two
+worker nodes and a driver node, each node in its own mount and PID namespace):
+
+- ``local``: every node's local dir on local disk and the checkpoint in a plain directory
+  all nodes share, a favourable stand-in for HDFS or an object store connector (no
+  network, no copy to a remote);
+- ``fusestate``: every node mounts one shared volume (a ``file://`` bucket, its metadata in
+  a PostgreSQL server on 127.0.0.1) with its local dir inside it, and the checkpoint is
+  ``fusestate://`` through the shim.
+
+Each run builds the state with batches of a fixed size, then kills the second worker node
+(its JVMs and, for fusestate, its daemon, at once) and wipes its cache; the query goes on
+with one worker. Measured: records/s of the batches before the loss (the first, which
+starts the executors, left out), and the time from the loss to the first batch completed
+after it, which includes loading the lost node's state stores on the survivor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench.common import Context, Metric, error_text, log, record, summarize
+from bench.render import goal_row, medians_note, ratio_table
+
+NAME = "spark-cluster"
+TITLE = "Spark cluster on one shared volume"
+SUMMARY = "Spark pipeline on 2 worker nodes: records/s, and recovery after losing a node, vs local disk"
+BUDGET = {"tiny": None, "quick": 900.0, "full": None}
+SETUPS = ["local", "fusestate"]
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"keys": [4_000], "payload_bytes": 256, "events_per_batch": 1_000, "timeout": 600, "repeats": 1},
+    "quick": {"keys": [20_000, 80_000], "payload_bytes": 1024, "events_per_batch": 10_000, "timeout": 1200,
+              "repeats": 1},
+    # 1 and 4 GB of state (4 KiB per key).
+    "full": {"keys": [250_000, 1_000_000], "payload_bytes": 4096, "events_per_batch": 100_000, "timeout": 3600,
+             "repeats": 1},
+}
+METRICS = [
+    Metric("records_per_s", "records/s", label="records/s before the loss"),
+    Metric("recovery_s", "s", higher_is_better=False, label="loss to the first batch completed after it"),
+    Metric("loaded_files", "files", higher_is_better=False, label="state files loaded after the loss"),
+]
+CONF = ["spark.locality.wait=0s", "spark.executor.memory=2g"]
+
+
+def variant_of(keys: int, payload: int) -> str:
+    return f"{keys * payload / 1e9:.3g} GB"
+
+
+def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path) -> dict[str, float]:
+    from fusestate.meta.local_postgres import LocalPostgres
+    from fusestate.spark.cluster import Cluster
+
+    batches = -(-keys // p["events_per_batch"]) + 3
+    lose_after = batches - 3
+    server = LocalPostgres() if setup == "fusestate" else None
+    try:
+        if server is not None:
+            (work / "bucket").mkdir(parents=True)
+            volume, meta = f"file://{work / 'bucket'}", server.create_database("volume")
+        else:
+            volume, meta = None, None
+        with Cluster(work / "cluster", volume, meta, mountpoint=str(work / "state"), worker_memory="3g") as cluster:
+            cluster.start(workers=2)
+            out, report = work / "out", work / "report.json"
+            args = ["--output", str(out), "--report", str(report), "--checkpoint", cluster.checkpoint("q"),
+                    "--batches", str(batches), "--keys", str(keys), "--payload-bytes", str(p["payload_bytes"]),
+                    "--events-per-batch", str(p["events_per_batch"]), "--partitions", "4", "--driver-memory", "2g"]
+            for c in CONF:
+                args += ["--conf", c]
+            driver = cluster.start_driver(args)
+            done = out / f"batch-{lose_after:06d}" / "_SUCCESS"
+            deadline = time.monotonic() + p["timeout"]
+            while not done.exists():
+                if not driver.alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"batch {lose_after} did not complete; see {driver.log}")
+                time.sleep(0.1)
+            lost_at = time.time()
+            cluster.workers[-1].kill()
+            cluster.workers[-1].wipe_cache()
+            if driver.wait(p["timeout"]) != 0:
+                raise RuntimeError(f"the pipeline failed; see {driver.log}")
+        doc = json.loads(report.read_text())
+    finally:
+        if server is not None:
+            server.close()
+    before = [b for b in doc["batches"] if 0 < b["batch"] <= lose_after]
+    after = [b for b in doc["batches"] if b["batch"] > lose_after]
+    rows, ms = sum(b["rows"] for b in before), sum(b["duration_ms"] for b in before)
+    ends = [_end_time(b) for b in after]
+    first_end = min(e for e in ends if e > lost_at)
+    return {"records_per_s": rows / (ms / 1000) if ms else 0.0, "recovery_s": first_end - lost_at,
+            "loaded_files": sum(b["rocksdb"].get("rocksdbFilesCopied", 0) for b in after[:1])}
+
+
+def _end_time(batch: dict[str, Any]) -> float:
+    """When a batch completed (its start as Spark reports it, plus its duration), in epoch seconds."""
+    start = datetime.strptime(batch["timestamp"], "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    return start.timestamp() + batch["duration_ms"] / 1000
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    p = dict(ctx.pick(SIZES))
+    setups = ctx.wanted(SETUPS)
+    variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
+    runs: list[dict[str, Any]] = []
+    for repeat in range(p["repeats"]):
+        for keys, variant in zip(p["keys"], variants):
+            for setup in setups:
+                work = ctx.work / f"{NAME}-{setup}-{keys}-r{repeat}"
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir(parents=True)
+                label = f"{NAME} r{repeat + 1} {variant} {setup}"
+                try:
+                    metrics = one_run(ctx, setup, keys, p, work)
+                    log(f"  {label}: " + ", ".join(f"{k} {v:,.1f}" for k, v in metrics.items()))
+                    runs.append(record(setup, repeat, variant, metrics))
+                except Exception as exc:  # noqa: BLE001 - a failed run is a result
+                    log(f"  {label}: ERROR {error_text(exc)}")
+                    runs.append(record(setup, repeat, variant, error=error_text(exc)))
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
+    return {"params": {**p, "setups": setups, "conf": CONF}, "systems": setups,
+            "summary": summarize(runs, METRICS, setups, variants), "runs": runs}
+
+
+def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: ARG001 - no plot
+    p = doc["params"]
+    sizes = ", ".join(f"{k:,}" for k in p["keys"])
+    text = (f"`fusestate.spark.cluster`: a master, two single-core worker nodes and a driver node; {sizes} keys × "
+            f"{p['payload_bytes']:,} B, batches of {p['events_per_batch']:,} events, 4 state partitions, "
+            f"`spark.locality.wait=0s`. *local*: local dirs on local disk, the checkpoint in a directory all nodes "
+            f"share; *fusestate*: one shared volume (`file://` bucket, PostgreSQL metadata), the `fusestate://` "
+            f"checkpoint. After the state is built the second worker node is killed and its cache wiped. "
+            + medians_note(doc))
+    return "\n\n".join([text, ratio_table(doc["summary"], doc["systems"])])
+
+
+def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = [r for r in doc.get("summary", []) if r["metric"] == "records_per_s"]
+    out = []
+    for r in rows[-1:]:
+        base, mine = (r["systems"].get(s, {}).get("median") for s in ("local", "fusestate"))
+        if base and mine:
+            out.append(goal_row(f"Spark cluster records/s at {r['variant']}, fusestate / local ≥ 0.9",
+                                f"{mine / base:.2f}", mine / base >= 0.9))
+    return out
