@@ -286,3 +286,21 @@ def test_each_node_reports_where_the_volumes_files_are_warm(make_mount, file_buc
     addr = a.status()["metrics_addr"]
     scrape = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
     assert 'fusestate_warm_bytes{dir="/p1"} 200000.0' in scrape
+
+
+def test_fsync_makes_namespace_changes_survive_a_database_crash(make_mount, file_bucket: Bucket, pg_url: str,
+                                                                postgres_server) -> None:
+    """Namespace operations commit without waiting for the database's WAL flush; fsync waits
+    for it. Files created and fsynced right before the server crashes (immediate stop, its
+    unflushed WAL buffers gone) are all there after it restarts."""
+    m = make_mount(file_bucket, extra=["--meta", pg_url, "--metrics-addr", "off"]).mount()
+    (m.path / "d").mkdir()
+    names = [f"f{i:02d}" for i in range(12)]
+    for name in names:
+        write_synced(m.path / "d" / name, name.encode() * 100)
+    postgres_server.stop("immediate")
+    postgres_server.start()
+    assert sorted(os.listdir(m.path / "d")) == names
+    for name in names:
+        assert (m.path / "d" / name).read_bytes() == name.encode() * 100
+    m.umount()

@@ -44,6 +44,7 @@ SCHEMA_LOCK = 0x66757365  # advisory lock id taken while the schema is created
 MOVE_LOCK = 0x66757366    # advisory lock id that serializes directory moves between parents
 GC_LOCK = 0x66757367      # shared by upload registrations, exclusive for the sweep of unknown objects
 SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clean a session up
+NAMESPACE_COMMIT = "SET LOCAL synchronous_commit = off"  # durable at fsync (sync), visible at once
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes (
@@ -196,7 +197,13 @@ class PostgresEngine:
 
     # --- running an operation -----------------------------------------------------
     async def _write(self, operation: Callable[..., T], *args: Any, after: Optional[Callable[[Any], None]] = None) -> T:
-        """One operation in one transaction that first checks this session is alive."""
+        """One namespace operation in one transaction that first checks this session is alive.
+
+        It commits without waiting for the WAL flush (see :meth:`sync`): what POSIX makes
+        durable only at fsync is durable only at fsync here too, and a create or rename does
+        not wait for the database's disk. Transactions of the garbage collector, of uploads
+        and of sessions keep the server's own setting: a deletion from the bucket must never
+        follow a claim the database could still lose."""
         if self.read_only:
             raise FsError(errno.EROFS)
         while True:
@@ -215,6 +222,7 @@ class PostgresEngine:
             if cur.fetchone() is None:
                 self.lost = True
                 raise SessionLost()
+        cur.execute(NAMESPACE_COMMIT)
         tx = _PgTx(cur, self)
         result = operation(tx, *args)
         if after is not None:
@@ -475,7 +483,20 @@ class PostgresEngine:
         return self._stats
 
     async def sync(self) -> None:
-        pass  # every operation is committed in the database when it returns
+        """Make every namespace change committed so far durable (fsync, fsyncdir).
+
+        Namespace operations commit without waiting for the database's WAL flush
+        (:data:`NAMESPACE_COMMIT`): they are visible to every node when they return, and
+        durable within the server's WAL writer delay, or at the next durable commit. A
+        transaction that writes and commits with ``synchronous_commit = on`` waits until the
+        WAL is flushed up to its commit record, which is after every commit before it, this
+        node's and the others'. Its write is this session's heartbeat (a transaction that
+        writes nothing commits without a WAL record, and does not wait)."""
+        def flush(cur: Any) -> None:
+            cur.execute("SET LOCAL synchronous_commit = on")
+            cur.execute(f"UPDATE sessions SET heartbeat={_NOW} WHERE id=%s", (self.session_id,))
+
+        await self.pool.run(flush)
 
     def close(self) -> None:
         if self.session_id and not self.lost and not self.read_only:
