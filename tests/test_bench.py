@@ -80,7 +80,7 @@ def test_run_list() -> None:
     proc = subprocess.run([str(RUN), "--list"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    assert names == ["rocksdb", "files", "bigstate", "checkpoint", "restore", "spark", "spark-restart"]
+    assert names == ["rocksdb", "files", "bigstate", "checkpoint", "restore", "spark", "spark-restart", "spark-cluster"]
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
