@@ -155,6 +155,48 @@ def test_unlinked_open_file_stays_readable(tmp_path: Path) -> None:
     run_fs(tmp_path, body)
 
 
+def test_an_open_racing_the_last_close_keeps_the_file(tmp_path: Path) -> None:
+    """The kernel sends RELEASE asynchronously: an open of the same file may arrive while
+    the last close is releasing the engine's hold. The open must end up holding the file,
+    so that after an unlink its data stays readable (it was deleted under the open handle,
+    and getattr answered ENOENT, when the close forgot the file after the open took it)."""
+    data = os.urandom(BS + 5)
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        ino = await write_file(fs, b"f", data)
+        fh1 = await fs.open(ino, os.O_RDONLY)
+        closing, release_close = trio.Event(), trio.Event()
+        real_close = fs.meta.close_file
+
+        async def slow_close(i: int):
+            closing.set()
+            await release_close.wait()
+            return await real_close(i)
+
+        fs.meta.close_file = slow_close  # type: ignore[method-assign]
+        opened: list[int] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fs.release, fh1)
+            await closing.wait()
+
+            async def reopen() -> None:
+                opened.append(await fs.open(ino, os.O_RDONLY))
+
+            nursery.start_soon(reopen)
+            await trio.sleep(0.05)
+            release_close.set()
+        fs.meta.close_file = real_close  # type: ignore[method-assign]
+        await fs.unlink(ROOT_INODE, b"f")
+        assert (await fs.getattr(ino)).nlink == 0
+        assert await fs.read(opened[0], 0, 1 << 20) == data
+        await fs.release(opened[0])
+        with pytest.raises(FsError) as e:
+            await fs.getattr(ino)
+        assert e.value.errno == errno.ENOENT
+
+    run_fs(tmp_path, body)
+
+
 def test_identical_blocks_sealed_at_once_all_reach_the_bucket(tmp_path: Path) -> None:
     """Many files with the same bytes, written, deleted and rewritten concurrently (RocksDB
     instances creating identical files): no staged block may vanish before its upload."""

@@ -289,6 +289,9 @@ class FileSystem:
         if size < 0:
             raise FsError(errno.EINVAL)
         f = await self._file(node)
+        # Busy while it works: a close of the last handle finishing meanwhile would forget
+        # the file, and the new size would be committed for a file no longer known here.
+        f.users += 1
         try:
             async with f.lock:
                 old_size = f.node.size
@@ -302,6 +305,7 @@ class FileSystem:
             if f.handles == 0:
                 await self._flush_file(f)
         finally:
+            f.users -= 1
             if not f.busy and self._files.get(node.id) is f:
                 self._files.pop(node.id, None)
 
@@ -334,16 +338,30 @@ class FileSystem:
 
     async def _held_file(self, ino: int) -> OpenFile:
         """A file this node holds open: on the first open, fresh attributes and block map
-        from the engine (close-to-open), and the engine keeps its data while it is held."""
-        f = self._files.get(ino)
-        if f is not None and f.held:
-            return f
-        node, keys = await self.meta.open_file(ino)
+        from the engine (close-to-open), and the engine keeps its data while it is held.
+
+        An open may come while the last close of the same file is releasing the hold (the
+        kernel sends RELEASE asynchronously): the two go through the file's ``hold_lock`` in
+        turn, and ``opening`` keeps the close from forgetting the file meanwhile, else the
+        engine would drop the hold this open needs and delete an unlinked file under it."""
         f = self._files.get(ino)
         if f is None:
-            f = self._files[ino] = OpenFile(node=node, keys=keys)
-            f.page_cache_valid = self._cached_content.get(ino) == _content_version(node.size, keys)
-        f.held = True
+            node, keys = await self.meta.open_file(ino)
+            f = self._files.get(ino)
+            if f is None:
+                f = self._files[ino] = OpenFile(node=node, keys=keys)
+                f.page_cache_valid = self._cached_content.get(ino) == _content_version(node.size, keys)
+                f.held = True
+                return f
+        f.opening += 1
+        try:
+            async with f.hold_lock:
+                if not f.held:
+                    await self.meta.open_file(ino)
+                    f.held = True
+        finally:
+            f.opening -= 1
+        self._files.setdefault(ino, f)
         return f
 
     def keeps_page_cache(self, fh: int) -> bool:
@@ -627,10 +645,13 @@ class FileSystem:
         """The last handle closed: the engine may now delete an unlinked file's data."""
         if f.handles > 0:
             return
-        if f.held:
-            f.held = False
-            self._remember_content(f)
-            await self._settle(await self.meta.close_file(f.inode))
+        async with f.hold_lock:
+            if f.handles > 0 or f.opening:
+                return  # opened again while this close waited
+            if f.held:
+                f.held = False
+                self._remember_content(f)
+                await self._settle(await self.meta.close_file(f.inode))
         if not f.busy and self._files.get(f.inode) is f:
             del self._files[f.inode]
 

@@ -42,6 +42,9 @@ class OpenFile:
     out_of_space: bool = False                 # a seal found the cache disk full: writes check for room first
     attrs_dirty: bool = False                  # size/mtime changed in memory since last persisted
     held: bool = False                         # the engine knows this node holds it open
+    hold_lock: trio.Lock = field(default_factory=trio.Lock)  # one open_file/close_file at a time
+    opening: int = 0                           # opens waiting for the hold: not to be let go
+    users: int = 0                             # tasks working on it without a handle (a truncate by path)
     page_cache_valid: bool = True              # shared engines: the kernel's cached pages hold this content
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one block-map commit at a time
 
@@ -54,7 +57,7 @@ class OpenFile:
 
     @property
     def busy(self) -> bool:
-        return bool(self.handles or self.dirty or self.sealing or self.in_flight)
+        return bool(self.handles or self.opening or self.users or self.dirty or self.sealing or self.in_flight)
 
     def next_generation(self, index: int) -> int:
         gen = self.generations.get(index, 0) + 1
