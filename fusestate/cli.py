@@ -11,9 +11,10 @@ import sys
 from typing import Optional, Sequence
 
 from fusestate import __version__
-from fusestate.config import (DEFAULT_CACHE_DIR, DEFAULT_METRICS_PORT, PREFETCH_MODES, WHOLE_BLOCK_MODES, MountConfig,
-                              format_size, meta_url_of, parse_size)
+from fusestate.config import (DEFAULT_BLOCK_SIZE, PREFETCH_MODES, WHOLE_BLOCK_MODES, MountConfig, format_size,
+                              meta_url_of, parse_size)
 from fusestate.errors import UserError
+from fusestate.spark.arguments import cluster_arguments, pipeline_arguments
 
 READY_FD_ENV = "FUSESTATE_READY_FD"
 
@@ -24,57 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("mount", help="mount a bucket as a POSIX directory")
-    m.add_argument("url", help="bucket URL: file:///path, s3://bucket/prefix, gs://bucket/prefix")
-    m.add_argument("mountpoint")
-    m.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="local cache, staging and metadata (default %(default)s)")
-    m.add_argument("--cache-size", default="20G", help="disk budget for the cache dir (default %(default)s)")
-    m.add_argument("--memory-cache-size", default="512M", help="memory block cache (default %(default)s)")
-    m.add_argument("--max-dirty", default=None, help="bound on data not yet in the bucket (default: cache-size/4, at most 2G)")
-    m.add_argument("--block-size", default=None, help="block size of a new volume (default 4M)")
-    m.add_argument("--durability", choices=["remote", "local"], default="remote",
-                   help="what fsync waits for (default %(default)s)")
-    m.add_argument("--upload-delay", type=float, default=1.0, help="seconds a block waits before upload (default %(default)s)")
-    m.add_argument("--upload-concurrency", type=int, default=8, help="parallel uploads (default %(default)s)")
-    m.add_argument("--readahead", type=int, default=2, dest="readahead_blocks", help="blocks read ahead on sequential reads (default %(default)s)")
-    m.add_argument("--kernel-readahead", default="1M",
-                   help="the kernel's read-ahead window for the mount, up to FUSE's 1M requests; "
-                        "0 keeps the kernel's 128K (default %(default)s)")
-    m.add_argument("--endpoint-url", default=None, help="S3-compatible or GCS emulator endpoint")
-    m.add_argument("--metrics-addr", default=f"127.0.0.1:{DEFAULT_METRICS_PORT}",
-                   help="HOST:PORT of the Prometheus exporter, or 'off' (default %(default)s)")
-    m.add_argument("--allow-other", action="store_true", help="let other users use the mount")
-    m.add_argument("--read-only", action="store_true")
-    m.add_argument("--takeover", action="store_true", help="take the volume over from a dead holder")
-    m.add_argument("--prefetch", nargs="?", const="all", default="auto", choices=PREFETCH_MODES,
-                   help="after mounting, fetch blocks into the disk cache in the background: 'recent' "
-                        "the most recently modified files first, up to half the disk cache; "
-                        "'all' (or the bare flag) as much of the volume as 90%% of the disk cache holds; "
-                        "'off' only on demand; 'auto' (default) is 'recent' for s3:// and gs:// and "
-                        "'off' for a file:// bucket, which is no slower to read than the cache")
-    m.add_argument("--whole-blocks", default="auto", choices=WHOLE_BLOCK_MODES,
-                   help="cold reads bring whole blocks to this node (scans and their readahead, blocks "
-                        "small reads come back to) instead of reading only their range: 'auto' (default) "
-                        "while a small range read from the bucket costs at least 4 times one from local "
-                        "disk (S3, GCS; not a file:// bucket on a disk like the cache's), 'always', or "
-                        "'never'")
-    m.add_argument("--scratch", action="append", default=[], metavar="PATTERN", dest="scratch_dirs",
-                   help="directories created with a name matching this glob, and all they hold, stay on this "
-                        "node: never uploaded, not part of the volume, emptied at the next mount "
-                        "(for Spark's shuffle dirs: --scratch 'blockmgr-*'); repeatable")
-    m.add_argument("--journal-interval", type=float, default=2.0,
-                   help="seconds between metadata journal shipments; fsync ships at once (default %(default)s)")
-    m.add_argument("--gc-grace", type=float, default=3600.0,
-                   help="seconds an unreferenced block is kept before deletion (default %(default)s)")
-    _add_meta_argument(m)
-    m.add_argument("--session-timeout", type=float, default=30.0,
-                   help="with --meta: seconds a node's session lives without a heartbeat before the other "
-                        "nodes clean it up (default %(default)s)")
-    m.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground")
-    m.add_argument("--attr-timeout", type=float, default=None,
-                   help="seconds the kernel caches names and attributes (default 10, or 1 with --meta: "
-                        "how long another node's rename or unlink may go unseen)")
-    m.add_argument("--debug", action="store_true", help="verbose logging")
-    m.add_argument("-o", dest="fuse_options", action="append", default=[], help="extra FUSE mount option")
+    _add_mount_arguments(m)
 
     u = sub.add_parser("umount", help="flush every dirty block, then unmount")
     u.add_argument("mountpoint")
@@ -99,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gc", help="delete blocks no restore point references")
     g.add_argument("url")
     g.add_argument("--endpoint-url", default=None)
-    g.add_argument("--grace", type=float, default=3600.0,
+    g.add_argument("--grace", type=float, default=_default("gc_grace"),
                    help="keep unreferenced blocks younger than this many seconds (default %(default)s)")
     g.add_argument("--dry-run", action="store_true", help="only report what would be deleted")
     g.add_argument("--force", action="store_true", help="run even while a daemon holds the volume "
@@ -115,12 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("paths", nargs="+")
 
     sp = sub.add_parser("spark-pipeline", help="run the reference Spark streaming job with its state on a mount")
-    from fusestate.spark.pipeline import add_arguments as _spark_pipeline_arguments
-    _spark_pipeline_arguments(sp)
+    pipeline_arguments(sp)
 
     sc = sub.add_parser("spark-cluster", help="run the reference Spark job on a cluster of nodes, one shared volume")
-    from fusestate.spark.cluster import add_arguments as _spark_cluster_arguments
-    _spark_cluster_arguments(sc)
+    cluster_arguments(sc)
     return parser
 
 
@@ -132,24 +81,92 @@ def _add_meta_argument(parser: argparse.ArgumentParser) -> None:
                              "~/.pgpass, PGSSLMODE); default $FUSESTATE_META_URL, else sqlite")
 
 
+def _default(name: str) -> object:
+    """A mount option's default, as ``MountConfig`` defines it: the one place defaults live."""
+    return MountConfig.__dataclass_fields__[name].default
+
+
+def _size_default(name: str) -> str:
+    return format_size(int(_default(name))).replace(" ", "")  # type: ignore[call-overload]
+
+
+def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
+    """The mount options. Each default is left out of the parsed arguments (SUPPRESS), so
+    ``MountConfig`` fills it in and the help text shows the same value."""
+    unset = argparse.SUPPRESS
+    m.add_argument("url", help="bucket URL: file:///path, s3://bucket/prefix, gs://bucket/prefix")
+    m.add_argument("mountpoint")
+    m.add_argument("--cache-dir", default=unset,
+                   help=f"local cache, staging and metadata (default {_default('cache_dir')})")
+    m.add_argument("--cache-size", default=unset,
+                   help=f"disk budget for the cache dir (default {_size_default('cache_size')})")
+    m.add_argument("--memory-cache-size", default=unset,
+                   help=f"memory block cache (default {_size_default('memory_cache_size')})")
+    m.add_argument("--max-dirty", default=unset,
+                   help="bound on data not yet in the bucket (default: cache-size/4, at most 2GiB)")
+    m.add_argument("--block-size", default=unset,
+                   help=f"block size of a new volume (default {format_size(DEFAULT_BLOCK_SIZE).replace(' ', '')}); "
+                        "an existing volume keeps its own")
+    m.add_argument("--durability", choices=["remote", "local"], default=unset,
+                   help=f"what fsync waits for (default {_default('durability')})")
+    m.add_argument("--upload-delay", type=float, default=unset,
+                   help=f"seconds a block waits before upload (default {_default('upload_delay')})")
+    m.add_argument("--upload-concurrency", type=int, default=unset,
+                   help=f"parallel uploads (default {_default('upload_concurrency')})")
+    m.add_argument("--readahead", type=int, default=unset, dest="readahead_blocks",
+                   help=f"blocks read ahead on sequential reads (default {_default('readahead_blocks')})")
+    m.add_argument("--kernel-readahead", default=unset,
+                   help="the kernel's read-ahead window for the mount, up to FUSE's 1M requests; "
+                        f"0 keeps the kernel's 128K (default {_size_default('kernel_readahead')})")
+    m.add_argument("--endpoint-url", default=unset, help="S3-compatible or GCS emulator endpoint")
+    m.add_argument("--metrics-addr", default=unset,
+                   help=f"HOST:PORT of the Prometheus exporter, or 'off' (default {_default('metrics_addr')})")
+    m.add_argument("--allow-other", action="store_true", default=unset, help="let other users use the mount")
+    m.add_argument("--read-only", action="store_true", default=unset)
+    m.add_argument("--takeover", action="store_true", default=unset, help="take the volume over from a dead holder")
+    m.add_argument("--prefetch", nargs="?", const="all", default=unset, choices=PREFETCH_MODES,
+                   help="after mounting, fetch blocks into the disk cache in the background: 'recent' "
+                        "the most recently modified files first, up to half the disk cache; "
+                        "'all' (or the bare flag) as much of the volume as 90%% of the disk cache holds; "
+                        "'off' only on demand; 'auto' (default) is 'recent' for s3:// and gs:// and "
+                        "'off' for a file:// bucket, which is no slower to read than the cache")
+    m.add_argument("--whole-blocks", default=unset, choices=WHOLE_BLOCK_MODES,
+                   help="cold reads bring whole blocks to this node (scans and their readahead, blocks "
+                        "small reads come back to) instead of reading only their range: 'auto' (default) "
+                        "while a small range read from the bucket costs at least 4 times one from local "
+                        "disk (S3, GCS; not a file:// bucket on a disk like the cache's), 'always', or "
+                        "'never'")
+    m.add_argument("--scratch", action="append", default=unset, metavar="PATTERN", dest="scratch_dirs",
+                   help="directories created with a name matching this glob, and all they hold, stay on this "
+                        "node: never uploaded, not part of the volume, emptied at the next mount "
+                        "(for Spark's shuffle dirs: --scratch 'blockmgr-*'); repeatable")
+    m.add_argument("--journal-interval", type=float, default=unset,
+                   help="seconds between metadata journal shipments; fsync ships at once "
+                        f"(default {_default('journal_interval')})")
+    m.add_argument("--gc-grace", type=float, default=unset,
+                   help=f"seconds an unreferenced block is kept before deletion (default {_default('gc_grace')})")
+    _add_meta_argument(m)
+    m.add_argument("--session-timeout", type=float, default=unset,
+                   help="with --meta: seconds a node's session lives without a heartbeat before the other "
+                        f"nodes clean it up (default {_default('session_timeout')})")
+    m.add_argument("--foreground", "-f", action="store_true", default=unset, help="stay in the foreground")
+    m.add_argument("--attr-timeout", type=float, default=unset,
+                   help="seconds the kernel caches names and attributes (default 10, or 1 with --meta: "
+                        "how long another node's rename or unlink may go unseen)")
+    m.add_argument("--debug", action="store_true", default=unset, help="verbose logging")
+    m.add_argument("-o", dest="fuse_options", action="append", default=unset, help="extra FUSE mount option")
+
+
+SIZE_OPTIONS = {"cache_size": "--cache-size", "memory_cache_size": "--memory-cache-size",
+                "max_dirty": "--max-dirty", "block_size": "--block-size", "kernel_readahead": "--kernel-readahead"}
+
+
 def _mount_config(args: argparse.Namespace) -> MountConfig:
-    return MountConfig(
-        url=args.url, mountpoint=args.mountpoint, cache_dir=args.cache_dir,
-        cache_size=parse_size(args.cache_size, "--cache-size"),
-        memory_cache_size=parse_size(args.memory_cache_size, "--memory-cache-size"),
-        max_dirty=parse_size(args.max_dirty, "--max-dirty") if args.max_dirty else None,
-        block_size=parse_size(args.block_size, "--block-size") if args.block_size else 4 << 20,
-        durability=args.durability, upload_delay=args.upload_delay,
-        upload_concurrency=args.upload_concurrency, readahead_blocks=args.readahead_blocks,
-        kernel_readahead=parse_size(args.kernel_readahead, "--kernel-readahead"),
-        endpoint_url=args.endpoint_url, metrics_addr=args.metrics_addr,
-        allow_other=args.allow_other, read_only=args.read_only, takeover=args.takeover,
-        foreground=args.foreground, attr_timeout=args.attr_timeout, debug=args.debug,
-        fuse_options=args.fuse_options, prefetch=args.prefetch, whole_blocks=args.whole_blocks,
-        scratch_dirs=args.scratch_dirs,
-        journal_interval=args.journal_interval, gc_grace=args.gc_grace, meta_url=args.meta,
-        session_timeout=args.session_timeout,
-    )
+    given = {name: value for name, value in vars(args).items() if name not in ("command", "meta")}
+    for name, option in SIZE_OPTIONS.items():
+        if name in given:
+            given[name] = parse_size(given[name], option)
+    return MountConfig(meta_url=args.meta, **given)
 
 
 def _setup_logging(debug: bool) -> None:

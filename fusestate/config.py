@@ -72,7 +72,7 @@ class MountConfig:
     cache_size: int = 20 * GiB
     memory_cache_size: int = 512 * MiB
     max_dirty: Optional[int] = None          # default: a quarter of cache_size, at most 2 GiB
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: Optional[int] = None         # a new volume's; default 4 MiB. An existing volume keeps its own
     durability: str = "remote"               # remote | local
     upload_delay: float = 1.0                # seconds a sealed block waits before upload
     upload_concurrency: int = 8
@@ -122,15 +122,15 @@ class MountConfig:
         for pattern in self.scratch_dirs:
             if not pattern or "/" in pattern or pattern in ("*", ".", ".."):
                 raise UserError(f"bad --scratch {pattern!r}: expected a directory name pattern such as 'blockmgr-*'")
-        if self.block_size < 64 * 1024 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (self.block_size < 64 * 1024 or self.block_size & (self.block_size - 1)):
             raise UserError("--block-size must be a power of two of at least 64K")
         if self.max_dirty is None:
-            self.max_dirty = min(2 * GiB, max(self.cache_size // 4, 4 * self.block_size))
+            self.max_dirty = min(2 * GiB, max(self.cache_size // 4, 4 * self.sizing_block_size))
         self._require_room(f"--cache-size {format_size(self.cache_size)}")
 
     def _require_room(self, what: str, advice: str = "") -> None:
         assert self.max_dirty is not None
-        if self.cache_size < self.max_dirty + 4 * self.block_size:
+        if self.cache_size < self.max_dirty + 4 * self.sizing_block_size:
             raise UserError(f"{what} is too small: it must hold --max-dirty ({format_size(self.max_dirty)}) "
                             f"plus a few blocks{advice}")
 
@@ -139,9 +139,14 @@ class MountConfig:
         if room < self.cache_size:
             self.cache_size = room
             assert self.max_dirty is not None
-            self.max_dirty = min(self.max_dirty, max(room // 4, 4 * self.block_size))
+            self.max_dirty = min(self.max_dirty, max(room // 4, 4 * self.sizing_block_size))
         self._require_room(f"the room on the cache dir's disk ({format_size(max(room, 0))})",
                            "; free some space or choose another --cache-dir")
+
+    @property
+    def sizing_block_size(self) -> int:
+        """The block size the cache budget is checked against before the volume is read."""
+        return self.block_size or DEFAULT_BLOCK_SIZE
 
     @property
     def read_cache_size(self) -> int:

@@ -174,6 +174,29 @@ def test_cache_size_below_max_dirty(tmp_path: Path, mp: Path, file_bucket: Bucke
     assert_nothing_left(tmp_path)
 
 
+def test_a_volume_keeps_its_block_size_unless_a_flag_conflicts(tmp_path: Path, make_mount,
+                                                               file_bucket: Bucket) -> None:
+    """A volume made with --block-size 64K mounts again without the flag (its own size wins);
+    only an explicit, different --block-size is refused, in one line, with nothing lost."""
+    m: Mount = make_mount(file_bucket, extra=["--block-size", "64K"]).mount()
+    payload = os.urandom(300 * 1024)
+    (m.path / "data").write_bytes(payload)
+    m.umount()
+
+    m.extra = []
+    m.mount()
+    assert m.status()["block_size"] == 64 * 1024
+    assert (m.path / "data").read_bytes() == payload
+    m.umount()
+
+    assert_one_line_error(m.try_mount("--block-size", "4M"), "65536-byte blocks", "--block-size")
+    assert not is_mounted(m.path)
+    m.mount("--block-size", "64K")
+    assert (m.path / "data").read_bytes() == payload
+    m.umount()
+    assert_nothing_left(tmp_path)
+
+
 # --- umount and status --------------------------------------------------------------------
 
 @pytest.mark.parametrize("command", ["umount", "status"])

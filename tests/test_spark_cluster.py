@@ -49,7 +49,7 @@ def local_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same pipeline in local mode with its state on local disk: the expected output."""
     root = tmp_path_factory.mktemp("local-reference")
     out = root / "out"
-    proc = subprocess.run([sys.executable, "-m", "fusestate.spark.pipeline", "--local", "--state-dir",
+    proc = subprocess.run([sys.executable, "-m", "fusestate", "spark-pipeline", "--local", "--state-dir",
                            str(root / "state"), "--output", str(out), "--batches", str(BATCHES),
                            "--partitions", "4", "--driver-memory", "768m", *SIZE],
                           capture_output=True, text=True, timeout=PIPELINE_TIMEOUT)

@@ -120,6 +120,7 @@ class Daemon:
             check_connect(cfg.meta_url)
         self.volume = volume.load_or_create(self.remote, cfg.block_size, create=not cfg.read_only,
                                             meta_url=cfg.meta_url)
+        cfg.block_size = self.volume.block_size  # an existing volume's own, whatever the flag left unset
         self.meta = self._open_metadata()
         assert cfg.max_dirty is not None
         self.parts = components.build(self.meta, self.remote, self.layout, components.Settings(

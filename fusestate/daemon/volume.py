@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Optional
 
+from fusestate.config import DEFAULT_BLOCK_SIZE
 from fusestate.errors import UserError
 from fusestate.remote.store import RemoteError, RemoteStore
 
@@ -85,7 +86,7 @@ def load_or_create(remote: RemoteStore, block_size: Optional[int], create: bool,
         return info
     if not create:
         raise UserError(f"no fusestate volume at {remote.root} (mount it read-write once to create it)")
-    info = VolumeInfo(uuid.uuid4().hex, block_size or 4 << 20, FORMAT_VERSION, engine_identity(meta_url))
+    info = VolumeInfo(uuid.uuid4().hex, block_size or DEFAULT_BLOCK_SIZE, FORMAT_VERSION, engine_identity(meta_url))
     doc = {"format": info.format, "volume_id": info.volume_id, "block_size": info.block_size, "meta": info.meta,
            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     remote.put(DESCRIPTOR, json.dumps(doc, indent=2).encode())

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from fusestate.errors import UserError
+from fusestate.spark.arguments import DEFAULT_MOUNTPOINT
 
-DEFAULT_MOUNTPOINT = "/mnt/state"
 MASTER_HOST = "127.0.0.1"
 DRIVER_HOST = "127.0.0.1"
 START_TIMEOUT = 120.0
@@ -329,7 +329,7 @@ class Cluster:
             args.append("--use-shim")
         else:
             args.append("--local")
-        node.start([sys.executable, "-m", "fusestate.spark.pipeline", *args, *pipeline_args])
+        node.start([sys.executable, "-m", "fusestate", "spark-pipeline", *args, *pipeline_args])
         self.drivers.append(node)
         return node
 
@@ -349,25 +349,6 @@ class Cluster:
 
 
 # --- the command ---------------------------------------------------------------------------
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", type=int, default=2, help="worker nodes (default %(default)s)")
-    p.add_argument("--bucket", default=None,
-                   help="the shared volume's bucket URL (default: a new file:// bucket under --root)")
-    p.add_argument("--meta", default=None,
-                   help="the shared volume's PostgreSQL URL (default: start a PostgreSQL server under --root)")
-    p.add_argument("--root", default=None,
-                   help="where nodes keep their caches, runtime dirs and logs (default: a new temporary dir)")
-    p.add_argument("--mountpoint", default=DEFAULT_MOUNTPOINT, help="every node's mountpoint (default %(default)s)")
-    p.add_argument("--output", default=None, help="the pipeline's output (default <root>/output)")
-    p.add_argument("--batches", type=int, default=8)
-    p.add_argument("--keys", type=int, default=20_000)
-    p.add_argument("--partitions", type=int, default=4, help="state stores per operator (default %(default)s)")
-    p.add_argument("--lose-worker-after", type=int, default=None, metavar="BATCH",
-                   help="kill the last worker node (its JVMs and fusestate daemon) and wipe its cache once "
-                        "this batch has completed; the query goes on without it")
-    p.add_argument("--keep", action="store_true", help="keep --root (logs, caches) after the run")
-
 
 CLUSTER_CONF = [
     # Spark prefers the executor that had a state store loaded; 0 s lets a partition move to a
@@ -437,13 +418,3 @@ def print_summary(report: dict[str, Any], lost: Optional[str]) -> None:
     print(f"state files       {s.get('rocksdb_files_copied', 0):,} linked by the shim on loads and commits")
     if lost:
         print(f"lost node         {lost}: its partitions moved to the remaining workers")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from fusestate.cli import main as cli_main
-
-    return cli_main(["spark-cluster", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

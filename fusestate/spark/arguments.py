@@ -1,0 +1,66 @@
+"""The command lines of ``fusestate spark-pipeline`` and ``fusestate spark-cluster``.
+
+Kept apart from the jobs themselves so that building the ``fusestate`` parser loads
+neither of them: only the command that runs imports its job.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_MOUNTPOINT = "/mnt/state"
+
+
+def pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", required=True,
+                   help="directory for spark.local.dir and the default checkpoint (on a fusestate mount, unless --local)")
+    p.add_argument("--output", required=True, help="directory of the per-batch output (batch-<id>/part-*.csv)")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint directory: a path, file:// or fusestate:// (default <state-dir>/checkpoints/<query>)")
+    p.add_argument("--input", default=None, help="input files (default <output>.input); generated when missing")
+    p.add_argument("--batches", type=int, default=8, help="input files, one per micro-batch (default %(default)s)")
+    p.add_argument("--keys", type=int, default=10_000, help="distinct keys in the aggregation state (default %(default)s)")
+    p.add_argument("--payload-bytes", type=int, default=256, help="payload kept in state per key (default %(default)s)")
+    p.add_argument("--events-per-batch", type=int, default=None, help="events per file (default: keys/2, at least 1000)")
+    p.add_argument("--last-batch-events", type=int, default=None,
+                   help="events in the last file only (e.g. a small batch after a restart)")
+    p.add_argument("--state-compression", default=None,
+                   help="RocksDB compression of the state store (Spark's default: lz4; 'none' keeps "
+                        "the on-disk state as large as the raw state)")
+    p.add_argument("--block-size-kb", type=int, default=None,
+                   help="RocksDB block size of the state store (default: 64 on a fusestate mount, Spark's 4 otherwise)")
+    p.add_argument("--partitions", type=int, default=4, help="shuffle partitions = state stores per operator (default %(default)s)")
+    p.add_argument("--local", action="store_true", help="baseline: state on local disk, no fusestate mount required")
+    p.add_argument("--use-shim", action="store_true", help="checkpoint via the fusestate:// Hadoop file system (hard-link commits)")
+    p.add_argument("--shim-jar", default=None,
+                   help="the fusestate:// shim's jar, if built elsewhere (default: the one installed with fusestate)")
+    p.add_argument("--no-changelog", action="store_true", help="turn RocksDB changelog checkpointing off")
+    p.add_argument("--min-deltas-for-snapshot", type=int, default=10)
+    p.add_argument("--driver-memory", default="1g", help="JVM heap (default %(default)s)")
+    p.add_argument("--master", default="local[2]",
+                   help="local[N], or a cluster's spark://HOST:PORT (default %(default)s): then every executor's "
+                        "node must mount the same shared volume at the same path, which is checked before the query")
+    p.add_argument("--expect-executors", type=int, default=1,
+                   help="on a cluster: executors to wait for, and check, before the query starts (default %(default)s)")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                   help="another Spark setting (repeatable); it wins over the ones the state layout makes")
+    p.add_argument("--report", default=None, help="also write the final report (JSON) here")
+
+
+def cluster_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=2, help="worker nodes (default %(default)s)")
+    p.add_argument("--bucket", default=None,
+                   help="the shared volume's bucket URL (default: a new file:// bucket under --root)")
+    p.add_argument("--meta", default=None,
+                   help="the shared volume's PostgreSQL URL (default: start a PostgreSQL server under --root)")
+    p.add_argument("--root", default=None,
+                   help="where nodes keep their caches, runtime dirs and logs (default: a new temporary dir)")
+    p.add_argument("--mountpoint", default=DEFAULT_MOUNTPOINT, help="every node's mountpoint (default %(default)s)")
+    p.add_argument("--output", default=None, help="the pipeline's output (default <root>/output)")
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--keys", type=int, default=20_000)
+    p.add_argument("--partitions", type=int, default=4, help="state stores per operator (default %(default)s)")
+    p.add_argument("--lose-worker-after", type=int, default=None, metavar="BATCH",
+                   help="kill the last worker node (its JVMs and fusestate daemon) and wipe its cache once "
+                        "this batch has completed; the query goes on without it")
+    p.add_argument("--keep", action="store_true", help="keep --root (logs, caches) after the run")
