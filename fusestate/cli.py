@@ -277,7 +277,8 @@ def _stats_table(before: dict, after: dict, seconds: float) -> str:
         ("bucket in / out", f"{format_size(rate('remote', 'bytes_in'))}/s / {format_size(rate('remote', 'bytes_out'))}/s"),
         ("dirty", f"{format_size(wb['dirty_bytes'])} of {format_size(wb['max_dirty'])}"),
         ("staged / queue", f"{wb['staged_blocks']} blocks / {wb['upload_queue']}, oldest {wb['oldest_staged_seconds']} s"),
-        ("journal pending", f"{meta['journal_pending']} entries, shipped seq {meta['shipped_seq']}"),
+        ("journal pending", f"{meta['journal_pending']} entries, shipped seq {meta['shipped_seq']}"
+                            if "journal_pending" in meta else f"none: the namespace is in {meta['engine']}"),
         ("backpressure", f"{wb['backpressure_waits']} waits, {wb['backpressure_seconds']} s"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -23,6 +23,7 @@ from fusestate.config import MountConfig, format_size
 from fusestate.daemon import components, control, volume
 from fusestate.daemon.allocator import keep_block_buffers_mapped
 from fusestate.daemon.metrics import Histograms, start_exporter
+from fusestate.daemon.stats import status_numbers
 from fusestate.daemon.lease import Lease, LeaseLost, read_leases
 from fusestate.daemon.locality import REFRESH_SECONDS as LOCALITY_REFRESH_SECONDS, Locality, warm_dirs
 from fusestate.daemon.paths import CacheLayout, control_socket
@@ -452,88 +453,33 @@ class Daemon:
                 nursery.start_soon(one, key)
         return fetched
 
+    @property
+    def restored_bytes(self) -> int:
+        return self.restored.bytes_fetched if self.restored else 0
+
+    @property
+    def open_files(self) -> int:
+        return self.fs.open_files
+
     def status(self) -> dict[str, Any]:
-        up, sh = self.uploader, self.shipper
-        usage = shutil.disk_usage(self.cfg.cache_dir)
-        return {
-            "url": self.cfg.url,
-            "mountpoint": self.cfg.mountpoint,
-            "pid": os.getpid(),
+        """Every number of the stats table, and what this mount is and how it is set up."""
+        doc = status_numbers(self)
+        doc.update({
+            "url": self.cfg.url, "mountpoint": self.cfg.mountpoint, "pid": os.getpid(),
             "uptime_seconds": round(time.time() - self.started_at, 1),
-            "durability": self.cfg.durability,
-            "scratch_dirs": list(self.cfg.scratch_dirs),
+            "durability": self.cfg.durability, "scratch_dirs": list(self.cfg.scratch_dirs),
             "metrics_addr": f"{self.metrics_addr[0]}:{self.metrics_addr[1]}" if self.metrics_addr else None,
-            "block_size": self.volume.block_size,
-            "volume_id": self.volume.volume_id,
-            "files": self.meta.stats().inodes,
-            "used_bytes": self.meta.stats().used_bytes,
-            "open_files": self.fs.open_files,
-            "cache": {
-                "memory_bytes": self.memory.used, "memory_limit": self.memory.limit,
-                "memory_entries": len(self.memory), "memory_hits": self.memory.stats.hits,
-                "memory_misses": self.memory.stats.misses,
-                "disk_bytes": self.disk.used, "disk_limit": self.disk.limit,
-                "disk_hits": self.disk.stats.hits, "disk_misses": self.disk.stats.misses,
-                "disk_corrupt": self.disk.stats.corrupt, "disk_full_failures": self.blocks.disk_full_failures,
-                "scratch_blocks": self.blocks.scratch_blocks, "scratch_bytes": self.blocks.scratch_bytes,
-                "reads_from_memory": self.blocks.stats.reads_from_memory,
-                "reads_from_disk": self.blocks.stats.reads_from_disk,
-                "reads_from_bucket": self.blocks.stats.reads_from_bucket,
-                "cache_dir_free_bytes": usage.free,
-            },
-            "writeback": {
-                "dirty_bytes": up.dirty_bytes(), "max_dirty": up.max_dirty,
-                "staged_blocks": up.staged_blocks, "staged_bytes": up.staged_bytes,
-                "oldest_staged_seconds": round(up.oldest_staged_age(), 1),
-                "upload_queue": up.queue_length,
-                "uploaded_blocks": up.stats.uploaded_blocks, "uploaded_bytes": up.stats.uploaded_bytes,
-                "dedup_skipped": up.stats.dedup_skipped, "discarded_blocks": up.stats.discarded_blocks,
-                "deduplicated_blocks": self.blocks.deduplicated_blocks,
-                "deduplicated_bytes": self.blocks.deduplicated_bytes,
-                "upload_failures": up.stats.upload_failures,
-                "backpressure_waits": up.stats.backpressure_waits,
-                "backpressure_seconds": round(up.stats.backpressure_seconds, 3),
-            },
-            "fuse": {
-                "operations": sum(self.ops.counters.values()),
-                "operation_counts": dict(self.ops.counters),
-                "kernel_readahead": self.kernel_readahead,
-                "bytes_read": self.ops.bytes_read, "bytes_written": self.ops.bytes_written,
-            },
-            "metadata": {
-                "engine": self.meta.kind,
-                "journal_pending": 0 if self.cfg.read_only or not sh else sh.pending_entries(),
-                "shipped_seq": sh.shipped_seq if sh else 0,
-                "last_ship_age_seconds": sh.last_ship_age() if sh else None,
-                "segments_shipped": sh.stats.segments_shipped if sh else 0,
-                "snapshots_shipped": sh.stats.snapshots_shipped if sh else 0,
-                "ship_failures": sh.stats.failures if sh else 0,
-                "restored_bytes": self.restored.bytes_fetched if self.restored else 0,
-                "gc_deleted_blocks": self.gc_deleted,
-            },
-            "lease": {
-                "epoch": self.lease.record.epoch if self.lease and self.lease.record else None,
-                "holder": self.lease.holder if self.lease else None,
-                "state": "read-only" if self.cfg.read_only else ("lost" if self.lease and self.lease.lost else "held"),
-            },
-            "remote": {
-                "requests": dict(self.remote.stats.requests), "failures": dict(self.remote.stats.failures),
-                "retries": self.remote.stats.retries,
-                "bytes_in": self.remote.stats.bytes_in, "bytes_out": self.remote.stats.bytes_out,
-                "full_fetches": self.blocks.stats.remote_full_fetches,
-                "range_reads": self.blocks.stats.remote_range_reads,
-                "prefetches": self.blocks.stats.prefetches,
-                "small_read_ms": self.blocks.read_costs.summary(),
-            },
-            "warmup": {
-                "mode": self.cfg.prefetch, "state": self.warmer.stats.state,
-                "budget_bytes": self.warmer.budget,
-                "fetched_blocks": self.warmer.stats.blocks, "fetched_bytes": self.warmer.stats.bytes,
-                "already_local_blocks": self.warmer.stats.already_local,
-                "skipped_deleted_blocks": self.warmer.stats.skipped,
-                "failures": self.warmer.stats.failures, "seconds": self.warmer.stats.seconds,
-            },
-        }
+            "block_size": self.volume.block_size, "volume_id": self.volume.volume_id,
+        })
+        doc["fuse"].update({"operations": sum(self.ops.counters.values()), "kernel_readahead": self.kernel_readahead})
+        doc["metadata"]["engine"] = self.meta.kind
+        doc["lease"].update({
+            "holder": self.lease.holder if self.lease else None,
+            "state": "read-only" if self.cfg.read_only else ("lost" if self.lease and self.lease.lost else "held"),
+        })
+        doc["remote"]["small_read_ms"] = self.blocks.read_costs.summary()
+        doc["warmup"].update({"mode": self.cfg.prefetch, "state": self.warmer.stats.state})
+        return doc
 
     def close(self) -> None:
         if hasattr(self, "parts"):
