@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import subprocess
@@ -36,24 +37,45 @@ def pipeline_cmd(state_dir: Path, output: Path, *extra: str) -> list[str]:
             *HEAP, *extra]
 
 
-def pipeline(state_dir: Path, output: Path, input_dir: Path, *extra: str, timeout: float = 240) -> dict:
-    """Run the pipeline to completion in its own process; returns its final report."""
-    proc = subprocess.run(pipeline_cmd(state_dir, output, "--input", str(input_dir), *extra),
+def pipeline(state_dir: Path, output: Path, input_dir: Path, *extra: str, timeout: float = 240,
+             as_json: bool = False) -> dict:
+    """Run the pipeline to completion in its own process; returns its report.
+
+    Every run checks its terminal output: what a person sees by default, or with ``as_json``
+    the stream for scripts (``--json``)."""
+    proc = subprocess.run(pipeline_cmd(state_dir, output, "--input", str(input_dir), *extra,
+                                       *(["--json"] if as_json else [])),
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        causes = [line for line in proc.stderr.splitlines()
-                  if "Caused by" in line or "Exception:" in line or "Error:" in line]
         (output.parent / f"{output.name}.spark-failure.log").write_text(proc.stderr)
-        raise AssertionError(f"pipeline failed ({proc.returncode}):\n" + "\n".join(causes[:20])
-                             + f"\n{proc.stdout[-2000:]}")
-    return report_of(proc.stdout)
+        raise AssertionError(f"pipeline failed ({proc.returncode}): {proc.stderr[-2000:]}\n{proc.stdout[-2000:]}"
+                             f"\n(Spark's log: {output / 'spark.log'})")
+    return json_stream_report(proc.stdout) if as_json else terminal_report(proc)
 
 
-def report_of(stdout: str) -> dict:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith('{"event": "report"'):
-            return json.loads(line)
-    raise AssertionError(f"no report in output:\n{stdout[-3000:]}")
+def terminal_report(proc: subprocess.CompletedProcess) -> dict:
+    """The default output is for a person: a row per batch and a summary that names the report
+    file, no JSON record on stdout and no line of Spark's on stderr (it goes to Spark's log)."""
+    lines = proc.stdout.splitlines()
+    assert not [ln for ln in lines if ln.lstrip().startswith("{")], proc.stdout[-3000:]
+    assert all(ln.startswith("note: ") for ln in proc.stderr.splitlines()), proc.stderr[-3000:]
+    named = [ln.split()[1] for ln in lines if ln.startswith("report ")]
+    assert named, f"the summary names no report file:\n{proc.stdout[-3000:]}"
+    report = json.loads(Path(named[-1]).read_text())
+    assert Path(report["spark_log"]).stat().st_size > 0 and report["spark_log"] in proc.stdout
+    rows = [ln for ln in lines if re.match(r"\s*\d+\s+[\d,]+\s+[\d,]+\s+[\d,]+ ms", ln)]
+    assert len(rows) == len(report["batches"]), proc.stdout[-3000:]
+    return report
+
+
+def json_stream_report(stdout: str) -> dict:
+    """``--json``: every line is a JSON record, one per batch and then the report, which is
+    also in the report file."""
+    *batches, report = [json.loads(line) for line in stdout.splitlines()]
+    assert {b["event"] for b in batches} <= {"batch"} and report["event"] == "report"
+    assert [b["batch"] for b in batches] == [b["batch"] for b in report["batches"]]
+    assert json.loads(Path(report["report_file"]).read_text()) == report
+    return report
 
 
 def settle(m, timeout: float = 60) -> dict:
@@ -82,7 +104,7 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_pipeline_on_mount_matches_local_disk(make_mount, file_bucket: Bucket, baseline, tmp_path: Path):
     m = make_mount(file_bucket).mount()
-    report = pipeline(m.path / "job", tmp_path / "out", baseline["input"], *SMALL)
+    report = pipeline(m.path / "job", tmp_path / "out", baseline["input"], *SMALL, as_json=True)
     assert read_output(tmp_path / "out") == baseline["output"]
     # One part file per state partition: the writer left the stateful stage at four tasks
     # (a coalesce(1) would run the aggregation's four state stores one after another).
@@ -138,7 +160,7 @@ def _open_files_under(path: Path) -> list[str]:
 def _run_until_batches(cmd: list[str], k: int, timeout: float = 240) -> list[int]:
     """Start the pipeline, SIGKILL it (JVM included) once ``k`` micro-batches have completed."""
     err = open(Path(cmd[cmd.index("--output") + 1] + ".spark-stderr.log"), "w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+    proc = subprocess.Popen([*cmd, "--json"], stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     done: list[int] = []
     deadline = time.monotonic() + timeout
     try:
@@ -419,7 +441,7 @@ def test_status_is_none_where_no_daemon_answers(tmp_path: Path) -> None:
 
 
 def test_summary_lines_report_what_a_person_checks() -> None:
-    from fusestate.spark.pipeline import summary_lines
+    from fusestate.spark.pipeline import progress_header, progress_row, summary_lines
 
     status = {"writeback": {"uploaded_bytes": 0}, "remote": {"bytes_in": 0},
               "cache": {"reads_from_memory": 0, "reads_from_disk": 0, "reads_from_bucket": 0}}
@@ -427,11 +449,15 @@ def test_summary_lines_report_what_a_person_checks() -> None:
              "cache": {"reads_from_memory": 90, "reads_from_disk": 5, "reads_from_bucket": 5}}
     report = {"summary": {"batches": 3, "rows": 3000, "records_per_second": 1500.0, "batch_ms_median": 700},
               "batches": [{"state_commit_ms": ms} for ms in (300, 100, 200)],
-              "shim": {"linked": 4, "copied": 0}, "fusestate_before": status, "fusestate_after": after}
+              "shim": {"linked": 4, "copied": 0}, "fusestate_before": status, "fusestate_after": after,
+              "report_file": "/data/out/report.json", "spark_log": "/data/out/spark.log"}
     text = "\n".join(summary_lines(report))
     assert "1,500 over 3 batches" in text and "median 200 ms, max 300 ms" in text
     assert "4 state files linked" in text and "3.0 MiB uploaded, 1.0 MiB fetched" in text
-    assert "cache hit ratio   0.95" in text
+    # One column of values, as `fusestate status` prints them; the last rows say where the rest is.
+    assert "\ncache hit ratio  0.95" in text and "\nrecords/s        1,500" in text
+    assert text.endswith("\nreport           /data/out/report.json (every batch's metrics)"
+                         "\nSpark's log      /data/out/spark.log")
     assert "already had" not in text and "changelog" not in text
     # No file linked because the commits wrote changelogs: the line says so, not just "0".
     changelog = dict(report, shim={"linked": 0, "copied": 0}, state_store_conf={
@@ -444,7 +470,14 @@ def test_summary_lines_report_what_a_person_checks() -> None:
     again = dict(after, writeback={"uploaded_bytes": 0, "deduplicated_bytes": 17 * 2**20})
     text = "\n".join(summary_lines(dict(report, fusestate_after=again)))
     assert "0.0 MiB uploaded, 1.0 MiB fetched, 17.0 MiB written that the volume already had" in text
-    assert "no batch ran" in summary_lines({"summary": {"batches": 0}, "batches": []})[0]
+    nothing = summary_lines({"summary": {"batches": 0}, "batches": [], "report_file": "/data/out/report.json"})
+    assert "no batch ran" in nothing[0] and nothing[1].startswith("report  /data/out/report.json")
+    # A row per batch, under a header whose columns it fills.
+    row = progress_row({"batch": 12, "rows": 1100, "rows_per_second": 1234.5, "duration_ms": 2671,
+                        "state_commit_ms": 845, "rocksdb": {"rocksdbFilesCopied": 16}})
+    header = progress_header("files linked")
+    assert row.split() == ["12", "1,100", "1,234", "2,671", "ms", "845", "ms", "16"]
+    assert len(row) == len(header) and row.index("2,671 ms") + len("2,671 ms") == header.index("duration") + 8
 
 
 def test_state_conf_block_size_follows_the_mount(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ DEFAULT_MOUNTPOINT = "/mnt/state"
 def pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", required=True,
                    help="directory for spark.local.dir and the default checkpoint (on a fusestate mount, unless --local)")
-    p.add_argument("--output", required=True, help="directory of the per-batch output (batch-<id>/part-*.csv)")
+    p.add_argument("--output", required=True,
+                   help="directory of the per-batch output (batch-<id>/part-*.csv), the report and Spark's log")
     p.add_argument("--checkpoint", default=None,
                    help="checkpoint directory: a path, file:// or fusestate:// (default <state-dir>/checkpoints/<query>)")
     p.add_argument("--input", default=None, help="input files (default <output>.input); generated when missing")
@@ -44,7 +45,7 @@ def pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help="on a cluster: executors to wait for, and check, before the query starts (default %(default)s)")
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                    help="another Spark setting (repeatable); it wins over the ones the state layout makes")
-    p.add_argument("--report", default=None, help="also write the final report (JSON) here")
+    report_arguments(p, "every batch's metrics and the run's numbers")
 
 
 def cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +57,9 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", default=None,
                    help="where nodes keep their caches, runtime dirs and logs (default: a new temporary dir)")
     p.add_argument("--mountpoint", default=DEFAULT_MOUNTPOINT, help="every node's mountpoint (default %(default)s)")
-    p.add_argument("--output", default=None, help="the pipeline's output (default <root>/output)")
+    p.add_argument("--output", default=None,
+                   help="the pipeline's output, its report and the driver's Spark log (default <root>/output when "
+                        "--root or --keep is given, else a new directory that stays after the run)")
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--keys", type=int, default=20_000)
     p.add_argument("--partitions", type=int, default=4, help="state stores per operator (default %(default)s)")
@@ -64,3 +67,13 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="kill the last worker node (its JVMs and fusestate daemon) and wipe its cache once "
                         "this batch has completed; the query goes on without it")
     p.add_argument("--keep", action="store_true", help="keep --root (logs, caches) after the run")
+    report_arguments(p, "the pipeline's report, with the cluster's workers and lost node")
+
+
+def report_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """Where the machine-readable detail goes: a report file always, stdout with --json."""
+    p.add_argument("--report", default=None, metavar="FILE",
+                   help=f"the report, as JSON: {what} (default <output>/report.json)")
+    p.add_argument("--json", action="store_true",
+                   help="for scripts: one JSON line per batch, then the report as the last line, instead of "
+                        "progress rows and a summary")

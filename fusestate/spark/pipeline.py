@@ -10,9 +10,13 @@ after a restart), so two runs can be compared batch for batch.
     fusestate spark-pipeline --state-dir /mnt/state/job --output /data/out --batches 8 --keys 20000
     fusestate spark-pipeline --local --state-dir /var/tmp/job --output /data/out-local ...
 
-It prints one JSON line per completed micro-batch (``{"event": "batch", ...}``) and, at the end,
-a report with records/s, batch durations, the state store's commit and load metrics, and
-fusestate's status (cache, write-back, remote traffic) before and after the run.
+It prints a row per completed micro-batch (records/s, state commit, state files linked or
+copied) and a short summary that names the report file (default ``<output>/report.json``):
+every batch's metrics, records/s, batch durations, the state store's commit and load
+metrics, and fusestate's status (cache, write-back, remote traffic) before and after the
+run. ``--json`` prints that detail instead, for scripts: one JSON line per batch
+(``{"event": "batch", ...}``), then the report (``{"event": "report", ...}``). Spark's own
+output (its log at WARN, the JVM's start-up lines) goes to ``<output>/spark.log``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from fusestate.errors import UserError
 from fusestate.spark.config import ROCKSDB_PREFIX, SHUFFLE_SCRATCH, shuffle_is_scratch, state_conf
@@ -39,6 +43,16 @@ WATERMARK = "30 seconds"
 LATE_MS = 5 * 60_000                  # late events are this much behind: dropped by the watermark
 INPUT_MTIME = 1_700_000_000           # file times, one second apart: the file source's order
 SCHEMA = "event_id LONG, key STRING, ts_ms LONG, value LONG"
+REPORT_NAME = "report.json"           # in the output dir, unless --report says otherwise
+SPARK_LOG_NAME = "spark.log"          # in the output dir: the JVM's stdout and stderr
+
+
+class PipelineError(UserError):
+    """Spark did not start, or the query failed: one line that names Spark's log, where the
+    JVM's trace is."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, exit_code=1)
 
 
 # --- the event stream ----------------------------------------------------------------------
@@ -124,27 +138,77 @@ def generate_input(input_dir: Path, batches: int, keys: int, events_per_batch: i
 
 # --- the query -----------------------------------------------------------------------------
 
-def build_session(conf: dict[str, str], jars: list[str], driver_memory: str, master: str):
-    os.environ["SPARK_LOCAL_DIRS"] = conf["spark.local.dir"]   # wins over spark.local.dir if set elsewhere
+def session_settings(conf: dict[str, str], jars: list[str], driver_memory: str, master: str) -> dict[str, str]:
+    """The session's Spark settings: the state layout's (``conf``) win over the pipeline's own."""
+    settings = {"spark.master": master, "spark.app.name": "fusestate-state-pipeline",
+                "spark.driver.memory": driver_memory,
+                "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+                "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
+                "spark.sql.streaming.noDataMicroBatches.enabled": "false",
+                "spark.sql.streaming.numRecentProgressUpdates": "100000",
+                "spark.sql.adaptive.enabled": "false"}
+    settings.update((k, v) for k, v in conf.items() if k != "spark.sql.streaming.checkpointLocation")
+    if jars:
+        settings["spark.jars"] = ",".join(jars)
+    return settings
+
+
+def build_session(settings: dict[str, str], log: Path):
+    """Start the JVM with its stdout and stderr appended to ``log``, and a session on it.
+
+    Spark's log (at WARN: PySpark's default, kept by ``setLogLevel``) and the JVM's start-up
+    lines then stay out of the terminal, which keeps the pipeline's own rows and summary.
+    """
+    os.environ["SPARK_LOCAL_DIRS"] = settings["spark.local.dir"]   # wins over spark.local.dir if set elsewhere
+    from pyspark import SparkConf, SparkContext
+    from pyspark.errors import PySparkRuntimeError
+    from pyspark.java_gateway import launch_gateway
     from pyspark.sql import SparkSession
 
-    builder = (SparkSession.builder.master(master).appName("fusestate-state-pipeline")
-               .config("spark.driver.memory", driver_memory)
-               .config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-               .config("spark.sql.streaming.numRecentProgressUpdates", "100000")
-               .config("spark.sql.adaptive.enabled", "false"))
-    for k, v in conf.items():
-        if k != "spark.sql.streaming.checkpointLocation":
-            builder = builder.config(k, v)
-    if jars:
-        builder = builder.config("spark.jars", ",".join(jars))
-    spark = builder.getOrCreate()
+    spark_conf = SparkConf().setAll(list(settings.items()))
+    with open(log, "ab") as out:
+        try:
+            gateway = launch_gateway(spark_conf, popen_kwargs={"stdout": out, "stderr": subprocess.STDOUT})
+        except PySparkRuntimeError as exc:
+            raise PipelineError(f"Spark did not start: {root_cause(_tail_text(log)) or exc} "
+                                f"(Spark's log: {log})") from None
+    SparkContext(conf=spark_conf, gateway=gateway)
+    spark = SparkSession.builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+def _tail_text(path: Path, size: int = 64 * 1024) -> str:
+    """The end of a log file (a JVM's trace is at its end), or '' when it cannot be read."""
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read().decode(errors="replace")
+    return ""
+
+
+def root_cause(text: str) -> str:
+    """The innermost exception in a JVM or Python trace: what a one-line error should name."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(("at ", "..."))]  # not stack frames
+    causes = [ln for ln in lines if ln.startswith("Caused by:")]
+    if causes:
+        return causes[-1][len("Caused by:"):].strip()
+    errors = [ln for ln in lines if "Exception" in ln or "Error" in ln]
+    return errors[-1] if errors else (lines[-1] if lines else "")
+
+
+def wait_for_query(query, log: Path) -> None:
+    """Wait for the query to end; a failure becomes one line (its trace is in Spark's log)."""
+    from pyspark.errors import StreamingQueryException
+
+    try:
+        query.awaitTermination()
+        failure = query.exception()
+    except StreamingQueryException as exc:
+        failure = exc
+    if failure is not None:
+        raise PipelineError(f"the query failed: {root_cause(str(failure))[:500]} (Spark's log: {log})")
 
 
 def build_query(spark, input_dir: Path, payload_bytes: int):
@@ -278,7 +342,121 @@ def summarize(batches: list[dict]) -> dict:
     }
 
 
+# --- the terminal --------------------------------------------------------------------------
+
+class BatchLines:
+    """Each completed batch as it comes: a JSON line for scripts (``--json``), else an
+    aligned row a person reads while the query runs."""
+
+    def __init__(self, as_json: bool, use_shim: bool) -> None:
+        self.as_json = as_json
+        # With the shim, the state store's copies are hard links (the summary has the exact count).
+        self.files = "files linked" if use_shim else "files copied"
+        self.shown = 0
+
+    def __call__(self, rec: dict) -> None:
+        if self.as_json:
+            print(json.dumps({"event": "batch", **rec}), flush=True)
+            return
+        if not self.shown:
+            print(progress_header(self.files))
+        self.shown += 1
+        print(progress_row(rec), flush=True)
+
+
+def progress_header(files: str) -> str:
+    return f"{'batch':>5}  {'rows':>9}  {'records/s':>9}  {'duration':>9}  {'state commit':>12}  {files:>12}"
+
+
+def progress_row(rec: dict) -> str:
+    """One batch: the state store's file copies are summed over its operators and partitions."""
+    files = int(rec["rocksdb"].get("rocksdbFilesCopied", 0))
+    return (f"{rec['batch']:>5}  {rec['rows']:>9,}  {rec['rows_per_second']:>9,.0f}  {rec['duration_ms']:>6,} ms  "
+            f"{rec['state_commit_ms']:>9,} ms  {files:>12,}")
+
+
+def aligned(rows: list[tuple[str, str]]) -> list[str]:
+    """A summary's rows with their values in one column, as ``fusestate status`` prints them."""
+    width = max((len(key) for key, _ in rows), default=0)
+    return [f"{key:<{width}}  {value}" for key, value in rows]
+
+
+def run_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """Records/s and state commits: the rows the pipeline's and the cluster's summaries share."""
+    s = report["summary"]
+    commits = sorted(b["state_commit_ms"] for b in report["batches"])
+    return [("records/s", f"{s['records_per_second'] or 0:,.0f} over {s['batches']} batches ({s['rows']:,} rows), "
+                          f"median batch {s['batch_ms_median']:,} ms"),
+            ("state commit", f"median {commits[len(commits) // 2]:,} ms, max {commits[-1]:,} ms")]
+
+
+def file_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where the detail is: the report file and Spark's log."""
+    rows = []
+    if report.get("report_file"):
+        rows.append(("report", f"{report['report_file']} (every batch's metrics)"))
+    if report.get("spark_log"):
+        rows.append(("Spark's log", report["spark_log"]))
+    return rows
+
+
+def shim_row(report: dict[str, Any]) -> tuple[str, str]:
+    shim = report["shim"]
+    line = f"{shim['linked']} state files linked, {shim['copied']} copied"
+    conf = report.get("state_store_conf", {})
+    changelog = conf.get(ROCKSDB_PREFIX + "changelogCheckpointing.enabled") == "true"
+    if not shim["linked"] and not shim["copied"] and changelog:
+        # Changelog commits copy no state file: SSTs reach the checkpoint with a snapshot.
+        every = conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "?")
+        line += f" (changelog checkpointing: state files reach the checkpoint with a snapshot, every {every} versions)"
+    return ("shim", line)
+
+
+def mount_rows(before: Optional[dict], after: Optional[dict]) -> list[tuple[str, str]]:
+    """What the run cost the mount: bucket traffic and the block cache's hit ratio."""
+    if not before or not after:
+        return []
+    uploaded = after["writeback"]["uploaded_bytes"] - before["writeback"]["uploaded_bytes"]
+    fetched = after["remote"]["bytes_in"] - before["remote"]["bytes_in"]
+    reads = {k: after["cache"][k] - before["cache"][k]
+             for k in ("reads_from_memory", "reads_from_disk", "reads_from_bucket")}
+    hits = reads["reads_from_memory"] + reads["reads_from_disk"]
+    lookups = hits + reads["reads_from_bucket"]
+    ratio = f"{hits / lookups:.2f}" if lookups else "n/a"
+    # A rerun over the same input writes the same blocks: content addressing stores them once.
+    dedup = after["writeback"].get("deduplicated_bytes", 0) - before["writeback"].get("deduplicated_bytes", 0)
+    return [("bucket", f"{uploaded / 2**20:,.1f} MiB uploaded, {fetched / 2**20:,.1f} MiB fetched"
+                       + (f", {dedup / 2**20:,.1f} MiB written that the volume already had" if dedup else "")),
+            ("cache hit ratio", f"{ratio} ({hits:,} of {lookups:,} block reads from memory or disk)")]
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The few numbers a person looks at after a run, and where the rest is."""
+    if not report["summary"].get("batches"):
+        return ["== summary: no batch ran (nothing new in the input)", *aligned(file_rows(report))]
+    rows = run_rows(report)
+    if report.get("shim"):
+        rows.append(shim_row(report))
+    rows += mount_rows(report.get("fusestate_before"), report.get("fusestate_after"))
+    return ["== summary", *aligned(rows + file_rows(report))]
+
+
 # --- the command ---------------------------------------------------------------------------
+
+def watch(query, show: Callable[[dict], None], t0: float) -> list[dict]:
+    """Every batch's record, shown as soon as the query has completed it, until the query ends."""
+    batches: list[dict] = []
+    while True:
+        active = query.isActive
+        for p in query.recentProgress[len(batches):]:
+            rec = batch_record(p)
+            rec["seen_at"] = round(time.time() - t0, 3)
+            batches.append(rec)
+            show(rec)
+        if not active:
+            return batches
+        time.sleep(0.2)
+
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
@@ -297,6 +475,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         layout.conf[key.strip()] = value
     mount = layout.mount
     output = Path(args.output).resolve()
+    report_path = Path(args.report).resolve() if args.report else output / REPORT_NAME
+    spark_log = output / SPARK_LOG_NAME
     input_dir = Path(args.input).resolve() if args.input else output.with_name(output.name + ".input")
     events_per_batch = args.events_per_batch or max(1000, args.keys // 2)
     rows = generate_input(input_dir, args.batches, args.keys, events_per_batch, args.last_batch_events)
@@ -313,9 +493,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"note: {mount} was mounted without --scratch '{SHUFFLE_SCRATCH}': Spark's shuffle files will "
               "be uploaded with the state, and every fsync waits for them", file=sys.stderr, flush=True)
     t_status = time.time()
-    spark = build_session(layout.conf, layout.jars, args.driver_memory, args.master)
+    if not args.json:
+        print(f"starting Spark ({args.master}); its log goes to {spark_log}", flush=True)
+    spark = build_session(session_settings(layout.conf, layout.jars, args.driver_memory, args.master), spark_log)
     t_session = time.time()
-    batches: list[dict] = []
     try:
         if on_cluster and not args.local:
             check_executors(spark, layout, args.expect_executors)
@@ -324,22 +505,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  .option("checkpointLocation", layout.checkpoint_uri)
                  .queryName("fusestate_state_pipeline").trigger(availableNow=True).start())
         t_started = time.time()
-        seen = 0
-        while True:
-            active = query.isActive
-            progress = query.recentProgress
-            for p in progress[seen:]:
-                rec = batch_record(p)
-                rec["seen_at"] = round(time.time() - t0, 3)
-                batches.append(rec)
-                print(json.dumps({"event": "batch", **rec}), flush=True)
-            seen = len(progress)
-            if not active:
-                break
-            time.sleep(0.2)
-        query.awaitTermination()
-        if query.exception():
-            raise RuntimeError(str(query.exception()))
+        batches = watch(query, BatchLines(args.json, args.use_shim), t0)
+        wait_for_query(query, spark_log)
         shim = _shim_counters(spark) if args.use_shim else None
     finally:
         stop_session(spark)
@@ -360,48 +527,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "total_s": round(t_end - t0, 3),
         "summary": summarize(batches), "shim": shim, "batches": batches,
         "fusestate_before": status_before, "fusestate_after": status_after,
+        "report_file": str(report_path), "spark_log": str(spark_log),
     }
-    if args.report:
-        Path(args.report).write_text(json.dumps(report, indent=1))
-    print(json.dumps(report), flush=True)
-    print("\n".join(summary_lines(report)), flush=True)
+    write_report(report_path, report)
+    print(json.dumps(report) if args.json else "\n".join(summary_lines(report)), flush=True)
     return report
 
 
-def summary_lines(report: dict[str, Any]) -> list[str]:
-    """The few numbers a person looks at after a run, under the JSON report."""
-    s = report["summary"]
-    if not s.get("batches"):
-        return ["== summary: no batch ran (nothing new in the input)"]
-    commits = sorted(b["state_commit_ms"] for b in report["batches"])
-    lines = ["== summary",
-             f"records/s         {s['records_per_second']:,.0f} over {s['batches']} batches ({s['rows']:,} rows), "
-             f"median batch {s['batch_ms_median']:,} ms",
-             f"state commit      median {commits[len(commits) // 2]:,} ms, max {commits[-1]:,} ms"]
-    if report.get("shim"):
-        line = f"shim              {report['shim']['linked']} state files linked, {report['shim']['copied']} copied"
-        conf = report.get("state_store_conf", {})
-        if not report["shim"]["linked"] and not report["shim"]["copied"] \
-                and conf.get(ROCKSDB_PREFIX + "changelogCheckpointing.enabled") == "true":
-            # Changelog commits copy no state file: SSTs reach the checkpoint with a snapshot.
-            every = conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "?")
-            line += f" (changelog checkpointing: state files reach the checkpoint with a snapshot, every {every} versions)"
-        lines.append(line)
-    before, after = report.get("fusestate_before"), report.get("fusestate_after")
-    if before and after:
-        uploaded = after["writeback"]["uploaded_bytes"] - before["writeback"]["uploaded_bytes"]
-        fetched = after["remote"]["bytes_in"] - before["remote"]["bytes_in"]
-        reads = {k: after["cache"][k] - before["cache"][k]
-                 for k in ("reads_from_memory", "reads_from_disk", "reads_from_bucket")}
-        hits = reads["reads_from_memory"] + reads["reads_from_disk"]
-        lookups = hits + reads["reads_from_bucket"]
-        ratio = f"{hits / lookups:.2f}" if lookups else "n/a"
-        # A rerun over the same input writes the same blocks: content addressing stores them once.
-        dedup = after["writeback"].get("deduplicated_bytes", 0) - before["writeback"].get("deduplicated_bytes", 0)
-        lines += [f"bucket            {uploaded / 2**20:,.1f} MiB uploaded, {fetched / 2**20:,.1f} MiB fetched"
-                  + (f", {dedup / 2**20:,.1f} MiB written that the volume already had" if dedup else ""),
-                  f"cache hit ratio   {ratio} ({hits:,} of {lookups:,} block reads from memory or disk)"]
-    return lines
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """Whole or not at all: a reader never sees half a report (a rename replaces the old one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, path)
 
 
 def read_output(output: str | os.PathLike) -> dict[int, list[tuple[str, ...]]]:
