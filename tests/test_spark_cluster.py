@@ -25,7 +25,7 @@ pytest.importorskip("pyspark")
 if shutil.which("java") is None:
     pytest.skip("no java on this machine", allow_module_level=True)
 
-from fusestate.spark.cluster import Cluster, Node  # noqa: E402
+from fusestate.spark.cluster import Cluster, DriverBatches, Node, summary_lines  # noqa: E402
 from fusestate.spark.pipeline import final_view, read_output  # noqa: E402
 
 BATCHES = 6
@@ -188,3 +188,30 @@ def test_bad_cluster_setups_are_one_line_before_the_query(cluster: Cluster, tmp_
     own.mkdir()
     line = driver_error(cluster, tmp_path, "own-volume", mount_args=[f"file://{own}", "--metrics-addr", "off"])
     assert "a volume only this node can mount (metadata engine sqlite)" in line
+
+
+def test_driver_batches_are_read_from_its_log_as_they_come(tmp_path: Path) -> None:
+    """``fusestate spark-cluster`` shows the driver's batches from its node's log: each once,
+    whole lines only, among the node's own lines."""
+    log = tmp_path / "node.log"
+    batches = DriverBatches(log)
+    assert batches.new() == []  # the node has not started yet
+    log.write_text('node driver1: mounted\n{"event": "batch", "batch": 0}\n{"event": "bat')
+    assert batches.new() == [{"event": "batch", "batch": 0}]
+    with open(log, "a") as f:
+        f.write('ch", "batch": 1}\n{"event": "report", "batches": []}\n')
+    assert batches.new() == [{"event": "batch", "batch": 1}]
+    assert batches.new() == []
+
+
+def test_cluster_summary_names_the_lost_node_and_the_report() -> None:
+    report = {"summary": {"batches": 2, "rows": 2000, "records_per_second": 800.0, "batch_ms_median": 1200,
+                          "rocksdb_files_copied": 40},
+              "batches": [{"state_commit_ms": 300}, {"state_commit_ms": 500}],
+              "cluster": {"lost_worker": "worker2", "lost_after_batch": 0},
+              "report_file": "/out/report.json", "spark_log": "/out/spark.log"}
+    lines = summary_lines(report)
+    assert lines[0] == "== cluster summary"
+    assert "state files   40 linked by the shim on loads and commits" in lines
+    assert "lost node     worker2 after batch 0: its partitions moved to the remaining workers" in lines
+    assert lines[-2:] == ["report        /out/report.json (every batch's metrics)", "Spark's log   /out/spark.log"]

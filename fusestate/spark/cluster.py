@@ -34,11 +34,13 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from fusestate.errors import UserError
 from fusestate.spark.arguments import DEFAULT_MOUNTPOINT
+from fusestate.spark.pipeline import REPORT_NAME, BatchLines, aligned, file_rows, run_rows, write_report
 
 MASTER_HOST = "127.0.0.1"
 DRIVER_HOST = "127.0.0.1"
@@ -67,8 +69,10 @@ def _free_port(host: str) -> int:
 
 
 def _tail(path: Path, lines: int = 5) -> str:
+    """The last lines of a log, for a one-line error: without the pipeline's JSON records."""
     with contextlib.suppress(OSError):
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+        text = [ln for ln in path.read_text(errors="replace").strip().splitlines() if not ln.startswith("{")]
+        return " | ".join(text[-lines:])
     return ""
 
 
@@ -359,17 +363,21 @@ CLUSTER_CONF = [
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Start a cluster, run the pipeline on it (optionally losing a worker), print a summary."""
+    """Start a cluster, run the pipeline on it (optionally losing a worker), show its batches
+    as they complete and a summary; the report goes to a file, and to stdout with ``--json``."""
     root = Path(args.root or tempfile.mkdtemp(prefix="fusestate-cluster-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    output = Path(args.output).resolve() if args.output else root / "output"
+    kept = args.keep or args.root is not None
+    output = Path(args.output).resolve() if args.output else _default_output(root, kept)
+    report_path = Path(args.report).resolve() if args.report else output / REPORT_NAME
+    say = partial(print, file=sys.stderr if args.json else sys.stdout, flush=True)  # stdout: JSON only
     server = None
     try:
         meta = args.meta
         if meta is None:
             from fusestate.meta.local_postgres import LocalPostgres
 
-            print("== starting a PostgreSQL server for the volume's metadata", flush=True)
+            say("== starting a PostgreSQL server for the volume's metadata")
             server = LocalPostgres()
             meta = server.create_database("fusestate")
         bucket = args.bucket
@@ -378,43 +386,89 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bucket = f"file://{root / 'bucket'}"
         query = f"q{uuid.uuid4().hex[:8]}"
         with Cluster(root, bucket, meta, mountpoint=args.mountpoint) as cluster:
-            print(f"== starting a Spark master and {args.workers} worker nodes on {bucket} at {args.mountpoint}",
-                  flush=True)
+            say(f"== starting a Spark master and {args.workers} worker nodes on {bucket} at {args.mountpoint}")
             cluster.start(args.workers)
-            report = root / "report.json"
-            pipeline = ["--output", str(output), "--report", str(report), "--checkpoint", cluster.checkpoint(query),
+            pipeline = ["--output", str(output), "--report", str(report_path), "--json",
+                        "--checkpoint", cluster.checkpoint(query),
                         "--batches", str(args.batches), "--keys", str(args.keys),
                         "--partitions", str(args.partitions), *[a for c in CLUSTER_CONF for a in ("--conf", c)]]
-            print(f"== the pipeline, driver on its own node; logs under {root}/nodes", flush=True)
+            say(f"== the pipeline, driver on its own node; node logs under {root}/nodes"
+                + ("" if kept else " (removed after the run unless --keep)"))
             driver = cluster.start_driver(pipeline)
-            lost = None
-            if args.lose_worker_after is not None:
-                done = output / f"batch-{args.lose_worker_after:06d}" / "_SUCCESS"
-                while not done.exists() and driver.alive():
-                    time.sleep(0.2)
-                if driver.alive():
-                    lost = cluster.workers[-1]
-                    lost.kill()
-                    lost.wipe_cache()
-                    print(f"== lost {lost.name} ({lost.host}) after batch {args.lose_worker_after}", flush=True)
+            lost = follow_driver(cluster, driver, output, args.lose_worker_after, BatchLines(args.json, True), say)
             code = driver.wait()
             if code != 0:
                 raise ClusterError(f"the pipeline failed (exit status {code}): {_tail(driver.log)}")
-            result = json.loads(report.read_text())
-        print_summary(result, lost.name if lost else None)
+        result = json.loads(report_path.read_text())
+        result["cluster"] = {"workers": args.workers, "bucket": bucket, "mountpoint": args.mountpoint,
+                             "lost_worker": lost.name if lost else None,
+                             "lost_after_batch": args.lose_worker_after if lost else None,
+                             "root": str(root) if kept else None}
+        write_report(report_path, result)
+        print(json.dumps(result) if args.json else "\n".join(summary_lines(result)), flush=True)
         return result
     finally:
         if server is not None:
             server.close()
-        if not args.keep and args.root is None:
+        if not kept:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def print_summary(report: dict[str, Any], lost: Optional[str]) -> None:
-    s = report["summary"]
-    print("== cluster summary")
-    print(f"batches           {s.get('batches', 0)} ({s.get('rows', 0):,} rows), "
-          f"{s.get('records_per_second') or 0:,.0f} records/s")
-    print(f"state files       {s.get('rocksdb_files_copied', 0):,} linked by the shim on loads and commits")
+def _default_output(root: Path, kept: bool) -> Path:
+    """The pipeline's output, report and Spark log: under a kept root, else a directory of
+    their own that outlives the temporary root."""
+    return root / "output" if kept else Path(tempfile.mkdtemp(prefix="fusestate-cluster-output-"))
+
+
+class DriverBatches:
+    """The batch records the driver's pipeline prints (``--json``) into its node's log, read as
+    they come: whole lines only, each once."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.offset = 0
+
+    def new(self) -> list[dict[str, Any]]:
+        with contextlib.suppress(FileNotFoundError), open(self.log, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+            whole = data[:data.rfind(b"\n") + 1]
+            self.offset += len(whole)
+            return [json.loads(line) for line in whole.decode(errors="replace").splitlines()
+                    if line.startswith('{"event": "batch"')]
+        return []
+
+
+def follow_driver(cluster: "Cluster", driver: Node, output: Path, lose_after: Optional[int],
+                  show: Callable[[dict], None], say: Callable[..., None]) -> Optional[Node]:
+    """Show each batch as the driver completes it, and lose the last worker node once batch
+    ``lose_after`` has written its output; the lost node, if any."""
+    batches = DriverBatches(driver.log)
+    done = output / f"batch-{lose_after:06d}" / "_SUCCESS" if lose_after is not None else None
+    lost = None
+    while driver.alive():
+        for rec in batches.new():
+            show({k: v for k, v in rec.items() if k != "event"})
+        if done is not None and lost is None and done.exists():
+            lost = cluster.workers[-1]
+            lost.kill()
+            lost.wipe_cache()
+            say(f"== lost {lost.name} ({lost.host}) after batch {lose_after}")
+        time.sleep(0.2)
+    for rec in batches.new():
+        show({k: v for k, v in rec.items() if k != "event"})
+    return lost
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The cluster's run at a glance, and where the detail is."""
+    if not report["summary"].get("batches"):
+        return ["== cluster summary: no batch ran", *aligned(file_rows(report))]
+    rows = run_rows(report)
+    rows.append(("state files", f"{report['summary'].get('rocksdb_files_copied', 0):,} linked by the shim "
+                                "on loads and commits"))
+    lost = report["cluster"]["lost_worker"]
     if lost:
-        print(f"lost node         {lost}: its partitions moved to the remaining workers")
+        rows.append(("lost node", f"{lost} after batch {report['cluster']['lost_after_batch']}: "
+                                  "its partitions moved to the remaining workers"))
+    return ["== cluster summary", *aligned(rows + file_rows(report))]
