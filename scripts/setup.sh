@@ -34,7 +34,7 @@ stop_packaged_service() {
 }
 
 need_apt=0
-for cmd in fusermount3 db_bench ldb pkg-config prometheus promtool shellcheck systemd-analyze fio rclone s3fs strace; do
+for cmd in fusermount3 db_bench ldb pkg-config prometheus promtool shellcheck systemd-analyze fio rclone s3fs strace ip tc; do
     command -v "$cmd" >/dev/null 2>&1 || need_apt=1
 done
 [ -e /usr/include/fuse3/fuse_lowlevel.h ] || need_apt=1
@@ -53,7 +53,7 @@ if [ "$need_apt" = 1 ]; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends \
         fuse3 libfuse3-dev pkg-config rocksdb-tools prometheus shellcheck systemd \
-        fio rclone s3fs strace postgresql >/dev/null
+        fio rclone s3fs strace postgresql iproute2 >/dev/null
     # Only a server this script brought: one installed on purpose is left as it is.
     [ "$had_prometheus" = 1 ] || stop_packaged_prometheus
     [ "$had_postgresql" = 1 ] || stop_packaged_service postgresql
