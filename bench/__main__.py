@@ -1,16 +1,18 @@
-"""bench/run: run named benchmark scenarios, write their JSON results, regenerate docs/benchmarks.md.
+"""bench/run: run named benchmark scenarios, write their JSON results, regenerate docs/benchmarks.md's tables.
 
     bench/run --list                      # the scenarios
     bench/run --quick                     # every scenario, small sizes and time budgets
     bench/run                             # every scenario, full sizes
     bench/run --scenario rocksdb --scenario files --repeats 3
-    bench/run --report-only               # regenerate the report from docs/bench-data/
+    bench/run --scenario rocksdb --systems local,fusestate-file --mount-options '--durability local'
+    bench/run --report-only               # regenerate the tables and plots from docs/bench-data/
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import shlex
 import shutil
 import signal
 import sys
@@ -40,9 +42,12 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--systems", default=None,
                    help=f"only these systems, comma-separated (of {','.join(ALL)}; local is the baseline)")
     p.add_argument("--repeats", type=int, default=None, help="repetitions per system (default 2 quick, 3 full)")
+    p.add_argument("--mount-options", type=shlex.split, default=[], metavar="OPTIONS",
+                   help="more `fusestate mount` options for every fusestate mount (one string, after the "
+                        "scenario's own; not spark-cluster), e.g. --mount-options='--durability local'")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing: regenerate docs/benchmarks.md from --results (default docs/bench-data)")
+                   help="run nothing: regenerate docs/benchmarks.md's blocks from --results (default docs/bench-data)")
     p.add_argument("--no-report", action="store_true", help="write results, do not touch docs/")
     p.add_argument("--results", type=Path, default=None,
                    help="results directory (default bench/results; docs/bench-data with --report-only)")
@@ -60,9 +65,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def list_scenarios() -> None:
+    width = max(map(len, SCENARIOS))
     for name, mod in SCENARIOS.items():
         budget = mod.BUDGET.get("quick")
-        print(f"{name:<11} {mod.SUMMARY}" + (f"  [quick: ≤{budget / 60:.1f} min]" if budget else ""))
+        print(f"{name:<{width}}  {mod.SUMMARY}" + (f"  [quick: ≤{budget / 60:.1f} min]" if budget else ""))
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -85,7 +91,8 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
             mod = SCENARIOS[name]
             budget = None if args.no_budget else mod.BUDGET.get(args.size)
             work = base / name
-            ctx = Context(work=work, size=args.size, repeats=repeats, systems=systems, budget_seconds=budget)
+            ctx = Context(work=work, size=args.size, repeats=repeats, systems=systems, budget_seconds=budget,
+                          mount_options=args.mount_options)
             started = dt.datetime.now()
             log(f"== {name}: {mod.SUMMARY}")
             try:

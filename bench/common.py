@@ -46,6 +46,7 @@ class Context:
     repeats: int = 2
     systems: Optional[list[str]] = None
     budget_seconds: Optional[float] = None
+    mount_options: list[str] = field(default_factory=list)  # more `fusestate mount` options, after the scenario's
     started: float = field(default_factory=time.monotonic)
     done_repeats: int = 0
     load_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
@@ -217,7 +218,7 @@ def _short(text: str, n: int = 40) -> str:
 def result_doc(scenario: str, ctx: Context, started: dt.datetime, machine: dict[str, Any],
                **body: Any) -> dict[str, Any]:
     return {"format": FORMAT, "scenario": scenario, "size": ctx.size, "repeats": ctx.done_repeats,
-            "repeats_asked": ctx.repeats, "budget_seconds": ctx.budget_seconds,
+            "repeats_asked": ctx.repeats, "budget_seconds": ctx.budget_seconds, "mount_options": ctx.mount_options,
             "loadavg_start": [round(x, 2) for x in ctx.load_start],
             "started": started.isoformat(timespec="seconds"),
             "duration_seconds": round(ctx.elapsed(), 1), "machine": machine, **body}
@@ -260,6 +261,11 @@ def load_results(directory: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
         if name not in found or key >= found[name][0]:
             found[name] = (key, path, doc)
     return {name: (path, doc) for name, (_, path, doc) in found.items()}
+
+
+def repetitions(doc: dict[str, Any]) -> int:
+    """Repetitions a result holds (counted from its runs when the result does not say)."""
+    return doc.get("repeats") or len({r.get("repeat") for r in doc.get("runs", [])})
 
 
 def median_or_none(values: Iterable[Optional[float]]) -> Optional[float]:

@@ -6,10 +6,11 @@ system, latency percentiles, series over time, time against size.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench.common import cell_text
+from bench.common import cell_text, repetitions
 
 COLORS = {"local": "#4c4c4c", "fusestate-file": "#1f77b4", "fusestate-s3": "#17becf", "rclone": "#ff7f0e",
           "s3fs": "#d62728", "fusestate": "#1f77b4", "fusestate+shim": "#2ca02c", "local-s3": "#8c8c8c",
@@ -34,17 +35,43 @@ def md_table(head: Sequence[str], body: Sequence[Sequence[Any]]) -> str:
 
 def medians_note(doc: dict[str, Any], baseline: str = "local disk", more: str = "") -> str:
     """The sentence every scenario's text ends with: what the numbers and brackets are."""
-    return f"Median of {doc['repeats']} repetition(s); ratio against {baseline} in brackets{more}."
+    return f"Median of {repetitions(doc)} repetition(s); ratio against {baseline} in brackets{more}."
+
+
+def table_cell(row: dict[str, Any], system: str) -> str:
+    """A median with its ratio, or "failed" (the error is listed once under the table)."""
+    cell = row["systems"].get(system)
+    return "failed" if cell is not None and cell["median"] is None else cell_text(row, system)
 
 
 def ratio_table(rows: list[dict[str, Any]], systems: list[str], *, show_variant: bool = True) -> str:
-    """Median per system, ratio against local disk in brackets; a failure shows as its error."""
+    """Median per system, ratio against the baseline in brackets."""
     head = (["metric", "variant"] if show_variant else ["metric"]) + ["unit"] + systems
     body = []
     for r in rows:
         first = [r["label"], r["variant"]] if show_variant else [r["label"]]
-        body.append(first + [r["unit"]] + [cell_text(r, s) for s in systems])
+        body.append(first + [r["unit"]] + [table_cell(r, s) for s in systems])
     return md_table(head, body)
+
+
+def variant_table(rows: list[dict[str, Any]], systems: list[str], metrics: Sequence[str], variant_head: str) -> str:
+    """One row per variant (a state size), one column per metric; each cell is every system's median
+    in turn, "a / b (ratio)": a long metric-by-variant table folded into a few lines."""
+    by = {(r["variant"], r["metric"]): r for r in rows}
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    first = {m: next(by[(v, m)] for v in variants if (v, m) in by) for m in metrics
+             if any((v, m) in by for v in variants)}
+    head = [variant_head] + [r["label"] + ("" if r["unit"] == "B" else f" ({r['unit']})") for r in first.values()]
+    body = [[v] + [" / ".join(table_cell(by[(v, m)], s) or "—" for s in systems) if (v, m) in by else ""
+                   for m in first] for v in variants]
+    return md_table(head, body)
+
+
+def thousands(ax: Any) -> None:
+    """Plain numbers with separators on a linear y axis (800,000, not 800000 or 8e5)."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if abs(v) >= 10 else f"{v:g}"))
 
 
 def save(fig: Any, path: Path) -> Path:
@@ -67,15 +94,18 @@ def grouped_bars(path: Path, groups: list[str], series: dict[str, list[Optional[
         ys = [v if v is not None else 0 for v in values]
         ax.bar(xs, ys, width, label=name, color=COLORS.get(name))
         for x, v, failed in zip(xs, values, (errors or {}).get(name, [False] * len(values))):
-            if v is None and failed:
-                ax.text(x, 0, "x", ha="center", va="bottom", color=COLORS.get(name, "black"), fontsize=9)
+            if v is None and failed:  # at the foot of the axis, which is not 0 on a log scale
+                ax.text(x, 0.01, "x", ha="center", va="bottom", color=COLORS.get(name, "black"), fontsize=9,
+                        transform=ax.get_xaxis_transform())
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(groups, rotation=15 if len(groups) > 4 else 0)
+    ax.set_xticklabels([textwrap.fill(g, 16) for g in groups])  # long labels wrap instead of overlapping
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if log:
         ax.set_yscale("log")
-    ax.legend(fontsize=8)
+    else:
+        thousands(ax)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
     ax.grid(axis="y", alpha=0.3)
     return save(fig, path)
 

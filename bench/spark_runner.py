@@ -1,22 +1,20 @@
-"""Spark state pipeline benchmark: local disk vs fusestate.
+"""The Spark scenarios' runner: the state pipeline on local disk and on fusestate, one setup after another.
 
-Three setups run the same pipeline (fusestate/spark/pipeline.py) over the same input:
+``bench/run --scenario spark`` and ``--scenario spark-restart`` run this as a subprocess
+(``python -m bench.spark_runner``), one call per repetition and state size, so a hung JVM
+or mount dies with its process group. Three setups run the same pipeline
+(fusestate/spark/pipeline.py) over the same input:
 
 - ``local``: state and checkpoint on local disk, changelog checkpointing on (the baseline);
 - ``fusestate``: state and ``file://`` checkpoint on a fusestate mount (file:// bucket);
 - ``fusestate+shim``: the same with the ``fusestate://`` checkpoint (hard-link commits and loads).
 
 For each: records/s and state commit latency over ``--batches`` micro-batches. Then the restart:
-after the first run, for fusestate the daemon is killed and its cache dir wiped (a fresh node,
-mounted with ``--takeover``), and the query is restarted from its checkpoint for one more
-micro-batch. We report the time from the restart to
-the end of that first batch, the state store load latency, and the bytes the fresh node fetched.
-For local disk, the restart loads from the local checkpoint (no network at all: a lower bound).
-Before every restart the kernel's page cache is dropped when we may (root), since a fresh node
-starts with none: otherwise the local baseline would copy its checkpoint from memory.
-
-    .venv/bin/python bench/spark_bench.py --keys 200000 --payload-bytes 1024     # ~200 MB of state
-    .venv/bin/python bench/spark_bench.py --keys 20000 --payload-bytes 512       # quick
+for fusestate the daemon is killed and its cache dir wiped (a fresh node, mounted with
+``--takeover``), and the query restarts from its checkpoint for one more micro-batch: the time
+from the restart to the end of that batch, the state store load and the bytes the fresh node
+fetched. Local disk restarts from its local checkpoint (no network at all: a lower bound).
+Before every restart the page cache is dropped (as root), since a fresh node starts with none.
 """
 
 from __future__ import annotations
@@ -33,11 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import FUSESTATE, RESULTS_DIR
+from bench.systems import drop_all_caches
 from fusestate.spark.config import SHUFFLE_SCRATCH
-
-ROOT = Path(__file__).resolve().parent.parent
-FUSESTATE = str(Path(sys.executable).parent / "fusestate")
-RESULTS = ROOT / "bench" / "results"
 
 
 def fs(*args: str) -> str:
@@ -62,7 +58,7 @@ def pipeline(label: str, state_dir: Path, output: Path, input_dir: Path, batches
                           capture_output=True, text=True)
     if proc.returncode != 0:
         # The work dir goes away with the run: keep the whole output where results are kept.
-        log = RESULTS / f"spark-failed-{time.strftime('%Y%m%d-%H%M%S')}-{label.replace('+', '-').replace(' ', '-')}.log"
+        log = RESULTS_DIR / f"spark-failed-{time.strftime('%Y%m%d-%H%M%S')}-{label.replace('+', '-').replace(' ', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
         sys.stderr.write(proc.stderr[-5000:])
@@ -84,16 +80,6 @@ def lose_node(mnt: Path, cache: Path, *, kill: bool = True) -> None:
     detached, its cache dir wiped; the bucket holds what the daemon had shipped."""
     stop_daemon(status(mnt)["pid"], mnt, kill=kill)
     shutil.rmtree(cache, ignore_errors=True)
-
-
-def drop_page_cache() -> bool:
-    """Empty the kernel's page cache, as on a fresh node; False where that is not allowed."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def du(path: Path) -> int:
@@ -167,7 +153,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
                                 "state_rows": first["summary"]["state_rows_last"]}}
         ckpt = (mnt or d / "state") / ("job" if mnt else "") / "checkpoints" / "pipeline"
         result["checkpoint_bytes"] = du(ckpt)
-        page_cache_dropped = drop_page_cache()
+        page_cache_dropped = drop_all_caches()
         if mnt:
             st = status(mnt)
             result["first_run"]["fusestate"] = {k: st["writeback"][k] for k in ("uploaded_bytes", "uploaded_blocks")}
@@ -257,7 +243,7 @@ def main() -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    path = Path(args.output) if args.output else RESULTS / f"spark-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = Path(args.output) if args.output else RESULTS_DIR / f"spark-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

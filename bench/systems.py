@@ -19,7 +19,6 @@ import re
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.request
 import uuid
@@ -126,6 +125,16 @@ def drop_page_cache(paths: list[Path]) -> int:
             finally:
                 os.close(fd)
     return len(files)
+
+
+def drop_all_caches() -> bool:
+    """Empty the kernel's whole page cache, as on a fresh node; False where that is not allowed (not root)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
 
 
 # --- moto ----------------------------------------------------------------------------------

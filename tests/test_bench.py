@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from conftest import ROOT, is_mounted
 from bench import report
 from bench.common import FORMAT, Metric, load_results, record, summarize
 
-RUN = ROOT / "bench" / "run"
+RUN = [sys.executable, "-m", "bench"]  # what bench/run runs, with the interpreter of this test run
 
 
 def fixture_doc(scenario: str, started: str, fill_ops: float = 200.0) -> dict:
@@ -45,7 +46,7 @@ def test_summary_medians_ratios_and_errors() -> None:
     assert "Input/output error" in fill["systems"]["rclone"]["error"]
 
 
-def test_report_renders_ratio_table_and_plots(tmp_path: Path) -> None:
+def test_report_fills_blocks_and_keeps_the_prose(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
     (data / "rocksdb-old.json").write_text(json.dumps(fixture_doc("rocksdb", "2026-01-01T00:00:00", 1.0)))
@@ -54,16 +55,47 @@ def test_report_renders_ratio_table_and_plots(tmp_path: Path) -> None:
     assert set(load_results(data)) == {"rocksdb"}
     out, img = tmp_path / "docs" / "benchmarks.md", tmp_path / "docs" / "img"
     out.parent.mkdir()
-    out.write_text(f"# Benchmarks\n\n{report.INTRO_BEGIN}\nKEEP THIS ANALYSIS\n{report.INTRO_END}\n\nold body\n")
+    out.write_text("# Benchmarks\n\nKEEP THE INTRO\n\n## RocksDB\n<!-- bench: rocksdb -->\nold body\n"
+                   "<!-- /bench: rocksdb -->\n\nKEEP WHAT LIMITS IT\n\n## Daemon CPU per GiB\n"
+                   "<!-- bench: daemon-cpu -->\nA HAND-MADE TABLE\n<!-- /bench: daemon-cpu -->\n")
     report.generate(data, copy_to=None, out_md=out, img_dir=img)
     text = out.read_text()
-    assert "KEEP THIS ANALYSIS" in text and "old body" not in text
-    assert "| metric | unit | local | fusestate-file | rclone |" in text
+    assert "KEEP THE INTRO" in text and "KEEP WHAT LIMITS IT" in text and "old body" not in text
+    assert "A HAND-MADE TABLE" in text  # a block without a result stays as it is
+    assert text.index("KEEP THE INTRO") < text.index("| metric | variant | unit | local | fusestate-file | rclone |") \
+        < text.index("KEEP WHAT LIMITS IT")
+    assert "`bench/run --quick --scenario rocksdb`: 2 repetition(s) on 2026-01-02 00:00" in text
     assert "(0.20)" in text  # the newest result's ratio, not the older one's
-    assert "error: link: Input/output error" in text
-    assert "## Goals" in text and "db_bench fillrandom" in text
+    assert "| failed |" in text and "rclone, wal-off (1×): `link: Input/output error`" in text
+    assert "**Goals.** db_bench fillrandom" in text and "**not met**" in text
     assert (img / "rocksdb-wal-off.png").stat().st_size > 1000
     assert "](img/rocksdb-wal-off.png)" in text
+    report.generate(data, copy_to=None, out_md=out, img_dir=img)
+    assert out.read_text() == text  # regenerating changes nothing
+
+
+def test_report_appends_a_scenario_without_a_block(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "rocksdb-new.json").write_text(json.dumps(fixture_doc("rocksdb", "2026-01-02T00:00:00")))
+    out = tmp_path / "benchmarks.md"
+    out.write_text("# Benchmarks\n\nNothing measured yet.\n")
+    report.generate(data, copy_to=None, out_md=out, img_dir=tmp_path / "img")
+    text = out.read_text()
+    assert text.startswith("# Benchmarks\n\nNothing measured yet.\n\n## RocksDB (db_bench)\n<!-- bench: rocksdb -->\n")
+    assert text.rstrip().endswith("<!-- /bench: rocksdb -->")
+
+
+def test_variant_table_folds_systems_into_cells() -> None:
+    from bench.render import variant_table
+
+    runs = [record("local", 0, size, {"restart_s": base}) for size, base in (("1 GB", 20.0), ("4 GB", 40.0))]
+    runs += [record("fusestate", 0, size, {"restart_s": 10.0, "fetched": 3 << 20}) for size in ("1 GB", "4 GB")]
+    rows = summarize(runs, [Metric("restart_s", "s", label="restart"), Metric("fetched", "B", label="fetched")],
+                     ["local", "fusestate"], ["1 GB", "4 GB"])
+    table = variant_table(rows, ["local", "fusestate"], ["restart_s", "fetched"], "state")
+    assert table.splitlines()[0] == "| state | restart (s) | fetched |"
+    assert "| 4 GB | 40.0 / 10.0 (0.25) | — / 3.00 MiB |" in table
 
 
 def test_report_copies_its_data(tmp_path: Path) -> None:
@@ -77,10 +109,35 @@ def test_report_copies_its_data(tmp_path: Path) -> None:
 
 
 def test_run_list() -> None:
-    proc = subprocess.run([str(RUN), "--list"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([*RUN, "--list"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    assert names == ["rocksdb", "files", "bigstate", "checkpoint", "restore", "spark", "spark-restart", "spark-cluster"]
+    assert names == ["rocksdb", "files", "daemon-cpu", "bigstate", "checkpoint", "restore", "spark", "spark-restart",
+                     "spark-cluster"]
+
+
+def test_docs_cite_only_listed_scenarios_and_show_every_one() -> None:
+    """Every scenario docs/benchmarks.md names (``--scenario NAME``, a generated block) is one that
+    ``bench/run --list`` names, and every listed scenario has its block there."""
+    proc = subprocess.run([*RUN, "--list"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    listed = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    cited = set(re.findall(r"--scenario\s+([\w-]+)", text))
+    blocks = re.findall(r"<!-- bench: ([\w-]+) -->", text)
+    assert cited and cited <= listed, cited - listed
+    assert sorted(blocks) == sorted(listed), set(blocks) ^ listed
+    assert all(f"<!-- /bench: {name} -->" in text for name in blocks)
+    assert text.rstrip().splitlines()[0] == "# Benchmarks"
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[0] == "How to run" and headings[-1] == "Spark cluster on one shared volume"
+
+
+def test_mount_options_are_split_like_a_shell() -> None:
+    from bench.__main__ import parse_args
+
+    assert parse_args(["--mount-options", "--durability local --scratch 'a b'"]).mount_options == [
+        "--durability", "local", "--scratch", "a b"]
+    assert parse_args([]).mount_options == []
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
@@ -88,9 +145,9 @@ def test_files_scenario_tiny(tmp_path: Path) -> None:
     results, work = tmp_path / "results", tmp_path / "work"
     env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(tmp_path / "run"))
     systems = ["local", "fusestate-file", "fusestate-pg"]
-    proc = subprocess.run([str(RUN), "--tiny", "--scenario", "files", "--systems", ",".join(systems),
+    proc = subprocess.run([*RUN, "--tiny", "--scenario", "files", "--systems", ",".join(systems),
                            "--results", str(results), "--workdir", str(work), "--no-report"],
-                          capture_output=True, text=True, timeout=180, env=env)
+                          capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path, doc), = load_results(results).values()
     assert doc["scenario"] == "files" and doc["systems"] == systems
@@ -138,33 +195,10 @@ def test_spark_restart_fits_and_extrapolates() -> None:
     assert goal["measured"] == "3.00× (20.0 s against 60.0 s; at most 5.0× over a 12.0 s floor)"
 
 
-def test_restart_trials_parse_and_pair() -> None:
-    """The trial tool's pieces: a variant's mount options, the daemon's latency histograms,
-    and the per-round differences from the reference variant."""
-    rt = pytest.importorskip("bench.restart_trials")
-    assert rt.parse_variant("ra0=--readahead 0 --kernel-readahead 0") == ("ra0", ["--readahead", "0", "--kernel-readahead", "0"])
-    assert rt.parse_variant("default=") == ("default", [])
-    with pytest.raises(Exception, match="NAME=MOUNT-OPTIONS"):
-        rt.parse_variant("=--readahead 0")
-    text = ('# TYPE fusestate_block_read_seconds histogram\n'
-            'fusestate_block_read_seconds_bucket{le="+Inf",source="range"} 4.0\n'
-            'fusestate_block_read_seconds_count{source="range"} 4.0\n'
-            'fusestate_block_read_seconds_sum{source="range"} 0.03\n')
-    h = rt.parse_histograms(text)
-    assert rt.mean_ms(h, "fusestate_block_read_seconds", "range") == 7.5
-    assert rt.mean_ms(h, "fusestate_block_read_seconds", "remote") is None
-    trials = [{"variant": v, "restart_s": s, "fetched_bytes": f, "range_read_ms": None}
-              for v, s, f in (("a", 40.0, 3), ("b", 38.5, 2), ("a", 44.0, 3), ("b", 45.0, 2), ("a", 42.0, 5), ("b", 40.0, 2))]
-    out = rt.summarize(trials, ["a", "b"])
-    assert out["restart_minus_first_s"] == {"b": [-1.5, 1.0, -2.0]}
-    assert out["medians"]["a"] == {"restart_s": 42.0, "fetched_bytes": 3}
-    assert out["medians"]["b"]["restart_s"] == 40.0
-
-
-def test_spark_bench_mounts_with_extra_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--mount-options reaches every fusestate mount spark_bench makes, the takeover mount too,
+def test_spark_runner_mounts_with_extra_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--mount-options reaches every fusestate mount the Spark runner makes, the takeover mount too,
     after the harness's own options (so a variant can override them)."""
-    sb = pytest.importorskip("bench.spark_bench")
+    sb = pytest.importorskip("bench.spark_runner")
     calls: list[tuple[str, ...]] = []
     monkeypatch.setattr(sb, "fs", lambda *a: calls.append(a) or "")
     args = argparse.Namespace(cache_size="1G", durability="remote", no_scratch=False,
@@ -179,54 +213,19 @@ def test_spark_bench_mounts_with_extra_options(tmp_path: Path, monkeypatch: pyte
     assert "--whole-blocks" not in calls[1] and calls[1][calls[1].index("--durability") + 1] == "remote"
 
 
-@pytest.mark.slow
-def test_restart_trials_tiny(tmp_path: Path) -> None:
-    """Build a tiny state, then restart it once per variant from identical copies: each trial
-    reports its restart and the bytes it fetched, and none leaves a mount or a copy behind."""
-    tool = [sys.executable, str(ROOT / "bench" / "restart_trials.py")]
-    work = tmp_path / "rt"
-    subprocess.run([*tool, "build", "--work", str(work), "--keys", "2000", "--payload-bytes", "256",
-                    "--events-per-batch", "1000", "--batches", "2"], check=True, capture_output=True, timeout=600)
-    out = subprocess.run([*tool, "run", "--work", str(work), "--rounds", "1", "--restart-events", "200",
-                          "--variant", "default=", "--variant", "no-readahead=--readahead 0"],
-                         check=True, capture_output=True, text=True, timeout=600).stdout
-    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    trials, summary = lines[:-1], lines[-1]
-    assert [t["variant"] for t in trials] == ["default", "no-readahead"]
-    for t in trials:
-        assert t["restart_s"] > 0 and t["fetched_bytes"] > 0 and t["full_fetches"] + t["range_reads"] > 0
-        assert t["updates_ms"] >= 0 and t["commit_ms"] > 0
-    assert set(summary["restart_minus_first_s"]) == {"no-readahead"}
-    assert not is_mounted(work / "mnt")
-    assert (work / "base").is_dir() and not (work / "trial-bucket").exists()
-
-
-def test_daemon_cpu_reports_every_phase_for_both_trees(tmp_path: Path) -> None:
-    """One GiB through a real mount, for this tree and (run interleaved) a second one: the
-    daemon's CPU is counted in every phase, and no mount or bucket is left behind."""
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "daemon_cpu.py"), "--gib", "1", "--repeats", "1",
-                          "--against", str(ROOT), "--workdir", str(tmp_path)],
-                         check=True, capture_output=True, text=True, timeout=300).stdout
-    runs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [r["source"] for r in runs] == ["this tree", str(ROOT)]
-    for r in runs:
-        for name in ("write", "read", "read_fresh"):
-            assert r[name]["user_s_per_gib"] + r[name]["sys_s_per_gib"] > 0, (r["source"], name, r[name])
-    assert "median daemon CPU seconds per GiB" in out
-    assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.slow
-def test_spark_restart_on_s3_tiny() -> None:
-    """A tiny state built on a moto bucket restarts on a fresh node with the options given:
-    the restarted batch completes, its bytes come from the bucket, and no mount or work dir
-    is left behind."""
-    before = set(Path("/var/tmp").glob("spark-restart-s3-*"))
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "spark_restart_s3.py"), "--keys", "2000",
-                          "--payload-bytes", "256", "--events-per-batch", "1000", "--batches", "2", "--kinds", "s3",
-                          "--", "--prefetch", "off"], check=True, capture_output=True, text=True, timeout=600).stdout
-    (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert row["bucket"] == "s3" and row["restart_mount_options"] == ["--prefetch", "off"]
-    assert row["restart_s"] > row["jvm_s"] > 0 and row["first_batch_ms"] > 0 and row["fetched_bytes"] > 0
-    assert set(Path("/var/tmp").glob("spark-restart-s3-*")) == before
-    assert "spark-restart-s3-" not in Path("/proc/mounts").read_text()
+def test_daemon_cpu_scenario_tiny(tmp_path: Path) -> None:
+    """A tiny daemon-cpu run through a real mount, with extra mount options: the daemon's CPU is
+    counted in every phase, the options are recorded, and no mount is left behind."""
+    results, work = tmp_path / "results", tmp_path / "work"
+    env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(tmp_path / "run"))
+    proc = subprocess.run([*RUN, "--tiny", "--scenario", "daemon-cpu", "--mount-options", "--durability local",
+                           "--results", str(results), "--workdir", str(work), "--no-report"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path, doc), = load_results(results).values()
+    assert doc["scenario"] == "daemon-cpu" and doc["mount_options"] == ["--durability", "local"]
+    cpu = {r["variant"]: r for r in doc["summary"] if r["metric"] == "cpu_s_per_gib"}
+    assert list(cpu) == ["write", "read back", "read on a fresh node"]
+    for phase, row in cpu.items():
+        assert row["systems"]["fusestate-file"]["median"] > 0, (phase, row)
+    assert not any(is_mounted(p) for p in work.rglob("mnt"))

@@ -2,15 +2,16 @@
 
 Each module has NAME, TITLE, SUMMARY, BUDGET (seconds per size, or None), ``run(ctx) -> dict``
 (the result body: params, systems, summary rows, raw runs; the harness prints its summary
-rows as a short table after the run), ``render(doc, img_dir, img_rel) -> str`` (its section of
-docs/benchmarks.md) and ``goals(doc) -> list`` (the issue's goals it measures).
+rows as a short table after the run), ``render(doc, img_dir, img_rel) -> str`` (its block in
+docs/benchmarks.md: the method, one table, plots) and ``goals(doc) -> list`` (the issue's goals it measures).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from bench.scenarios import bigstate, checkpoint, files, restore, rocksdb, spark, sparkcluster, sparkrestart
+from bench.scenarios import (bigstate, checkpoint, daemoncpu, files, restore, rocksdb, spark, sparkcluster,
+                             sparkrestart)
 
-SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (rocksdb, files, bigstate, checkpoint, restore, spark,
-                                                          sparkrestart, sparkcluster)}
+SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (rocksdb, files, daemoncpu, bigstate, checkpoint, restore,
+                                                          spark, sparkrestart, sparkcluster)}

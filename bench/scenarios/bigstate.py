@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from bench.common import (BASELINE, Context, Metric, RunError, error_text, fmt_num, log, median_or_none, record,
                           run_cmd, summarize)
-from bench.render import goal_row, md_table, medians_note, ratio_table, time_series
+from bench.render import goal_row, medians_note, ratio_table, time_series
 from bench.scenarios.rocksdb import parse_db_bench
 from bench.systems import FusestateSystem, System, open_systems
 
@@ -211,8 +211,8 @@ def run(ctx: Context) -> dict[str, Any]:
     scratch = ctx.work / "reports"
     scratch.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    with open_systems(names, ctx.work, cache_size=f"{p['cache_mib']}M",
-                      fusestate_extra=["--memory-cache-size", f"{p['memory_cache_mib']}M"]) as systems:
+    extra = ["--memory-cache-size", f"{p['memory_cache_mib']}M", *ctx.mount_options]
+    with open_systems(names, ctx.work, cache_size=f"{p['cache_mib']}M", fusestate_extra=extra) as systems:
         for repeat in ctx.repetitions():
             for s in systems.values():
                 runs.append(one(s, repeat, p, scratch))
@@ -238,17 +238,9 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"{KEY} + {VALUE} bytes per key, no compression, WAL off), then `readrandom` with direct reads for "
              f"{p['read_seconds']} s. " + medians_note(doc, more=" (for the time and ratio rows it is only a quotient)"),
              ratio_table(doc["summary"], names, show_variant=False)]
-    details = []
-    for r in doc["runs"]:
-        if r.get("error") or r["system"] == BASELINE:
-            continue
-        details.append([r["system"], r["repeat"] + 1, fmt_num(r.get("db_bytes"), "B"),
-                        fmt_num(r.get("max_cache_disk_bytes"), "B"), fmt_num(r.get("max_dirty"), "B"),
-                        f"{r.get('fill_upload_mib_s', 0):,.0f} MiB/s", f"{r.get('backpressure_seconds', 0):.1f} s",
-                        fmt_num(r.get("read_bytes_in"), "B")])
+    details = " ".join(d for d in (_run_sentence(n, doc["runs"]) for n in names if n != BASELINE) if d)
     if details:
-        parts.append(md_table(["system", "run", "database", "cache dir peak", "max dirty", "upload rate (fill)",
-                               "writers waited", "fetched while reading"], details))
+        parts[0] += f" {details}"
     panels_runs = [r for r in doc["runs"] if r.get("series")]  # a failed run shows up to its failure
     first = {}
     for r in panels_runs:
@@ -269,6 +261,21 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
                           title="State 10x the cache: throughput and cache hit ratio (first repetition)")
         parts.append(f"![bigstate timeline]({img_rel}/{img.name})")
     return "\n\n".join(parts)
+
+
+def _run_sentence(name: str, runs: list[dict[str, Any]]) -> str:
+    """The medians of one fusestate system's per-run numbers, in a sentence."""
+    mine = [r for r in runs if r["system"] == name and not r.get("error")]
+    if not mine:
+        return ""
+
+    def med(key: str) -> Optional[float]:
+        return median_or_none(r.get(key) for r in mine)
+
+    return (f"{name}, medians per run: database {fmt_num(med('db_bytes'), 'B')}, cache dir peak "
+            f"{fmt_num(med('max_cache_disk_bytes'), 'B')}, dirty at most {fmt_num(med('max_dirty'), 'B')}, uploads "
+            f"{med('fill_upload_mib_s') or 0:,.0f} MiB/s while filling, writers waited "
+            f"{med('backpressure_seconds') or 0:.1f} s, {fmt_num(med('read_bytes_in'), 'B')} fetched while reading.")
 
 
 def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:

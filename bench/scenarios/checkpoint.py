@@ -26,7 +26,7 @@ from typing import Any, Optional
 from blake3 import blake3
 
 from bench.common import Context, Metric, RunError, error_text, fmt_num, log, record, run_cmd, summarize
-from bench.render import goal_row, grouped_bars, md_table, medians_note, ratio_table
+from bench.render import goal_row, grouped_bars, medians_note, ratio_table
 from bench.systems import FusestateSystem, Moto, PeerSystem, System, moto_if_needed, open_systems
 
 NAME = "checkpoint"
@@ -298,7 +298,8 @@ def run(ctx: Context) -> dict[str, Any]:
     if "local-s3" in names and "local" not in real:
         real.insert(0, "local")
     runs: list[dict[str, Any]] = []
-    with moto_if_needed(names, ctx.work) as moto, open_systems(real, ctx.work, moto=moto) as systems:
+    with moto_if_needed(names, ctx.work) as moto, \
+            open_systems(real, ctx.work, moto=moto, fusestate_extra=ctx.mount_options) as systems:
         sides: dict[str, Side] = {}
         for name in names:
             if name in ("local", "local-s3"):
@@ -336,17 +337,17 @@ def run(ctx: Context) -> dict[str, Any]:
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p, names, rows = doc["params"], doc["systems"], doc["summary"]
     state = [r.get("state_sst_bytes", 0) + r.get("state_other_bytes", 0) for r in doc["runs"] if r.get("state_sst_bytes")]
-    parts = [f"A RocksDB database of {p['num']:,} keys × 400 bytes (no compression; "
-             f"{fmt_num(max(state) if state else None, 'B')} on disk), held open as Spark's state store does "
+    parts = [f"A RocksDB database of {p['num']:,} keys × 400 bytes (no compression; up to "
+             f"{fmt_num(max(state) if state else None, 'B')} on disk), held open as Spark's state store holds it "
              f"(rocksdict, WAL off). Before each repetition, untimed: a tenth as many new keys, memtable flushed, "
-             f"compactions finished, uploads drained. *Checkpoint*: RocksDB's checkpoint of the open database (+ fsync of its "
-             f"directory) — for `local`/`local-s3` "
-             f"followed by the fsspec upload of its new SST files and its other files to a `file://` / S3 bucket. "
-             f"*Copy*: `cp -r` of the database (+ upload of the copy for the local baselines). " + medians_note(doc, "`local`", " (lower is better here)"),
+             f"compactions finished, uploads drained. *Checkpoint*: RocksDB's checkpoint of the open database (+ fsync "
+             f"of its directory); `local` and `local-s3` then upload its new files with fsspec to a `file://` or S3 "
+             f"bucket. *Copy*: `cp -r` of the database (+ the upload of the copy for the local baselines). "
+             + medians_note(doc, "`local`", " (lower is better here)"),
              ratio_table(rows, names, show_variant=False)]
-    by = {r["metric"]: r for r in rows}
-    for kind, metrics, scale, ylabel in (("time", ("checkpoint_s", "copy_s"), 1.0, "seconds"),
-                                         ("bytes", ("checkpoint_bytes", "copy_bytes"), 1 << 20, "MiB uploaded")):
+    by, images = {r["metric"]: r for r in rows}, []
+    for kind, metrics, scale, ylabel in (("time", ("checkpoint_s", "copy_s"), 1.0, "seconds (log)"),
+                                         ("bytes", ("checkpoint_bytes", "copy_bytes"), 1 << 20, "MiB uploaded (log)")):
         present = [m for m in metrics if m in by]
         if not present:
             continue
@@ -354,26 +355,12 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
                       if by[m]["systems"].get(n, {}).get("median") is not None else None for m in present]
                   for n in names}
         errors = {n: ["error" in by[m]["systems"].get(n, {}) for m in present] for n in names}
+        # Log scale: fusestate's kilobytes and milliseconds would not show beside the baselines' megabytes.
+        title = f"Checkpoint and copy of the state: {ylabel.split(' (')[0]} (x = failed)"
         img = grouped_bars(img_dir / f"checkpoint-{kind}.png", [m.split("_")[0] for m in present], series,
-                           ylabel=ylabel, title=f"Checkpoint and copy of the state: {ylabel} (x = failed)",
-                           errors=errors)
-        parts.append(f"![checkpoint {kind}]({img_rel}/{img.name})")
-    details = []
-    for r in doc["runs"]:
-        if r["system"].startswith("fusestate") and "checkpoint_bytes" in r["metrics"]:
-            details.append([r["system"], r["repeat"] + 1, fmt_num(r.get("checkpoint_sst_bytes"), "B"),
-                            fmt_num(r.get("checkpoint_other_bytes"), "B"),
-                            fmt_num(r["metrics"]["checkpoint_bytes"], "B"), r.get("checkpoint_new_objects", "—"),
-                            fmt_num(r["metrics"].get("checkpoint_sst_bytes_uploaded"), "B"),
-                            fmt_num(r["metrics"].get("copy_bytes"), "B")])
-    if details:
-        parts.append("What a checkpoint on the mount holds and what was uploaded for it (besides the checkpoint's "
-                     "small files, RocksDB appends to its LOG while it checkpoints: the LOG's last block is new "
-                     "too):\n\n"
-                     + md_table(["system", "run", "checkpoint SST files", "checkpoint other files",
-                                 "uploaded for the checkpoint", "new objects", "of which SST data",
-                                 "uploaded for the copy"], details))
-    return "\n\n".join(parts)
+                           ylabel=ylabel, title=title, errors=errors, log=True)
+        images.append(f"![checkpoint {kind}]({img_rel}/{img.name})")
+    return "\n\n".join(parts + [" ".join(images)] if images else parts)
 
 
 def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:

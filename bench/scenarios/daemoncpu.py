@@ -1,45 +1,46 @@
-"""The daemon's CPU per GiB: the yardstick for work on its cost per byte.
+"""Scenario: the daemon's CPU seconds per GiB written and read, the yardstick for its cost per byte.
 
-On two cores that Spark keeps busy, every second of CPU the daemon spends is a second
-the job does not get (docs/benchmarks.md, the Spark scenario). This writes GiB-sized
-files of distinct blocks through a ``file://`` mount in 1 MiB writes with an ``fsync``
-per file, then reads them back (kernel page cache dropped first, so every read reaches
-the daemon) from the node's disk cache, then again on a fresh node (the volume mounted
-on an empty cache dir, every block from the bucket), and reports the daemon's user and
-system seconds per GiB for each phase, from ``/proc/<pid>/stat``. Wall time is printed
-but is not the point.
-
-``--against DIR`` runs a second source tree of fusestate (a ``git worktree`` of another
-revision) interleaved with this one, so a change is judged side by side::
-
-    git worktree add /tmp/base HEAD~1
-    .venv/bin/python bench/daemon_cpu.py --gib 4 --repeats 3 --against /tmp/base
-
-The kernel's page cache is dropped before every run (root only): on an ext4 without a
-journal, as on our test VMs, creating files gets slower while inode table blocks of
-recently deleted files stay cached, which otherwise drifts the system time upwards run
-after run.
+On two cores that Spark keeps busy, every second of CPU the daemon spends is a second the
+job does not get, so the daemon's cost is measured per byte rather than as throughput.
+Files of distinct blocks are written through the mount in 1 MiB writes with an ``fsync``
+per file, read back from the node's disk cache, then read again on a fresh node (the
+volume remounted on an empty cache dir: every block from the bucket). The daemon's user
+and system seconds for each phase come from ``/proc/<pid>/stat``. The kernel's page cache
+is dropped before every phase (as root), so every read reaches the daemon, and so runs stay
+comparable on an ext4 without a journal, where creating files slows down while the inode
+table blocks of recently deleted files stay cached.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.spark_bench import FUSESTATE, drop_page_cache, status, unmount  # noqa: E402
+from bench.common import Context, Metric, error_text, log, record, repetitions, summarize
+from bench.render import variant_table
+from bench.systems import FusestateSystem, drop_all_caches, open_systems
 
+NAME = "daemon-cpu"
+TITLE = "Daemon CPU per GiB"
+SUMMARY = "the daemon's user and system CPU seconds per GiB: writing, reading back, reading on a fresh node"
+BUDGET = {"tiny": None, "quick": 120.0, "full": None}
+SYSTEMS = ["fusestate-file"]
 MIB = 1 << 20
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"files": 2, "file_mib": 32},
+    "quick": {"files": 1, "file_mib": 1024},
+    "full": {"files": 3, "file_mib": 1024},
+}
+PHASES = ["write", "read back", "read on a fresh node"]
+METRICS = [
+    Metric("cpu_s_per_gib", "s/GiB", higher_is_better=False, label="daemon CPU"),
+    Metric("user_s_per_gib", "s/GiB", higher_is_better=False, label="of which user"),
+    Metric("sys_s_per_gib", "s/GiB", higher_is_better=False, label="of which system"),
+    Metric("mib_per_s", "MiB/s", label="throughput"),
+]
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -48,89 +49,77 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
-def daemon_pid(mnt: Path) -> int:
-    return int(status(mnt)["pid"])
+def measured(s: FusestateSystem, gib: float, work: Callable[[], None]) -> dict[str, float]:
+    """Run ``work()`` and return the daemon's CPU per GiB and the throughput it reached."""
+    drop_all_caches()
+    pid = int(s.status()["pid"])
+    (user0, sys0), t = cpu_seconds(pid), time.monotonic()
+    work()
+    (user1, sys1), wall = cpu_seconds(pid), time.monotonic() - t
+    user, system = (user1 - user0) / gib, (sys1 - sys0) / gib
+    return {"cpu_s_per_gib": user + system, "user_s_per_gib": user, "sys_s_per_gib": system,
+            "mib_per_s": gib * 1024 / wall}
 
 
-def one_run(work: Path, gib: int, source: Optional[str], seed: bytes) -> dict:
-    env = dict(os.environ)
-    if source:
-        env["PYTHONPATH"] = source  # ahead of the editable install: that tree's daemon runs
-    bucket, mnt, cache = work / "bucket", work / "mnt", work / "cache"
-    for d in (bucket, mnt):
-        d.mkdir(parents=True)
-    drop_page_cache()
-
-    def mount() -> None:
-        subprocess.run([FUSESTATE, "mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache),
-                        "--metrics-addr", "off"], check=True, env=env, cwd="/")
-    mount()
-    try:
-        pid = daemon_pid(mnt)
-        result: dict = {"source": source or "this tree", "gib": gib}
-        before, started = cpu_seconds(pid), time.monotonic()
-        for n in range(gib):
-            with open(mnt / f"file-{n}", "wb", buffering=0) as f:
-                for off in range(0, 1 << 30, MIB):  # distinct blocks: nothing deduplicates
-                    f.write((n << 32 | off).to_bytes(8, "little") + seed[8:])
-                os.fsync(f.fileno())
-        result["write"] = phase(pid, before, started, gib)
-        result["read"] = read_all(mnt, pid, gib)
-        # A fresh node: the same volume on an empty cache dir, every block from the bucket.
-        unmount(mnt)
-        shutil.rmtree(cache)
-        mount()
-        result["read_fresh"] = read_all(mnt, daemon_pid(mnt), gib)
-        return result
-    finally:
-        unmount(mnt)
-        shutil.rmtree(work, ignore_errors=True)
+def write_files(paths: list[Path], file_mib: int, seed: bytes) -> None:
+    for n, path in enumerate(paths):
+        with open(path, "wb", buffering=0) as f:
+            for off in range(file_mib):  # distinct blocks: nothing deduplicates
+                f.write((n << 32 | off).to_bytes(8, "little") + seed[8:])
+            os.fsync(f.fileno())
 
 
-def read_all(mnt: Path, pid: int, gib: int) -> dict:
-    drop_page_cache()
-    before, started = cpu_seconds(pid), time.monotonic()
-    for n in range(gib):
-        with open(mnt / f"file-{n}", "rb", buffering=0) as f:
+def read_files(paths: list[Path]) -> None:
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
             while f.read(MIB):
                 pass
-    return phase(pid, before, started, gib)
 
 
-def phase(pid: int, before: tuple[float, float], started: float, gib: int) -> dict:
-    user, system = cpu_seconds(pid)
-    return {"wall_s": round(time.monotonic() - started, 2),
-            "user_s_per_gib": round((user - before[0]) / gib, 3),
-            "sys_s_per_gib": round((system - before[1]) / gib, 3)}
-
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gib", type=int, default=4, help="GiB written and read per run (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--against", metavar="DIR", help="another fusestate source tree, run interleaved")
-    p.add_argument("--workdir", default="/var/tmp", help="where buckets and cache dirs go")
-    args = p.parse_args()
+def one_run(s: FusestateSystem, repeat: int, p: dict[str, Any]) -> list[dict[str, Any]]:
+    """The three phases on one system; the files are removed afterwards. A new seed per run: the
+    volume keeps the blocks of earlier runs until garbage collection, and must not find them again."""
+    paths = [s.path / f"cpu-r{repeat}-{n}" for n in range(p["files"])]
     seed = os.urandom(MIB)
-    sources: list[Optional[str]] = [None] + ([os.path.abspath(args.against)] if args.against else [])
-    runs: list[dict] = []
-    for _ in range(args.repeats):
-        for source in sources:
-            work = Path(tempfile.mkdtemp(prefix="fusestate-cpu-", dir=args.workdir))
-            shutil.rmtree(work)
-            runs.append(one_run(work, args.gib, source, seed))
-            print(json.dumps(runs[-1]), flush=True)
-    print(f"\nmedian daemon CPU seconds per GiB ({args.repeats} runs each)")
-    for source in sources:
-        mine = [r for r in runs if r["source"] == (source or "this tree")]
-        cells = []
-        for name in ("write", "read", "read_fresh"):
-            user = statistics.median(r[name]["user_s_per_gib"] for r in mine)
-            system = statistics.median(r[name]["sys_s_per_gib"] for r in mine)
-            cells.append(f"{name}: user {user:.2f} + sys {system:.2f}")
-        print(f"  {source or 'this tree'}: " + ";  ".join(cells))
-    return 0
+    gib = p["files"] * p["file_mib"] / 1024
+    try:
+        out = {"write": measured(s, gib, lambda: write_files(paths, p["file_mib"], seed)),
+               "read back": measured(s, gib, lambda: read_files(paths))}
+        s.make_cold(paths)  # a fresh node: unmount, empty cache dir, mount again
+        out["read on a fresh node"] = measured(s, gib, lambda: read_files(paths))
+    except Exception as exc:  # noqa: BLE001 - a failed run is a result
+        log(f"  {NAME} r{repeat + 1} {s.name}: ERROR {error_text(exc)}")
+        return [record(s.name, repeat, phase, error=error_text(exc)) for phase in PHASES]
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+    log(f"  {NAME} r{repeat + 1} {s.name}: " + ", ".join(f"{k} {v['cpu_s_per_gib']:.2f} s/GiB" for k, v in out.items()))
+    return [record(s.name, repeat, phase, metrics) for phase, metrics in out.items()]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(ctx: Context) -> dict[str, Any]:
+    p = dict(ctx.pick(SIZES))
+    names = ctx.wanted(SYSTEMS)
+    runs: list[dict[str, Any]] = []
+    with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options) as systems:
+        for repeat in ctx.repetitions():
+            for s in systems.values():
+                if isinstance(s, FusestateSystem) and not s.error:
+                    runs += one_run(s, repeat, p)
+                else:
+                    runs += [record(s.name, repeat, phase, error=s.error or "not a fusestate mount") for phase in PHASES]
+    return {"params": p, "systems": names, "summary": summarize(runs, METRICS, names, PHASES), "runs": runs}
+
+
+def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: ARG001 - no plot
+    p = doc["params"]
+    text = (f"{p['files']} file(s) of {p['file_mib']:,} MiB of distinct blocks written through a `file://` mount in "
+            f"1 MiB writes with an `fsync` per file, read back from the node's disk cache, then read on a fresh node "
+            f"(remounted on an empty cache dir); the kernel's page cache dropped before each phase. The daemon's CPU "
+            f"seconds per GiB from `/proc/<pid>/stat` (local disk has no daemon: no ratio). Median of "
+            f"{repetitions(doc)} repetition(s).")
+    return "\n\n".join([text, variant_table(doc["summary"], doc["systems"], [m.name for m in METRICS], "phase")])
+
+
+def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:  # noqa: ARG001 - a yardstick, not a goal
+    return []

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
-from bench.render import (bars_from_rows, goal_row, md_table, medians_note, percentile_lines, ratio_between,
-                          ratio_table)
+from bench.render import bars_from_rows, goal_row, medians_note, percentile_lines, ratio_table
 from bench.systems import ALL, System, open_systems
 
 NAME = "files"
@@ -187,7 +186,7 @@ def run(ctx: Context) -> dict[str, Any]:
     names = ctx.wanted(ALL)
     runs: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
-    with open_systems(names, ctx.work) as systems:
+    with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options) as systems:
         for repeat in ctx.repetitions():
             for s in systems.values():
                 runs.append(one(s, repeat, p, failed))
@@ -204,34 +203,23 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p, names, rows = doc["params"], doc["systems"], doc["summary"]
-    parts = [f"fio (`--ioengine=psync`), one {p['file_mib']} MiB file: sequential write in 1 MiB blocks with "
-             f"`--end_fsync=1`, sequential read, {p['randread_seconds']} s of random 4 KiB reads with `--direct=1` (the "
-             f"page cache would answer them all otherwise), and a sequential "
-             f"read after the caches are made cold. Small files: up to {p['small_files']:,} files of 4 KiB "
-             f"created, stat'ed, listed, renamed, unlinked ({p['phase_seconds']} s per phase at most). "
-             + medians_note(doc),
+    parts = [f"fio (`--ioengine=psync`) on one {p['file_mib']} MiB file: a sequential write in 1 MiB blocks with "
+             f"`--end_fsync=1`, a sequential read, {p['randread_seconds']} s of random 4 KiB reads with `--direct=1` "
+             f"(the page cache would answer them all otherwise), and a sequential read after the caches are made "
+             f"cold. Small files: up to {p['small_files']:,} files of 4 KiB created, stat'ed, listed, renamed and "
+             f"unlinked ({p['phase_seconds']} s per phase at most). " + medians_note(doc),
              ratio_table(rows, names, show_variant=False)]
-    by = {r["metric"]: r for r in rows}
+    by, images = {r["metric"]: r for r in rows}, []
     tput = [by[m] for m in ("seqwrite", "seqread", "seqread_cold") if m in by]
     if tput:
         img = bars_from_rows(img_dir / "files-throughput.png", tput, names, ylabel="MiB/s",
                              title="fio sequential throughput, 1 MiB blocks (x = failed)")
-        parts.append(f"![fio throughput]({img_rel}/{img.name})")
-    meta = [by[m] for m in ("create", "stat", "readdir", "rename", "unlink") if m in by]
-    engines = [[r["label"], f"{ratio:.2f}"] for r in meta
-               if (ratio := ratio_between(r, "fusestate-pg", "fusestate-file")) is not None]
-    if engines:
-        parts.append("The metadata engines side by side, PostgreSQL (shared, on the same machine) over "
-                     "SQLite (embedded):\n\n" + md_table(["operation", "fusestate-pg / fusestate-file"], engines))
-    if meta:
-        img = bars_from_rows(img_dir / "files-metadata.png", meta, names, ylabel="files/s", log=True,
-                             title="small files: operations per second (log scale)")
-        parts.append(f"![small files]({img_rel}/{img.name})")
+        images.append(f"![fio throughput]({img_rel}/{img.name})")
     if doc.get("randread_latency_us"):
         img = percentile_lines(img_dir / "files-randread-latency.png", doc["randread_latency_us"],
                                ylabel="µs (completion latency)", title="fio random 4 KiB read latency percentiles")
-        parts.append(f"![randread latency]({img_rel}/{img.name})")
-    return "\n\n".join(parts)
+        images.append(f"![randread latency]({img_rel}/{img.name})")
+    return "\n\n".join(parts + [" ".join(images)] if images else parts)
 
 
 def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:

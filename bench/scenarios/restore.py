@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import Context, Metric, error_text, fmt_num, log, record, summarize
-from bench.render import goal_row, medians_note, points_plot, ratio_table
+from bench.render import goal_row, md_table, medians_note, points_plot, table_cell
 from bench.systems import FusestateSystem, Moto, make_system, moto_if_needed
 
 NAME = "restore"
@@ -88,11 +88,13 @@ def download_first(fs: Any, prefix: str, target: Path) -> dict[str, Any]:
     return {"metrics": {"ready_s": ready, "fetched_bytes": got}}
 
 
-def make_volume(backend: str, gib: float, work: Path, moto: Optional[Moto], files: int) -> dict[str, Any]:
+def make_volume(backend: str, gib: float, work: Path, moto: Optional[Moto], files: int,
+                options: list[str]) -> dict[str, Any]:
     name = "fusestate-file" if backend == "file" else "fusestate-s3"
     # Warming after the mount is off: this scenario measures the restore itself (what the mount
     # fetches before it answers); the spark scenario runs with warming on, the default.
-    s = make_system(name, work / f"{backend}-{gib:g}g", moto, cache_size="8G", fusestate_extra=["--prefetch", "off"])
+    s = make_system(name, work / f"{backend}-{gib:g}g", moto, cache_size="8G",
+                    fusestate_extra=["--prefetch", "off", *options])
     assert isinstance(s, FusestateSystem)
     t = time.monotonic()
     s.start()
@@ -124,7 +126,7 @@ def run(ctx: Context) -> dict[str, Any]:
             for b, g in variants:
                 key = f"{b}:// {g:g} GiB"
                 try:
-                    volumes[key] = make_volume(b, g, ctx.work, moto, p["files"])
+                    volumes[key] = make_volume(b, g, ctx.work, moto, p["files"], ctx.mount_options)
                 except Exception as exc:  # noqa: BLE001
                     volumes[key] = {"error": error_text(exc)}
             for repeat in ctx.repetitions():
@@ -163,15 +165,26 @@ def _size_of(key: str) -> float:
     return float(key.split()[1])
 
 
+def pivot_table(doc: dict[str, Any]) -> str:
+    """One row per volume: the time to ready and the bytes fetched, both ways."""
+    by = {(r["variant"], r["metric"]): r for r in doc["summary"]}
+    cols = [(BASE, "ready_s"), (FUSE, "mount_s"), (FUSE, "ready_s"), (BASE, "fetched_bytes"),
+            (FUSE, "metadata_bytes"), (FUSE, "fetched_bytes")]
+    head = ["volume", "download first: ready (s)", "fusestate: mount returned (s)", "fusestate: ready (s)",
+            "download first: fetched", "fusestate: fetched by the mount", "fusestate: fetched until ready"]
+    body = [[variant, *(table_cell(by[(variant, m)], system) if (variant, m) in by else "" for system, m in cols)]
+            for variant in doc["volumes"]]
+    return md_table(head, body)
+
+
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p = doc["params"]
     parts = [f"Volumes of {p['files']} files of distinct 4 MiB blocks, written through a mount and cleanly "
              f"unmounted. *fusestate*: a fresh node (empty cache dir) runs `fusestate mount` and reads the first "
-             f"4 KiB of one file (which fetches that file's first 4 MiB block); the mount itself fetches only metadata "
-             f"(background cache warming, on by default for `s3://`, is off here: `--prefetch off`). "
-             f"*download first*: fsspec "
-             f"`get` of the volume's whole prefix to local disk, then `sync`. " + medians_note(doc, "downloading first"),
-             ratio_table(doc["summary"], doc["systems"])]
+             f"4 KiB of one file (which fetches that file's first block); the mount itself fetches only metadata "
+             f"(`--prefetch off`: no cache warming after the mount). *download first*: fsspec `get` of the volume's "
+             f"whole prefix to local disk, then `sync`. " + medians_note(doc, "downloading first"),
+             pivot_table(doc)]
     series: dict[str, tuple[list[float], list[float]]] = {}
     for backend in sorted({k.split()[0] for k in doc["volumes"]}):
         for system in doc["systems"]:

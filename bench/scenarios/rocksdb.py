@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
-from bench.db_bench_ratio import LINE
-from bench.render import (bars_from_rows, goal_row, md_table, medians_note, percentile_lines, ratio_between,
-                          ratio_table)
+from bench.render import bars_from_rows, goal_row, medians_note, percentile_lines, ratio_between, ratio_table
 from bench.systems import ALL, System, open_systems
 
 NAME = "rocksdb"
@@ -41,6 +39,7 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 COLD_VARIANT = "wal-off"  # the read path does not depend on the WAL: one cold pass is enough
 PERCENTILES = re.compile(r"P([\d.]+):\s*([\d.]+)")
+LINE = re.compile(r"^(?P<name>\w+)\s*:\s*(?P<micros>[\d.]+) micros/op\s+(?P<ops>\d+) ops/sec")
 
 
 def db_bench_cmd(db: Path, benchmarks: list[str], num: int, wal_off: bool, existing: bool,
@@ -103,7 +102,7 @@ def run(ctx: Context) -> dict[str, Any]:
     names = ctx.wanted(ALL)
     runs: list[dict[str, Any]] = []
     failed: dict[tuple[str, str], str] = {}
-    with open_systems(names, ctx.work) as systems:
+    with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options) as systems:
         for repeat in ctx.repetitions():
             for variant in VARIANTS:
                 for name, s in systems.items():
@@ -182,39 +181,26 @@ def _latency(runs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
 
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
-    names = doc["systems"]
-    p = doc["params"]
-    parts = [f"`db_bench` {p['num']:,} keys of 16 + 400 bytes, one process per run on a fresh database "
-             f"(`{' '.join(p['command'][2:])}`; at most {p['run_timeout']} s per run), WAL off (`--disable_wal=1`, as Spark writes) and on. "
-             f"*Cold cache*: caches dropped, then `readrandom` on the existing database "
-             f"(`--reads={p['cold_reads']:,}`; WAL off only: the read path does not depend on the WAL). "
-             "Numbers are ops/s. " + medians_note(doc)]
-    for variant in VARIANTS:
-        rows = [r for r in doc["summary"] if r["variant"] == variant]
-        if not rows:
-            continue
-        parts.append(f"**WAL {variant.split('-')[1]}**\n\n" + ratio_table(rows, names, show_variant=False))
-        img = bars_from_rows(img_dir / f"rocksdb-{variant}.png", rows, names, ylabel="ops/s",
-                             title=f"db_bench, WAL {variant.split('-')[1]}: median ops/s (x = failed)")
-        parts.append(f"![db_bench {variant}]({img_rel}/{img.name})")
-    lat = doc.get("latency", {}).get("wal-off", {})
-    for bench in ("readrandom", "fillrandom"):
-        if lat.get(bench):
-            img = percentile_lines(img_dir / f"rocksdb-latency-{bench}.png", lat[bench], ylabel="µs per op",
-                                   title=f"db_bench {bench} latency percentiles, WAL off")
-            parts.append(f"![{bench} latency]({img_rel}/{img.name})")
-    fus = [n for n in names if n.startswith("fusestate")]
-    uploads = []
-    for n in fus:
-        ups = [r["warm"]["counters"].get("uploaded_bytes") for r in doc["runs"]
-               if r["system"] == n and "warm" in r and r["variant"] == "wal-off"]
-        ups = [u for u in ups if u is not None]
-        if ups:
-            uploads.append([n, f"{statistics.median(ups) / (1 << 20):,.0f} MiB"])
-    if uploads:
-        parts.append("Bytes fusestate uploaded per WAL-off run (all five benchmarks, compactions included):\n\n"
-                     + md_table(["system", "uploaded per run"], uploads))
-    return "\n\n".join(parts)
+    names, p = doc["systems"], doc["params"]
+    extra = " ".join(a for a in p["command"] if a.startswith("--write_buffer_size"))
+    parts = [f"One `db_bench` process per run on a fresh database: {', '.join(BENCHMARKS)} of {p['num']:,} keys of "
+             f"16 + 400 bytes (`{extra}`), WAL off (`--disable_wal=1`, as Spark writes) and on; then, WAL off, the "
+             f"caches made cold (fusestate and rclone remount on an empty cache dir, s3fs remounts, local disk "
+             f"drops the files' pages) and `readrandom` of {p['cold_reads']:,} keys. Numbers are ops/s. "
+             + medians_note(doc),
+             ratio_table(doc["summary"], names)]
+    images = []
+    off = [r for r in doc["summary"] if r["variant"] == "wal-off"]
+    if off:
+        img = bars_from_rows(img_dir / "rocksdb-wal-off.png", off, names, ylabel="ops/s",
+                             title="db_bench, WAL off: median ops/s (x = failed)")
+        images.append(f"![db_bench, WAL off]({img_rel}/{img.name})")
+    lat = doc.get("latency", {}).get("wal-off", {}).get("readrandom")
+    if lat:
+        img = percentile_lines(img_dir / "rocksdb-latency-readrandom.png", lat, ylabel="µs per op",
+                               title="db_bench readrandom latency percentiles, WAL off")
+        images.append(f"![readrandom latency]({img_rel}/{img.name})")
+    return "\n\n".join(parts + [" ".join(images)] if images else parts)
 
 
 def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
-"""Scenario 6: the Spark state pipeline, local disk vs fusestate, through bench/spark_bench.py.
+"""Scenario 6: the Spark state pipeline, local disk vs fusestate, through bench/spark_runner.py.
 
-spark_bench.py runs its setups one after the other in one call (local disk, fusestate
+The runner runs its setups one after the other in one call (local disk, fusestate
 with a ``file://`` checkpoint, fusestate with the ``fusestate://`` shim), so repeated calls
 interleave them. Each call reports records/s and state commit latency over the batches
 after the first, and the restart: for fusestate after killing the daemon and wiping its
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -63,13 +64,15 @@ def spark_env(ctx: Context) -> dict[str, str]:
     return dict(os.environ, FUSESTATE_RUNTIME_DIR=str(ctx.work / "run"))
 
 
-def run_spark_bench(ctx: Context, p: dict[str, Any], setups: list[str], tag: str,
+def call_runner(ctx: Context, p: dict[str, Any], setups: list[str], tag: str,
                     env: dict[str, str]) -> dict[str, Any]:
-    """One bench/spark_bench.py call (its setups one after the other, over one input); its JSON."""
+    """One bench/spark_runner.py call (its setups one after the other, over one input); its JSON."""
     out, work = ctx.work / f"spark-{tag}.json", ctx.work / f"w-{tag}"
-    cmd = [str(BIN / "python"), str(ROOT / "bench" / "spark_bench.py"), "--keys", str(p["keys"]),
+    cmd = [str(BIN / "python"), "-m", "bench.spark_runner", "--keys", str(p["keys"]),
            "--payload-bytes", str(p["payload_bytes"]), "--batches", str(p["batches"]),
            "--setups", ",".join(setups), "--work", str(work), "--output", str(out), *p.get("extra", [])]
+    if ctx.mount_options:
+        cmd += ["--mount-options", shlex.join(ctx.mount_options)]
     try:
         run_cmd(cmd, timeout=p["timeout"], env=env, cwd=ROOT)
         return json.loads(out.read_text())
@@ -80,19 +83,19 @@ def run_spark_bench(ctx: Context, p: dict[str, Any], setups: list[str], tag: str
         shutil.rmtree(work, ignore_errors=True)
 
 
-def spark_bench_records(ctx: Context, p: dict[str, Any], setups: list[str], env: dict[str, str], *, repeat: int,
+def runner_records(ctx: Context, p: dict[str, Any], setups: list[str], env: dict[str, str], *, repeat: int,
                         variant: str, label: str,
                         metrics_of: Callable[[dict[str, Any]], dict[str, float]]) -> list[dict[str, Any]]:
-    """One spark_bench call as one record per setup: its metrics, or the error that stopped it."""
+    """One runner call as one record per setup: its metrics, or the error that stopped it."""
     try:
-        doc = run_spark_bench(ctx, p, setups, f"{p['keys']}-r{repeat}", env)
+        doc = call_runner(ctx, p, setups, f"{p['keys']}-r{repeat}", env)
     except Exception as exc:  # noqa: BLE001 - the whole call failed: every setup gets the error
         log(f"  {label}: ERROR {error_text(exc)}")
         return [record(s, repeat, variant, error=error_text(exc)) for s in setups]
     records = []
     for s in setups:
         if s not in doc.get("setups", {}):
-            records.append(record(s, repeat, variant, error="no result from spark_bench"))
+            records.append(record(s, repeat, variant, error="no result from the runner"))
             continue
         m = metrics_of(doc["setups"][s])
         records.append(record(s, repeat, variant, m, raw=doc["setups"][s]))
@@ -108,7 +111,7 @@ def run(ctx: Context) -> dict[str, Any]:
     for repeat in ctx.repetitions():
         if repeat >= p.get("repeats", ctx.repeats):
             break
-        runs += spark_bench_records(ctx, p, setups, env, repeat=repeat, variant="", label=f"spark r{repeat + 1}",
+        runs += runner_records(ctx, p, setups, env, repeat=repeat, variant="", label=f"spark r{repeat + 1}",
                                     metrics_of=metrics_of)
     return {"params": {**p, "setups": setups}, "systems": setups, "summary": summarize(runs, METRICS, setups, [""]),
             "runs": runs, "raw_state_bytes": p["keys"] * p["payload_bytes"]}
@@ -116,20 +119,16 @@ def run(ctx: Context) -> dict[str, Any]:
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p, names, rows = doc["params"], doc["systems"], doc["summary"]
-    flags = " ".join([str(p["batches"]), *p.get("extra", [])])
-    parts = [f"`bench/spark_bench.py --keys {p['keys']:,} --payload-bytes {p['payload_bytes']} --batches {flags}` "
-             f"(per-key aggregation and deduplication on the RocksDB state store, 4 partitions). "
-             f"*local*: state and checkpoint on local disk, changelog checkpointing; *fusestate*: on a `file://` "
-             f"mount with a `file://` checkpoint; *fusestate+shim*: the same mount with the `fusestate://` "
-             f"checkpoint (the full size runs local and fusestate+shim only); both mounted with `--scratch 'blockmgr-*'`, "
-             f"so Spark's shuffle files stay on the node. Restart: for fusestate after killing "
-             f"the daemon and wiping its cache dir; for every setup with the page cache dropped first (a fresh node "
-             f"has none). " + medians_note(doc), ratio_table(rows, names, show_variant=False)]
+    flags = " ".join(p.get("extra", []))
+    parts = [f"The pipeline (`fusestate spark-pipeline`: per-key aggregation and deduplication on the RocksDB "
+             f"state store, 4 partitions) over {p['keys']:,} keys × {p['payload_bytes']:,} B in {p['batches']} "
+             f"batches{f' (`{flags}`)' if flags else ''}, then a kill and a restart. *local*: state and checkpoint "
+             f"on local disk, changelog checkpointing; *fusestate*: a `file://` mount with a `file://` checkpoint; "
+             f"*fusestate+shim*: the same mount with the `fusestate://` checkpoint; mounts use `--scratch "
+             f"'blockmgr-*'` (Spark's shuffle files stay on the node). The restart: fusestate's daemon killed and its "
+             f"cache dir wiped (a fresh node), the page cache dropped for every setup. " + medians_note(doc),
+             ratio_table(rows, names, show_variant=False)]
     by = {r["metric"]: r for r in rows}
-    if "records_per_s" in by:
-        img = bars_from_rows(img_dir / "spark-throughput.png", [by["records_per_s"]], names, ylabel="records/s",
-                             title="Spark state pipeline: records/s (x = failed)")
-        parts.append(f"![spark throughput]({img_rel}/{img.name})")
     lat = [by[m] for m in ("commit_ms_median", "commit_ms_max", "batch_ms_median") if m in by]
     if lat:
         img = bars_from_rows(img_dir / "spark-latency.png", lat, names, ylabel="ms",

@@ -111,7 +111,11 @@ def run(ctx: Context) -> dict[str, Any]:
     setups = ctx.wanted(SETUPS)
     variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
     runs: list[dict[str, Any]] = []
-    for repeat in range(p["repeats"]):
+    if ctx.mount_options:
+        log(f"  {NAME}: --mount-options does not apply (the cluster harness mounts its nodes itself)")
+    for repeat in ctx.repetitions():
+        if repeat >= p["repeats"]:
+            break
         for keys, variant in zip(p["keys"], variants):
             for setup in setups:
                 work = ctx.work / f"{NAME}-{setup}-{keys}-r{repeat}"
@@ -134,11 +138,13 @@ def run(ctx: Context) -> dict[str, Any]:
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: ARG001 - no plot
     p = doc["params"]
     sizes = ", ".join(f"{k:,}" for k in p["keys"])
-    text = (f"`fusestate.spark.cluster`: a master, two single-core worker nodes and a driver node; {sizes} keys × "
-            f"{p['payload_bytes']:,} B, batches of {p['events_per_batch']:,} events, 4 state partitions, "
-            f"`spark.locality.wait=0s`. *local*: local dirs on local disk, the checkpoint in a directory all nodes "
-            f"share; *fusestate*: one shared volume (`file://` bucket, PostgreSQL metadata), the `fusestate://` "
-            f"checkpoint. After the state is built the second worker node is killed and its cache wiped. "
+    text = (f"`fusestate.spark.cluster`: a Spark standalone master, two single-core worker nodes and a driver node, "
+            f"each node in its own mount and PID namespace; {sizes} keys × {p['payload_bytes']:,} B, batches of "
+            f"{p['events_per_batch']:,} events, 4 state partitions, `spark.locality.wait=0s`. *local*: every node's "
+            f"local dir on local disk, the checkpoint in a plain directory all nodes share (a favourable stand-in for "
+            f"HDFS or an object store connector); *fusestate*: one shared volume (`file://` bucket, PostgreSQL on "
+            f"127.0.0.1) holding every node's local dir and the `fusestate://` checkpoint, a daemon per node. Once "
+            f"the state is built, the second worker node is killed (its JVMs and daemon at once) and its cache wiped. "
             + medians_note(doc))
     return "\n\n".join([text, ratio_table(doc["summary"], doc["systems"])])
 

@@ -5,7 +5,7 @@ a question of slope: how the time from the restart to the first completed batch 
 with the state. Here the batch size stays fixed (so the per-batch work, the deduplication
 store and its eviction, is the same at every size) and only the number of keys grows;
 each state is built by as many batches as it takes for every key to be written, then
-the job stops and is restarted into a small batch (``spark_bench.py``: the page cache
+the job stops and is restarted into a small batch (``bench/spark_runner.py``: the page cache
 dropped; for fusestate the node is lost first: the daemon SIGKILLed, a fresh cache dir).
 
 A restart also costs what no storage can take away: the JVM, the session, the query's
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import Context, Metric, summarize
-from bench.render import goal_row, medians_note, points_plot, ratio_table
-from bench.scenarios.spark import chosen_setups, spark_bench_records, spark_env
+from bench.render import goal_row, medians_note, points_plot, variant_table
+from bench.scenarios.spark import chosen_setups, runner_records, spark_env
 
 NAME = "spark-restart"
 FLOOR = "floor"
@@ -41,6 +41,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "full": {"keys": [125_000, 500_000, 1_000_000, 2_000_000], "floor_keys": 5_000, "payload_bytes": 4096,
              "events_per_batch": 125_000, "restart_events": 5000, "timeout": 3600, "repeats": 2},
 }
+FLOOR_METRICS = ("restart_s", "jvm_s", "first_batch_s")
 METRICS = [
     Metric("restart_s", "s", higher_is_better=False, label="restart to first batch done"),
     Metric("jvm_s", "s", higher_is_better=False, label="JVM and Spark session start"),
@@ -93,7 +94,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     "extra": ["--events-per-batch", str(p["events_per_batch"]),
                               "--restart-events", str(p["restart_events"]), *EXTRA]}
             (floor_runs if variant == FLOOR else runs).extend(
-                spark_bench_records(ctx, call, setups, env, repeat=repeat, variant=variant,
+                runner_records(ctx, call, setups, env, repeat=repeat, variant=variant,
                                     label=f"{NAME} r{repeat + 1} {variant}", metrics_of=metrics_of))
     return {"params": {**p, "setups": setups, "extra": EXTRA}, "systems": setups,
             "summary": summarize(runs, METRICS, setups, variants), "runs": runs,
@@ -165,16 +166,18 @@ def ceiling_sentence(doc: dict[str, Any]) -> str:
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p = doc["params"]
     sizes = ", ".join(f"{k:,}" for k in p["keys"])
-    parts = [f"`bench/spark_bench.py` for {sizes} keys × {p['payload_bytes']:,} B, batches of "
-             f"{p['events_per_batch']:,} events (as many as it takes to write every key, plus one); the job then stops and "
-             f"restarts from its checkpoint into a {p['restart_events']:,}-event batch. *local*: state and checkpoint on local disk, "
-             f"changelog checkpointing; *fusestate+shim*: a `file://` mount with the `fusestate://` checkpoint, "
-             f"snapshots on every commit, restarted on a fresh cache dir after the daemon was killed. The page "
-             f"cache is dropped before every restart. " + medians_note(doc), ratio_table(doc["summary"], doc["systems"])]
-    if doc.get("floor"):
-        parts.append(ratio_table([r for r in doc["floor"] if r["metric"] in ("restart_s", "jvm_s", "first_batch_s")],
-                                 doc["systems"]))
-    parts += [s for s in (slope_sentence(doc), ceiling_sentence(doc)) if s]
+    parts = [f"The pipeline of the `spark` scenario for {sizes} keys × {p['payload_bytes']:,} B, in batches of "
+             f"{p['events_per_batch']:,} events (as many as it takes to write every key, plus one); then the job stops "
+             f"and restarts from its checkpoint into a {p['restart_events']:,}-event batch. *local*: state and "
+             f"checkpoint on local disk, changelog checkpointing; *fusestate+shim*: a `file://` mount with the "
+             f"`fusestate://` checkpoint, a snapshot on every commit, restarted on a fresh cache dir after its daemon "
+             f"was killed. The page cache is dropped before every restart. Each cell: "
+             f"{' / '.join(doc['systems'])}. " + medians_note(doc),
+             variant_table(doc["summary"] + [r for r in doc.get("floor", []) if r["metric"] in FLOOR_METRICS],
+                           doc["systems"], [m.name for m in METRICS], "state")]
+    sentences = " ".join(s for s in (slope_sentence(doc), ceiling_sentence(doc)) if s)
+    if sentences:
+        parts.append(sentences)
     series = {**{system: restart_points(doc, system) for system in doc["systems"]},
               **{f"{system} load": restart_points(doc, system, "load_s") for system in doc["systems"]}}
     plot = points_plot(img_dir / "spark-restart-size.png", series, img_rel, "spark restart against state size",
