@@ -34,35 +34,30 @@ from pathlib import Path
 from bench.common import FUSESTATE, RESULTS_DIR
 from bench.systems import drop_all_caches
 from fusestate.spark.config import SHUFFLE_SCRATCH
+from fusestate.spark.pipeline import SPARK_LOG_NAME, root_cause
 
 
 def fs(*args: str) -> str:
     return subprocess.run([FUSESTATE, *args], check=True, capture_output=True, text=True).stdout
 
 
-def root_cause(stderr: str) -> str:
-    """The innermost exception in a JVM or Python trace: what a one-line error should name."""
-    lines = [ln.strip() for ln in stderr.splitlines()]
-    causes = [ln for ln in lines if ln.startswith("Caused by:")]
-    if causes:
-        return causes[-1][len("Caused by:"):].strip()
-    errors = [ln for ln in lines if "Exception" in ln or "Error" in ln]
-    return errors[-1] if errors else (lines[-1] if lines else "no output")
-
-
 def pipeline(label: str, state_dir: Path, output: Path, input_dir: Path, batches: int, common: list[str],
              *extra: str) -> dict:
     t0 = time.time()
     proc = subprocess.run([FUSESTATE, "spark-pipeline", "--state-dir", str(state_dir), "--output", str(output),
-                           "--input", str(input_dir), "--batches", str(batches), *common, *extra],
+                           "--input", str(input_dir), "--batches", str(batches), "--json", *common, *extra],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        # The work dir goes away with the run: keep the whole output where results are kept.
+        # The work dir goes away with the run: keep the whole output, and Spark's log from the
+        # output dir, where results are kept.
         log = RESULTS_DIR / f"spark-failed-{time.strftime('%Y%m%d-%H%M%S')}-{label.replace('+', '-').replace(' ', '-')}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+        spark_log = output / SPARK_LOG_NAME
+        log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr + "\n--- Spark's log ---\n"
+                       + (spark_log.read_text(errors="replace") if spark_log.exists() else ""))
         sys.stderr.write(proc.stderr[-5000:])
-        raise SystemExit(f"{label}: pipeline exited {proc.returncode}: {root_cause(proc.stderr)[:300]} (output in {log})")
+        raise SystemExit(f"{label}: pipeline exited {proc.returncode}: "
+                         f"{(root_cause(proc.stderr) or 'no output')[:300]} (output in {log})")
     report = next(json.loads(line) for line in reversed(proc.stdout.splitlines()) if line.startswith('{"event": "report"'))
     report["wall_s"] = round(time.time() - t0, 2)
     return report
