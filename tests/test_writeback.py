@@ -70,7 +70,8 @@ def test_copy_inside_the_mount_is_deduplicated(make_mount, file_bucket: Bucket) 
     after = m.status()
     for counter in ("uploaded_blocks", "uploaded_bytes", "staged_blocks", "staged_bytes"):
         assert after["writeback"][counter] == before["writeback"][counter], counter
-    assert after["remote"]["bytes_out"] == before["remote"]["bytes_out"]
+    # No block went out; a metadata journal segment (about a kilobyte) may have, on its timer.
+    assert after["remote"]["bytes_out"] - before["remote"]["bytes_out"] < 64 * 1024
     m.umount()
     assert file_bucket.block_objects() == objects
 
