@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from bench import machine
-from bench.common import DATA_DIR, RESULTS_DIR, Context, error_text, log, result_doc, scrub, text_table, write_result
+from bench.common import DATA_DIR, RESULTS_DIR, Context, Shape, error_text, log, result_doc, scrub, text_table, write_result
 from bench.scenarios import SCENARIOS
 from bench.systems import ALL, detach_all_under
 
@@ -45,6 +45,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--mount-options", type=shlex.split, default=[], metavar="OPTIONS",
                    help="more `fusestate mount` options for every fusestate mount (one string, after the "
                         "scenario's own; not spark-cluster), e.g. --mount-options='--durability local'")
+    shape = Shape()
+    p.add_argument("--shape-latency-ms", type=float, default=shape.latency_ms, metavar="MS",
+                   help="fusestate-s3-shaped: time to first byte of every request (default %(default)s)")
+    p.add_argument("--shape-connection-mbps", type=float, default=shape.connection_mbps, metavar="MB/S",
+                   help="fusestate-s3-shaped: one connection's throughput (default %(default)s)")
+    p.add_argument("--shape-node-mbps", type=float, default=shape.node_mbps, metavar="MB/S",
+                   help="fusestate-s3-shaped: the node's bandwidth, each direction (default %(default)s)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: regenerate docs/benchmarks.md's blocks from --results (default docs/bench-data)")
@@ -92,7 +99,8 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
             budget = None if args.no_budget else mod.BUDGET.get(args.size)
             work = base / name
             ctx = Context(work=work, size=args.size, repeats=repeats, systems=systems, budget_seconds=budget,
-                          mount_options=args.mount_options)
+                          mount_options=args.mount_options,
+                          shape=Shape(args.shape_latency_ms, args.shape_connection_mbps, args.shape_node_mbps))
             started = dt.datetime.now()
             log(f"== {name}: {mod.SUMMARY}")
             try:

@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,46 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# Amazon S3's performance guidelines: small GETs and PUTs have median latencies "in the tens
+# of milliseconds", and one connection carries 85-90 MB/s ("make one concurrent request for
+# each 85-90 MB/s of desired network throughput"). A node's share of the network: a few
+# hundred MB/s. bench/README.md cites them.
+DEFAULT_LATENCY_MS = 30.0
+DEFAULT_CONNECTION_MBPS = 88.0
+DEFAULT_NODE_MBPS = 300.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the shaped S3 endpoint (``fusestate-s3-shaped``) looks like from a node; MB/s are 10^6 bytes/s."""
+
+    latency_ms: float = DEFAULT_LATENCY_MS
+    connection_mbps: float = DEFAULT_CONNECTION_MBPS
+    node_mbps: float = DEFAULT_NODE_MBPS
+
+    def describe(self) -> str:
+        return (f"{self.latency_ms:g} ms to first byte, {self.connection_mbps:g} MB/s per connection, "
+                f"{self.node_mbps:g} MB/s per node")
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait for a process told to stop; kill it if it does not within ``timeout``."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def wait_port(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return
+        time.sleep(0.1)
+    raise RunError(f"nothing answers on {host}:{port} after {timeout:.0f} s")
+
+
 @dataclass
 class Context:
     """What one scenario run needs to know: where to work, how big, how often, which systems."""
@@ -47,6 +88,7 @@ class Context:
     systems: Optional[list[str]] = None
     budget_seconds: Optional[float] = None
     mount_options: list[str] = field(default_factory=list)  # more `fusestate mount` options, after the scenario's
+    shape: Shape = field(default_factory=Shape)              # the shaped S3 endpoint's latency and bandwidth
     started: float = field(default_factory=time.monotonic)
     done_repeats: int = 0
     load_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
@@ -219,6 +261,7 @@ def result_doc(scenario: str, ctx: Context, started: dt.datetime, machine: dict[
                **body: Any) -> dict[str, Any]:
     return {"format": FORMAT, "scenario": scenario, "size": ctx.size, "repeats": ctx.done_repeats,
             "repeats_asked": ctx.repeats, "budget_seconds": ctx.budget_seconds, "mount_options": ctx.mount_options,
+            "shape": ctx.shape.describe(),
             "loadavg_start": [round(x, 2) for x in ctx.load_start],
             "started": started.isoformat(timespec="seconds"),
             "duration_seconds": round(ctx.elapsed(), 1), "machine": machine, **body}

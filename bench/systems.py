@@ -17,18 +17,18 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from bench.common import BIN, FUSESTATE, RunError, log, run_cmd
+from bench.common import FUSESTATE, RunError, Shape, log, run_cmd, wait_or_kill
+from bench.endpoints import Moto, ShapedMoto
 from fusestate.meta.local_postgres import LocalPostgres as Postgres, free_port
 
-ALL = ["local", "fusestate-file", "fusestate-pg", "fusestate-s3", "rclone", "s3fs"]
+ALL = ["local", "fusestate-file", "fusestate-pg", "fusestate-s3", "fusestate-s3-shaped", "rclone", "s3fs"]
+SHAPED = "fusestate-s3-shaped"  # a bucket on bench/shaped_s3.py's endpoint: S3's latency and bandwidth
 S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3"}
 SETTLE_TIMEOUT = 300.0
 RCLONE_UPLOAD_TRIES = 3  # an rclone upload failing this many times in a row is a failed run
@@ -38,24 +38,6 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 
 # --- helpers -------------------------------------------------------------------------------
-def wait_or_kill(proc: subprocess.Popen, timeout: float) -> None:
-    """Wait for a process told to stop; kill it if it does not within ``timeout``."""
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def wait_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.1)
-    raise RunError(f"nothing answers on 127.0.0.1:{port} after {timeout:.0f} s")
-
-
 def is_mounted(path: Path) -> bool:
     real = os.path.realpath(path)
     with open("/proc/self/mounts") as f:
@@ -135,54 +117,6 @@ def drop_all_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-# --- moto ----------------------------------------------------------------------------------
-class Moto:
-    """A moto S3 server on 127.0.0.1 and a free port, for the S3-backed systems of one scenario."""
-
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc: Optional[subprocess.Popen] = None
-
-    def __enter__(self) -> "Moto":
-        self.work.mkdir(parents=True, exist_ok=True)
-        with open(self.work / "moto.log", "w") as out:
-            self.proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_port(self.port)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            wait_or_kill(self.proc, timeout=10)
-
-    def client(self):
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
-                            aws_secret_access_key="testing", region_name="us-east-1")
-
-    def create_bucket(self, prefix: str) -> str:
-        name = f"{prefix}-{uuid.uuid4().hex[:8]}"
-        self.client().create_bucket(Bucket=name)
-        return name
-
-    def bucket_bytes(self, bucket: str) -> int:
-        """Bytes stored in a bucket (for peers, whose uploads we cannot count otherwise)."""
-        total = 0
-        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket):
-            total += sum(o["Size"] for o in page.get("Contents", []))
-        return total
-
-    def fsspec(self):
-        import fsspec
-
-        return fsspec.filesystem("s3", key="testing", secret="testing", skip_instance_cache=True,
-                                 client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"})
 
 
 # --- systems -------------------------------------------------------------------------------
@@ -510,7 +444,7 @@ class S3fsSystem(PeerSystem):
 
 
 def make_system(name: str, work: Path, moto: Optional[Moto], *, cache_size: str = "8G",
-                fusestate_extra: Optional[list[str]] = None) -> System:
+                fusestate_extra: Optional[list[str]] = None, shaped: Optional[Moto] = None) -> System:
     root = work / name
     if name == "local":
         return LocalSystem(name, root)
@@ -519,14 +453,17 @@ def make_system(name: str, work: Path, moto: Optional[Moto], *, cache_size: str 
         return FusestateSystem(name, root, f"file://{root / 'bucket'}", cache_size=cache_size, extra=fusestate_extra)
     if name == "fusestate-pg":
         return SharedFusestateSystem(name, root, cache_size=cache_size, extra=fusestate_extra)
-    if moto is None:
-        raise ValueError(f"{name} needs a moto server")
-    if name == "fusestate-s3":
-        bucket = moto.create_bucket("fusestate")
-        sys_ = FusestateSystem(name, root, f"s3://{bucket}/volume", endpoint=moto.endpoint,
+    if name in ("fusestate-s3", SHAPED):
+        endpoint = shaped if name == SHAPED else moto
+        if endpoint is None:
+            raise ValueError(f"{name} needs {'the shaped endpoint' if name == SHAPED else 'a moto server'}")
+        bucket = endpoint.create_bucket("fusestate")
+        sys_ = FusestateSystem(name, root, f"s3://{bucket}/volume", endpoint=endpoint.endpoint,
                                cache_size=cache_size, extra=fusestate_extra)
         sys_.bucket = bucket
         return sys_
+    if moto is None:
+        raise ValueError(f"{name} needs a moto server")
     if name == "rclone":
         return RcloneSystem(name, root, moto)
     if name == "s3fs":
@@ -544,19 +481,32 @@ def moto_if_needed(names: list[str], work: Path) -> Iterator[Optional[Moto]]:
 
 
 @contextlib.contextmanager
+def shaped_if_needed(names: list[str], work: Path, shape: Shape) -> Iterator[Optional[ShapedMoto]]:
+    """The shaped endpoint, when ``fusestate-s3-shaped`` is among the systems."""
+    if SHAPED not in names:
+        yield None
+        return
+    with ShapedMoto(work / "shaped-s3", shape) as endpoint:
+        yield endpoint
+
+
+@contextlib.contextmanager
 def open_systems(names: list[str], work: Path, *, cache_size: str = "8G",
                  fusestate_extra: Optional[list[str]] = None,
-                 moto: Optional[Moto] = None) -> Iterator[dict[str, System]]:
-    """Start every system (a moto server first if one is S3-backed and none is given); stop them
-    all on the way out. A system that fails to start stays in the dict with ``error`` set.
+                 moto: Optional[Moto] = None, shape: Shape = Shape()) -> Iterator[dict[str, System]]:
+    """Start every system (a moto server first if one is S3-backed and none is given, the
+    shaped endpoint if it is asked for); stop them all on the way out. A system that fails to
+    start stays in the dict with ``error`` set.
     """
     work.mkdir(parents=True, exist_ok=True)
     systems: dict[str, System] = {}
-    with (contextlib.nullcontext(moto) if moto else moto_if_needed(names, work)) as moto:
+    with (contextlib.nullcontext(moto) if moto else moto_if_needed(names, work)) as moto, \
+            shaped_if_needed(names, work, shape) as shaped:
         try:
             for name in names:
                 try:
-                    s = make_system(name, work, moto, cache_size=cache_size, fusestate_extra=fusestate_extra)
+                    s = make_system(name, work, moto, cache_size=cache_size, fusestate_extra=fusestate_extra,
+                                    shaped=shaped)
                 except Exception as exc:  # noqa: BLE001 - a system that cannot exist is a result
                     s = System(name, work / name)
                     s.error = str(exc)

@@ -1,4 +1,4 @@
-"""A remote that behaves like one: the shaped S3 endpoint (bench/shaped_s3.py), and a
+"""A remote that behaves like one: the shaped S3 endpoint (bench/endpoints.py), and a
 fusestate volume on it.
 
 The endpoint is moto in a network namespace of its own behind a veth pair: every answer
@@ -18,7 +18,8 @@ from typing import Iterator
 
 import pytest
 
-from bench.shaped_s3 import Shape, ShapedMoto
+from bench.common import Shape
+from bench.endpoints import ShapedMoto
 from conftest import Bucket, Mount
 
 MiB = 1 << 20

@@ -31,7 +31,7 @@ NAME = "bigstate"
 TITLE = "State larger than the cache"
 SUMMARY = "RocksDB working set 10x the local cache: throughput and cache hit ratio over time, stalls"
 BUDGET = {"tiny": None, "quick": 100.0, "full": None}
-SYSTEMS = ["local", "fusestate-file", "fusestate-s3"]
+SYSTEMS = ["local", "fusestate-file", "fusestate-s3", "fusestate-s3-shaped"]
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"cache_mib": 32, "read_seconds": 3, "timeout": 120, "systems": ["local", "fusestate-file"]},
     "quick": {"cache_mib": 40, "read_seconds": 10, "timeout": 300, "systems": ["local", "fusestate-file"]},
@@ -212,7 +212,8 @@ def run(ctx: Context) -> dict[str, Any]:
     scratch.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     extra = ["--memory-cache-size", f"{p['memory_cache_mib']}M", *ctx.mount_options]
-    with open_systems(names, ctx.work, cache_size=f"{p['cache_mib']}M", fusestate_extra=extra) as systems:
+    with open_systems(names, ctx.work, cache_size=f"{p['cache_mib']}M", fusestate_extra=extra,
+                      shape=ctx.shape) as systems:
         for repeat in ctx.repetitions():
             for s in systems.values():
                 runs.append(one(s, repeat, p, scratch))

@@ -299,7 +299,7 @@ def run(ctx: Context) -> dict[str, Any]:
         real.insert(0, "local")
     runs: list[dict[str, Any]] = []
     with moto_if_needed(names, ctx.work) as moto, \
-            open_systems(real, ctx.work, moto=moto, fusestate_extra=ctx.mount_options) as systems:
+            open_systems(real, ctx.work, moto=moto, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:
         sides: dict[str, Side] = {}
         for name in names:
             if name in ("local", "local-s3"):

@@ -101,7 +101,7 @@ def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
     names = ctx.wanted(SYSTEMS)
     runs: list[dict[str, Any]] = []
-    with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options) as systems:
+    with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:
         for repeat in ctx.repetitions():
             for s in systems.values():
                 if isinstance(s, FusestateSystem) and not s.error:

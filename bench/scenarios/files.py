@@ -186,7 +186,7 @@ def run(ctx: Context) -> dict[str, Any]:
     names = ctx.wanted(ALL)
     runs: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
-    with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options) as systems:
+    with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:
         for repeat in ctx.repetitions():
             for s in systems.values():
                 runs.append(one(s, repeat, p, failed))

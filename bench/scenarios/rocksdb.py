@@ -102,7 +102,7 @@ def run(ctx: Context) -> dict[str, Any]:
     names = ctx.wanted(ALL)
     runs: list[dict[str, Any]] = []
     failed: dict[tuple[str, str], str] = {}
-    with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options) as systems:
+    with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:
         for repeat in ctx.repetitions():
             for variant in VARIANTS:
                 for name, s in systems.items():
