@@ -93,12 +93,12 @@ def render_block(name: str, path: Path, doc: dict[str, Any], img_dir: Path, img_
 def run_line(name: str, doc: dict[str, Any]) -> str:
     """Which run the numbers are from: the command, repetitions, date, revision and machine."""
     m = doc.get("machine", {})
-    rev = m.get("versions", {}).get("fusestate_git", "?")
+    rev, _, dirty = m.get("versions", {}).get("fusestate_git", "?").partition("+")
     size = {"quick": " --quick", "tiny": " --tiny"}.get(doc.get("size", ""), "")
     options = f" --mount-options '{' '.join(doc['mount_options'])}'" if doc.get("mount_options") else ""
     return (f"`bench/run{size} --scenario {name}{options}`: {repetitions(doc)} repetition(s) on "
             f"{str(doc.get('started', '?')).replace('T', ' ')[:16]}, {doc.get('duration_seconds', 0) / 60:.1f} min, "
-            f"fusestate {rev[:7]}, {machine.summary_line(m)}")
+            f"fusestate {rev[:7]}{'+' + dirty if dirty else ''}, {machine.summary_line(m)}")
 
 
 def goals_list(goals: list[dict[str, Any]]) -> str:
