@@ -7,7 +7,12 @@ or mount dies with its process group. Three setups run the same pipeline
 
 - ``local``: state and checkpoint on local disk, changelog checkpointing on (the baseline);
 - ``fusestate``: state and ``file://`` checkpoint on a fusestate mount (file:// bucket);
-- ``fusestate+shim``: the same with the ``fusestate://`` checkpoint (hard-link commits and loads).
+- ``fusestate+shim``: the same with the ``fusestate://`` checkpoint (hard-link commits and loads);
+- with ``--s3-endpoint`` (the shaped S3 endpoint of ``bench/endpoints.py``):
+  ``fusestate+shim@s3``, the same on a bucket of that endpoint, and the honest baseline for an
+  object store, ``local+download`` (``-parallel``): state on local disk, its checkpoint in a
+  bucket of the endpoint, downloaded by the fresh node before the query restarts, file by file
+  as Spark's state store copies them (or all at once, a generous bound).
 
 For each: records/s and state commit latency over ``--batches`` micro-batches. Then the restart:
 for fusestate the daemon is killed and its cache dir wiped (a fresh node, mounted with
@@ -29,12 +34,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from bench.common import FUSESTATE, RESULTS_DIR
 from bench.systems import drop_all_caches
 from fusestate.spark.config import SHUFFLE_SCRATCH
 from fusestate.spark.pipeline import SPARK_LOG_NAME, root_cause
+
+SHAPED_SUFFIX = "@s3"  # a fusestate setup on --s3-endpoint's bucket instead of a file:// one
 
 
 def fs(*args: str) -> str:
@@ -95,16 +103,50 @@ def steady(report: dict) -> dict:
                         for b in report["batches"]]}
 
 
-def mount_file_bucket(bucket: Path, mnt: Path, cache: Path, *options: str, scratch: bool = True) -> None:
+def mount_bucket(url: str, mnt: Path, cache: Path, *options: str, scratch: bool = True) -> None:
     """Spark's shuffle dirs stay on the node, as deployed, unless ``scratch`` is off."""
-    fs("mount", f"file://{bucket}", str(mnt), "--cache-dir", str(cache),
+    fs("mount", url, str(mnt), "--cache-dir", str(cache),
        *(["--scratch", SHUFFLE_SCRATCH] if scratch else []), *options)
 
 
-def mount(bucket: Path, mnt: Path, cache: Path, args, *more: str) -> None:
-    mount_file_bucket(bucket, mnt, cache, "--cache-size", args.cache_size, "--metrics-addr", "off",
-                      "--durability", args.durability, *shlex.split(args.mount_options), *more,
-                      scratch=not args.no_scratch)
+def mount(url: str, mnt: Path, cache: Path, args, *more: str) -> None:
+    endpoint = ["--endpoint-url", args.s3_endpoint] if url.startswith("s3://") else []
+    mount_bucket(url, mnt, cache, "--cache-size", args.cache_size, "--metrics-addr", "off",
+                 "--durability", args.durability, *endpoint, *shlex.split(args.mount_options), *more,
+                 scratch=not args.no_scratch)
+
+
+def s3(args):
+    """The fsspec file system of ``--s3-endpoint`` (moto's test credentials)."""
+    import fsspec
+
+    return fsspec.filesystem("s3", key="testing", secret="testing", skip_instance_cache=True,
+                             client_kwargs={"endpoint_url": args.s3_endpoint, "region_name": "us-east-1"})
+
+
+def new_bucket(args, name: str) -> str:
+    import boto3
+
+    bucket = f"{name.replace('+', '-')}-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=args.s3_endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                 region_name="us-east-1").create_bucket(Bucket=bucket)
+    return bucket
+
+
+def download(args, remote: str, local: Path, parallel: bool) -> float:
+    """What a fresh node does before Spark can load a checkpoint from an object store: fetch
+    it. One file after another, as the RocksDB state store copies its files; or all at once
+    (fsspec's concurrent get), a generous bound. Seconds taken."""
+    fs3 = s3(args)
+    t = time.time()
+    if parallel:
+        fs3.get(remote + "/", str(local) + "/", recursive=True)
+    else:
+        for path in sorted(fs3.find(remote)):
+            target = local / os.path.relpath(path, remote)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs3.get_file(path, str(target))
+    return round(time.time() - t, 2)
 
 
 def stop_daemon(pid: int, mnt: Path, *, kill: bool = True) -> None:
@@ -130,17 +172,21 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
     d = work / name
     d.mkdir()
     out = d / "out"
-    extra = [] if name != "local" else ["--local"]
-    if name == "fusestate+shim":
+    extra = [] if not name.startswith("local") else ["--local"]
+    if name.startswith("fusestate+shim"):
         extra.append("--use-shim")
-    if args.no_changelog and name != "local":
+    if args.no_changelog and not name.startswith("local"):
         extra.append("--no-changelog")
     mnt = cache = None
-    if name != "local":
-        bucket, mnt, cache = d / "bucket", d / "mnt", d / "cache"
-        bucket.mkdir()
+    if not name.startswith("local"):
+        mnt, cache = d / "mnt", d / "cache"
+        if name.endswith(SHAPED_SUFFIX):
+            url = f"s3://{new_bucket(args, 'fusestate')}/volume"
+        else:
+            (d / "bucket").mkdir()
+            url = f"file://{d / 'bucket'}"
         mnt.mkdir()
-        mount(bucket, mnt, cache, args)
+        mount(url, mnt, cache, args)
     state = (mnt / "job") if mnt else d / "state"
     try:
         first = pipeline(f"{name} first run", state, out, input_dir, args.batches, common, *extra)
@@ -156,14 +202,26 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             # Lose the node: kill the daemon, wipe its cache, take the volume over on a "fresh node".
             lose_node(mnt, cache, kill=not args.clean_umount)
             t = time.time()
-            mount(bucket, mnt, cache, args, "--takeover")
+            mount(url, mnt, cache, args, "--takeover")
             result["fresh_mount_s"] = round(time.time() - t, 2)
+        download_s = 0.0
+        if name.startswith("local+download"):
+            # The checkpoint was in an object store all along (its upload is not timed); the
+            # fresh node has nothing of the state, and fetches the checkpoint before Spark starts.
+            remote = f"{new_bucket(args, 'checkpoint')}/pipeline"
+            s3(args).put(str(ckpt) + "/", remote + "/", recursive=True)
+            shutil.rmtree(state)
+            drop_all_caches()
+            download_s = download(args, remote, ckpt, parallel=name.endswith("parallel"))
+            result["download_s"] = download_s
         t = time.time()
         restart_extra = ["--last-batch-events", str(args.restart_events)] if args.restart_events else []
         again = pipeline(f"{name} restart", state, out, input_dir, args.batches + 1, common, *extra, *restart_extra)
         b = again["batches"][0] if again["batches"] else {}
         result["restart"] = {
-            "to_first_batch_done_s": again["first_batch_done_s"],
+            "to_first_batch_done_s": round(download_s + again["first_batch_done_s"], 2)
+            if again["first_batch_done_s"] else None,
+            "download_s": download_s,
             "jvm_and_session_s": again["session_start_s"],
             "session_start_parts_s": again.get("session_start_parts_s"),
             "query_start_to_first_batch_done_s": round(again["first_batch_done_s"] - again["query_start_s"], 2)
@@ -194,7 +252,12 @@ def main() -> int:
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--driver-memory", default="2g")
     p.add_argument("--cache-size", default="20G")
-    p.add_argument("--setups", default="local,fusestate,fusestate+shim")
+    p.add_argument("--setups", default="local,fusestate,fusestate+shim",
+                   help="comma-separated: local, fusestate, fusestate+shim; with --s3-endpoint also "
+                        "fusestate+shim@s3 and the object-store baselines local+download and "
+                        "local+download-parallel")
+    p.add_argument("--s3-endpoint", default=None, metavar="URL",
+                   help="an S3 endpoint (the shaped one) for the @s3 and +download setups")
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")
     p.add_argument("--restart-events", type=int, default=None,
                    help="events in the batch after the restart (default: a full batch)")
@@ -215,6 +278,11 @@ def main() -> int:
                    help="keep each setup's state, bucket and cache under --work (default: removed once measured)")
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/spark-<time>.json)")
     args = p.parse_args()
+    needs_s3 = [s for s in args.setups.split(",") if s.endswith(SHAPED_SUFFIX) or s.startswith("local+download")]
+    if needs_s3 and not args.s3_endpoint:
+        p.error(f"setups {', '.join(needs_s3)} need --s3-endpoint")
+    if args.s3_endpoint:
+        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
 
     work = Path(args.work or tempfile.mkdtemp(prefix="spark-bench-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)

@@ -5,26 +5,35 @@ with a ``file://`` checkpoint, fusestate with the ``fusestate://`` shim), so rep
 interleave them. Each call reports records/s and state commit latency over the batches
 after the first, and the restart: for fusestate after killing the daemon and wiping its
 cache (a fresh node), the time from the restart to the first completed batch.
+
+A second call per repetition runs on the shaped S3 endpoint (``fusestate-s3-shaped``'s):
+fusestate+shim on one of its buckets, against local disk whose checkpoint sits in one of
+its buckets and is downloaded by the fresh node before the restart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, summarize
 from bench.render import bars_from_rows, goal_row, medians_note, ratio_table
-from bench.systems import detach_all_under
+from bench.endpoints import ShapedMoto
+from bench.systems import SHAPED, detach_all_under
 
 NAME = "spark"
 TITLE = "Spark state pipeline"
 SUMMARY = "Spark Structured Streaming on the RocksDB state store: records/s, commit latency, restart to first batch"
 BUDGET = {"tiny": None, "quick": 150.0, "full": None}
 SETUPS = ["local", "fusestate", "fusestate+shim"]
+# On the shaped S3 endpoint: fusestate+shim, and local disk whose checkpoint a fresh node
+# downloads before restarting (file by file as Spark's state store copies; all at once).
+SHAPED_SETUPS = ["local+download", "local+download-parallel", "fusestate+shim@s3"]
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"keys": 2_000, "payload_bytes": 256, "batches": 2, "timeout": 600},
     "quick": {"keys": 20_000, "payload_bytes": 512, "batches": 3, "timeout": 600},
@@ -65,12 +74,13 @@ def spark_env(ctx: Context) -> dict[str, str]:
 
 
 def call_runner(ctx: Context, p: dict[str, Any], setups: list[str], tag: str,
-                    env: dict[str, str]) -> dict[str, Any]:
+                env: dict[str, str], runner_args: Sequence[str] = ()) -> dict[str, Any]:
     """One bench/spark_runner.py call (its setups one after the other, over one input); its JSON."""
     out, work = ctx.work / f"spark-{tag}.json", ctx.work / f"w-{tag}"
     cmd = [str(BIN / "python"), "-m", "bench.spark_runner", "--keys", str(p["keys"]),
            "--payload-bytes", str(p["payload_bytes"]), "--batches", str(p["batches"]),
-           "--setups", ",".join(setups), "--work", str(work), "--output", str(out), *p.get("extra", [])]
+           "--setups", ",".join(setups), "--work", str(work), "--output", str(out), *p.get("extra", []),
+           *runner_args]
     if ctx.mount_options:
         cmd += ["--mount-options", shlex.join(ctx.mount_options)]
     try:
@@ -84,11 +94,11 @@ def call_runner(ctx: Context, p: dict[str, Any], setups: list[str], tag: str,
 
 
 def runner_records(ctx: Context, p: dict[str, Any], setups: list[str], env: dict[str, str], *, repeat: int,
-                        variant: str, label: str,
-                        metrics_of: Callable[[dict[str, Any]], dict[str, float]]) -> list[dict[str, Any]]:
+                   variant: str, label: str, metrics_of: Callable[[dict[str, Any]], dict[str, float]],
+                   runner_args: Sequence[str] = ()) -> list[dict[str, Any]]:
     """One runner call as one record per setup: its metrics, or the error that stopped it."""
     try:
-        doc = call_runner(ctx, p, setups, f"{p['keys']}-r{repeat}", env)
+        doc = call_runner(ctx, p, setups, f"{p['keys']}-r{repeat}-{len(runner_args)}", env, runner_args)
     except Exception as exc:  # noqa: BLE001 - the whole call failed: every setup gets the error
         log(f"  {label}: ERROR {error_text(exc)}")
         return [record(s, repeat, variant, error=error_text(exc)) for s in setups]
@@ -103,18 +113,31 @@ def runner_records(ctx: Context, p: dict[str, Any], setups: list[str], env: dict
     return records
 
 
+def shaped_setups(ctx: Context) -> list[str]:
+    """The setups on the shaped S3 endpoint, when --systems leaves it in."""
+    return SHAPED_SETUPS if not ctx.systems or SHAPED in ctx.systems else []
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
     setups = chosen_setups(ctx, p.get("setups", SETUPS))
+    on_s3 = shaped_setups(ctx)
     env = spark_env(ctx)
     runs: list[dict[str, Any]] = []
-    for repeat in ctx.repetitions():
-        if repeat >= p.get("repeats", ctx.repeats):
-            break
-        runs += runner_records(ctx, p, setups, env, repeat=repeat, variant="", label=f"spark r{repeat + 1}",
-                                    metrics_of=metrics_of)
-    return {"params": {**p, "setups": setups}, "systems": setups, "summary": summarize(runs, METRICS, setups, [""]),
-            "runs": runs, "raw_state_bytes": p["keys"] * p["payload_bytes"]}
+    with contextlib.ExitStack() as stack:
+        endpoint = stack.enter_context(ShapedMoto(ctx.work / "shaped-s3", ctx.shape)) if on_s3 else None
+        for repeat in ctx.repetitions():
+            if repeat >= p.get("repeats", ctx.repeats):
+                break
+            label = f"spark r{repeat + 1}"
+            runs += runner_records(ctx, p, setups, env, repeat=repeat, variant="", label=label, metrics_of=metrics_of)
+            if endpoint is not None:
+                runs += runner_records(ctx, p, on_s3, env, repeat=repeat, variant="", label=label,
+                                       metrics_of=metrics_of, runner_args=["--s3-endpoint", endpoint.endpoint])
+    names = setups + on_s3
+    return {"params": {**p, "setups": names, "shape": ctx.shape.describe() if on_s3 else None}, "systems": names,
+            "summary": summarize(runs, METRICS, names, [""]), "runs": runs,
+            "raw_state_bytes": p["keys"] * p["payload_bytes"]}
 
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
@@ -126,7 +149,12 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"on local disk, changelog checkpointing; *fusestate*: a `file://` mount with a `file://` checkpoint; "
              f"*fusestate+shim*: the same mount with the `fusestate://` checkpoint; mounts use `--scratch "
              f"'blockmgr-*'` (Spark's shuffle files stay on the node). The restart: fusestate's daemon killed and its "
-             f"cache dir wiped (a fresh node), the page cache dropped for every setup. " + medians_note(doc),
+             f"cache dir wiped (a fresh node), the page cache dropped for every setup. "
+             + (f"On the shaped S3 endpoint ({p['shape']}): *fusestate+shim@s3* is fusestate+shim on one of its "
+                f"buckets; *local+download* keeps the state on local disk and its checkpoint in one of its buckets, "
+                f"which the fresh node downloads before the restart, file by file as Spark's state store copies "
+                f"them (*-parallel*: all at once, a generous bound); their restart includes that download. "
+                if p.get("shape") else "") + medians_note(doc),
              ratio_table(rows, names, show_variant=False)]
     by = {r["metric"]: r for r in rows}
     lat = [by[m] for m in ("commit_ms_median", "commit_ms_max", "batch_ms_median") if m in by]
