@@ -480,6 +480,24 @@ def test_summary_lines_report_what_a_person_checks() -> None:
     assert len(row) == len(header) and row.index("2,671 ms") + len("2,671 ms") == header.index("duration") + 8
 
 
+def test_a_failed_query_is_named_by_the_root_cause_spark_logged() -> None:
+    """Spark's log is a file, so the one-line error names the cause from the trace there:
+    the innermost 'Caused by', else the exception the query terminated with."""
+    from fusestate.spark.pipeline import logged_cause
+
+    log = ("26/11/25 20:38:15 WARN NativeCodeLoader: Unable to load native-hadoop library\n"
+           "26/11/25 20:38:42 ERROR MicroBatchExecution: Query q [id = 1] terminated with error\n"
+           "org.apache.spark.SparkException: Job aborted due to stage failure\n"
+           "\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndependentStages(DAGScheduler.scala:1)\n"
+           "Caused by: java.io.IOException: No space left on device\n\t... 23 more\n"
+           "26/11/25 20:38:43 WARN Shutdown: Caused by: not part of the trace\n")
+    assert logged_cause(log) == "java.io.IOException: No space left on device"
+    assert logged_cause("... Query q terminated with error\njava.lang.ClassNotFoundException: no.such.Provider\n"
+                        "\tat java.base/java.lang.Class.forName(Class.java:467)\n") \
+        == "java.lang.ClassNotFoundException: no.such.Provider"
+    assert logged_cause(log.split("\n")[0]) == ""  # nothing logged for a query: the exception's message is used
+
+
 def test_state_conf_block_size_follows_the_mount(tmp_path: Path) -> None:
     from fusestate.spark.config import ROCKSDB_PREFIX, state_conf
 

@@ -27,6 +27,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -170,15 +171,15 @@ def build_session(settings: dict[str, str], log: Path):
         try:
             gateway = launch_gateway(spark_conf, popen_kwargs={"stdout": out, "stderr": subprocess.STDOUT})
         except PySparkRuntimeError as exc:
-            raise PipelineError(f"Spark did not start: {root_cause(_tail_text(log)) or exc} "
-                                f"(Spark's log: {log})") from None
+            said = " | ".join(_message_lines(_tail_text(log))[-3:])  # the JVM's or launcher's last words
+            raise PipelineError(f"Spark did not start: {said or exc} (Spark's log: {log})") from None
     SparkContext(conf=spark_conf, gateway=gateway)
     spark = SparkSession.builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
 
 
-def _tail_text(path: Path, size: int = 64 * 1024) -> str:
+def _tail_text(path: Path, size: int = 256 * 1024) -> str:
     """The end of a log file (a JVM's trace is at its end), or '' when it cannot be read."""
     with contextlib.suppress(OSError):
         with open(path, "rb") as f:
@@ -187,15 +188,40 @@ def _tail_text(path: Path, size: int = 64 * 1024) -> str:
     return ""
 
 
+def _message_lines(text: str) -> list[str]:
+    """A trace's or log's lines without stack frames and blank lines."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    return [ln for ln in lines if ln and not ln.startswith(("at ", "..."))]
+
+
 def root_cause(text: str) -> str:
     """The innermost exception in a JVM or Python trace: what a one-line error should name."""
-    lines = [ln.strip() for ln in text.splitlines()]
-    lines = [ln for ln in lines if ln and not ln.startswith(("at ", "..."))]  # not stack frames
+    lines = _message_lines(text)
     causes = [ln for ln in lines if ln.startswith("Caused by:")]
     if causes:
         return causes[-1][len("Caused by:"):].strip()
     errors = [ln for ln in lines if "Exception" in ln or "Error" in ln]
     return errors[-1] if errors else (lines[-1] if lines else "")
+
+
+LOG_ENTRY = re.compile(r"\d\d/\d\d/\d\d \d\d:\d\d:\d\d ")  # how each entry of Spark's log starts
+
+
+def logged_cause(log_text: str) -> str:
+    """The root cause in the trace Spark logged for the failed query ("Query ... terminated
+    with error", then the trace up to the next log entry); '' when there is none.
+
+    The Python exception names only the innermost message ("no.such.Provider"); the
+    trace names the exception too ("java.lang.ClassNotFoundException: no.such.Provider")."""
+    _, found, rest = log_text.rpartition("terminated with error")
+    if not found:
+        return ""
+    trace = []
+    for line in rest.splitlines()[1:]:
+        if LOG_ENTRY.match(line):
+            break
+        trace.append(line)
+    return root_cause("\n".join(trace))
 
 
 def wait_for_query(query, log: Path) -> None:
@@ -208,7 +234,8 @@ def wait_for_query(query, log: Path) -> None:
     except StreamingQueryException as exc:
         failure = exc
     if failure is not None:
-        raise PipelineError(f"the query failed: {root_cause(str(failure))[:500]} (Spark's log: {log})")
+        cause = logged_cause(_tail_text(log)) or (str(failure).strip().splitlines() or [""])[0]
+        raise PipelineError(f"the query failed: {cause[:500]} (Spark's log: {log})")
 
 
 def build_query(spark, input_dir: Path, payload_bytes: int):
