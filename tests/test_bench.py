@@ -201,16 +201,18 @@ def test_spark_runner_mounts_with_extra_options(tmp_path: Path, monkeypatch: pyt
     sb = pytest.importorskip("bench.spark_runner")
     calls: list[tuple[str, ...]] = []
     monkeypatch.setattr(sb, "fs", lambda *a: calls.append(a) or "")
-    args = argparse.Namespace(cache_size="1G", durability="remote", no_scratch=False,
+    args = argparse.Namespace(cache_size="1G", durability="remote", no_scratch=False, s3_endpoint="http://s3",
                               mount_options="--whole-blocks always --durability local")
-    sb.mount(tmp_path / "b", tmp_path / "m", tmp_path / "c", args, "--takeover")
+    sb.mount(f"file://{tmp_path / 'b'}", tmp_path / "m", tmp_path / "c", args, "--takeover")
     cmd = list(calls[0])
     assert cmd[cmd.index("--whole-blocks") + 1] == "always" and cmd[-1] == "--takeover"
     last = len(cmd) - 1 - cmd[::-1].index("--durability")
     assert cmd.index("--durability") < last and cmd[last + 1] == "local"  # the variant's comes last
+    assert "--endpoint-url" not in cmd
     args.mount_options = ""
-    sb.mount(tmp_path / "b", tmp_path / "m", tmp_path / "c", args)
+    sb.mount("s3://bucket/volume", tmp_path / "m", tmp_path / "c", args)
     assert "--whole-blocks" not in calls[1] and calls[1][calls[1].index("--durability") + 1] == "remote"
+    assert calls[1][calls[1].index("--endpoint-url") + 1] == "http://s3"
 
 
 def test_daemon_cpu_scenario_tiny(tmp_path: Path) -> None:
