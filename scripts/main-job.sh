@@ -8,15 +8,18 @@
 #                node, each with its own fusestate daemon on one shared volume (a new
 #                file:// bucket and a PostgreSQL server the job starts); one worker node is
 #                lost after batch 2 and the query goes on without it
+# The pipeline prints a row per batch and ends with a summary; its report (every batch's
+# metrics, as JSON) and Spark's log go to the output dir the summary names.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
 if [ "${CLUSTER:-0}" = 1 ]; then
     CLUSTER_BUCKET=/var/lib/fusestate/cluster-bucket
-    rm -rf "$CLUSTER_BUCKET" && mkdir -p "$CLUSTER_BUCKET"
-    exec .venv/bin/fusestate spark-cluster --bucket "file://$CLUSTER_BUCKET" --workers 2 \
-        --batches "${BATCHES:-6}" --keys "${KEYS:-20000}" --lose-worker-after 2
+    CLUSTER_OUTPUT=/tmp/fusestate-main-job-cluster-output
+    rm -rf "$CLUSTER_BUCKET" "$CLUSTER_OUTPUT" "$CLUSTER_OUTPUT.input" && mkdir -p "$CLUSTER_BUCKET"
+    exec .venv/bin/fusestate spark-cluster --bucket "file://$CLUSTER_BUCKET" --output "$CLUSTER_OUTPUT" \
+        --workers 2 --batches "${BATCHES:-6}" --keys "${KEYS:-20000}" --lose-worker-after 2
 fi
 
 BUCKET_DIR=/var/lib/fusestate/default-bucket
@@ -46,10 +49,10 @@ db_bench --db="$DB" --benchmarks=fillrandom,readrandom,overwrite --num="$NUM" \
 echo "== checkpoint (hard links: metadata only)"
 ldb --db="$DB" checkpoint --checkpoint_dir="$MOUNTPOINT/checkpoint"
 ls -l "$MOUNTPOINT/checkpoint" | head -5
+echo "== fusestate status"
+$FS status "$MOUNTPOINT"
 # Changelog checkpointing off: every commit is a snapshot whose state files the shim links.
 echo "== PySpark state pipeline (RocksDB state store on the mount, hard-link commits)"
 rm -rf "$MOUNTPOINT/spark-job" /tmp/fusestate-main-job-output /tmp/fusestate-main-job-output.input
 $FS spark-pipeline --state-dir "$MOUNTPOINT/spark-job" --output /tmp/fusestate-main-job-output \
     --batches "${BATCHES:-6}" --keys "${KEYS:-20000}" --use-shim --no-changelog
-echo "== fusestate status"
-$FS status "$MOUNTPOINT"
