@@ -215,3 +215,9 @@ def test_cluster_summary_names_the_lost_node_and_the_report() -> None:
     assert "state files   40 linked by the shim on loads and commits" in lines
     assert "lost node     worker2 after batch 0: its partitions moved to the remaining workers" in lines
     assert lines[-2:] == ["report        /out/report.json (every batch's metrics)", "Spark's log   /out/spark.log"]
+    # None linked, since the commits wrote changelogs: the row says so, not just "0".
+    changelog = dict(report, summary=dict(report["summary"], rocksdb_files_copied=0), state_store_conf={
+        "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
+        "spark.sql.streaming.stateStore.minDeltasForSnapshot": "10"})
+    assert "state files   0 linked by the shim on loads and commits (changelog checkpointing: state files " \
+           "reach the checkpoint with a snapshot, every 10 versions)" in summary_lines(changelog)

@@ -40,7 +40,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from fusestate.errors import UserError
 from fusestate.spark.arguments import DEFAULT_MOUNTPOINT
-from fusestate.spark.pipeline import REPORT_NAME, BatchLines, aligned, file_rows, run_rows, write_report
+from fusestate.spark.pipeline import (REPORT_NAME, BatchLines, aligned, changelog_note, file_rows, run_rows,
+                                      write_report)
 
 MASTER_HOST = "127.0.0.1"
 DRIVER_HOST = "127.0.0.1"
@@ -386,7 +387,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bucket = f"file://{root / 'bucket'}"
         query = f"q{uuid.uuid4().hex[:8]}"
         with Cluster(root, bucket, meta, mountpoint=args.mountpoint) as cluster:
-            say(f"== starting a Spark master and {args.workers} worker nodes on {bucket} at {args.mountpoint}")
+            say(f"== starting a Spark master and {args.workers} worker node{'' if args.workers == 1 else 's'} on {bucket} "
+                f"at {args.mountpoint}")
             cluster.start(args.workers)
             pipeline = ["--output", str(output), "--report", str(report_path), "--json",
                         "--checkpoint", cluster.checkpoint(query),
@@ -395,7 +397,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             say(f"== the pipeline, driver on its own node; node logs under {root}/nodes"
                 + ("" if kept else " (removed after the run unless --keep)"))
             driver = cluster.start_driver(pipeline)
-            lost = follow_driver(cluster, driver, output, args.lose_worker_after, BatchLines(args.json, True), say)
+            lost = follow_driver(cluster, driver, args.lose_worker_after, BatchLines(args.json, True), say)
             code = driver.wait()
             if code != 0:
                 raise ClusterError(f"the pipeline failed (exit status {code}): {_tail(driver.log)}")
@@ -439,25 +441,24 @@ class DriverBatches:
         return []
 
 
-def follow_driver(cluster: "Cluster", driver: Node, output: Path, lose_after: Optional[int],
+def follow_driver(cluster: "Cluster", driver: Node, lose_after: Optional[int],
                   show: Callable[[dict], None], say: Callable[..., None]) -> Optional[Node]:
     """Show each batch as the driver completes it, and lose the last worker node once batch
-    ``lose_after`` has written its output; the lost node, if any."""
+    ``lose_after`` has completed; the lost node, if any."""
     batches = DriverBatches(driver.log)
-    done = output / f"batch-{lose_after:06d}" / "_SUCCESS" if lose_after is not None else None
     lost = None
-    while driver.alive():
+    while True:
+        alive = driver.alive()
         for rec in batches.new():
             show({k: v for k, v in rec.items() if k != "event"})
-        if done is not None and lost is None and done.exists():
-            lost = cluster.workers[-1]
-            lost.kill()
-            lost.wipe_cache()
-            say(f"== lost {lost.name} ({lost.host}) after batch {lose_after}")
+            if lose_after is not None and lost is None and rec["batch"] >= lose_after and alive:
+                lost = cluster.workers[-1]
+                lost.kill()
+                lost.wipe_cache()
+                say(f"== lost {lost.name} ({lost.host}) after batch {lose_after}")
+        if not alive:
+            return lost
         time.sleep(0.2)
-    for rec in batches.new():
-        show({k: v for k, v in rec.items() if k != "event"})
-    return lost
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -465,8 +466,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     if not report["summary"].get("batches"):
         return ["== cluster summary: no batch ran", *aligned(file_rows(report))]
     rows = run_rows(report)
-    rows.append(("state files", f"{report['summary'].get('rocksdb_files_copied', 0):,} linked by the shim "
-                                "on loads and commits"))
+    files = report["summary"].get("rocksdb_files_copied", 0)
+    rows.append(("state files", f"{files:,} linked by the shim on loads and commits"
+                                + ("" if files else changelog_note(report))))
     lost = report["cluster"]["lost_worker"]
     if lost:
         rows.append(("lost node", f"{lost} after batch {report['cluster']['lost_after_batch']}: "

@@ -427,16 +427,20 @@ def file_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def changelog_note(report: dict[str, Any]) -> str:
+    """Why no state file was linked or copied, when changelog checkpointing is on: commits
+    write changelogs, and SSTs reach the checkpoint only with a snapshot."""
+    conf = report.get("state_store_conf", {})
+    if conf.get(ROCKSDB_PREFIX + "changelogCheckpointing.enabled") != "true":
+        return ""
+    every = conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "?")
+    return f" (changelog checkpointing: state files reach the checkpoint with a snapshot, every {every} versions)"
+
+
 def shim_row(report: dict[str, Any]) -> tuple[str, str]:
     shim = report["shim"]
     line = f"{shim['linked']} state files linked, {shim['copied']} copied"
-    conf = report.get("state_store_conf", {})
-    changelog = conf.get(ROCKSDB_PREFIX + "changelogCheckpointing.enabled") == "true"
-    if not shim["linked"] and not shim["copied"] and changelog:
-        # Changelog commits copy no state file: SSTs reach the checkpoint with a snapshot.
-        every = conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "?")
-        line += f" (changelog checkpointing: state files reach the checkpoint with a snapshot, every {every} versions)"
-    return ("shim", line)
+    return ("shim", line + (changelog_note(report) if not shim["linked"] and not shim["copied"] else ""))
 
 
 def mount_rows(before: Optional[dict], after: Optional[dict]) -> list[tuple[str, str]]:
