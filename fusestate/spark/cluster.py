@@ -387,8 +387,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bucket = f"file://{root / 'bucket'}"
         query = f"q{uuid.uuid4().hex[:8]}"
         with Cluster(root, bucket, meta, mountpoint=args.mountpoint) as cluster:
-            say(f"== starting a Spark master and {args.workers} worker node{'' if args.workers == 1 else 's'} on {bucket} "
-                f"at {args.mountpoint}")
+            nodes = "1 worker node" if args.workers == 1 else f"{args.workers} worker nodes"
+            say(f"== starting a Spark master and {nodes} on {bucket} at {args.mountpoint}")
             cluster.start(args.workers)
             pipeline = ["--output", str(output), "--report", str(report_path), "--json",
                         "--checkpoint", cluster.checkpoint(query),
