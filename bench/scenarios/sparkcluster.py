@@ -148,7 +148,9 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
     sizes = ", ".join(f"{k:,}" for k in p["keys"])
     text = (f"`fusestate.spark.cluster`: a Spark standalone master, two single-core worker nodes and a driver node, "
             f"each node in its own mount and PID namespace; {sizes} keys × {p['payload_bytes']:,} B, batches of "
-            f"{p['events_per_batch']:,} events, 4 state partitions, `spark.locality.wait=0s`. *local*: every node's "
+            f"{p['events_per_batch']:,} events, 4 state partitions, `spark.locality.wait=0s`, a snapshot every "
+            f"second version (maintenance every second); records/s over {STEADY_BATCHES} batches after every key "
+            f"is written, the first {WARMUP_BATCHES} batches left out. *local*: every node's "
             f"local dir on local disk, the checkpoint in a plain directory all nodes share (a favourable stand-in for "
             f"HDFS or an object store connector); *fusestate*: one shared volume (`file://` bucket, PostgreSQL on "
             f"127.0.0.1) holding every node's local dir and the `fusestate://` checkpoint, a daemon per node. Once "
