@@ -149,4 +149,6 @@ class ShapedMoto(Moto):
             self.proc.terminate()
             wait_or_kill(self.proc, timeout=10)
         with contextlib.suppress(RuntimeError):
-            _ip("netns", "del", self.netns)  # takes the veth pair with it
+            _ip("link", "del", self.host_dev)  # both ends, at once (a namespace's deletion frees them later)
+        with contextlib.suppress(RuntimeError):
+            _ip("netns", "del", self.netns)

@@ -215,6 +215,9 @@ def test_spark_runner_mounts_with_extra_options(tmp_path: Path, monkeypatch: pyt
     assert calls[1][calls[1].index("--endpoint-url") + 1] == "http://s3"
 
 
+# Slow: the scenario drops the whole machine's page cache before each phase, which disturbs
+# (and is disturbed by) the tests running beside it.
+@pytest.mark.slow
 def test_daemon_cpu_scenario_tiny(tmp_path: Path) -> None:
     """A tiny daemon-cpu run through a real mount, with extra mount options: the daemon's CPU is
     counted in every phase, the options are recorded, and no mount is left behind."""
@@ -228,6 +231,7 @@ def test_daemon_cpu_scenario_tiny(tmp_path: Path) -> None:
     assert doc["scenario"] == "daemon-cpu" and doc["mount_options"] == ["--durability", "local"]
     cpu = {r["variant"]: r for r in doc["summary"] if r["metric"] == "cpu_s_per_gib"}
     assert list(cpu) == ["write", "read back", "read on a fresh node"]
+    errors = [r.get("error") for r in doc["runs"] if r.get("error")]
     for phase, row in cpu.items():
-        assert row["systems"]["fusestate-file"]["median"] > 0, (phase, row)
+        assert (row["systems"]["fusestate-file"]["median"] or 0) > 0, (phase, row, errors)
     assert not any(is_mounted(p) for p in work.rglob("mnt"))
