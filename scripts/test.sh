@@ -7,7 +7,7 @@ set +e
 # Two workers, one test file each at a time (a file's module fixtures, such as the Spark
 # baseline run, are built once): most tests wait on mounts, daemons and JVMs, not the CPU.
 # FUSESTATE_TEST_WORKERS=0 runs everything in this process.
-.venv/bin/pytest -q -p no:cacheprovider -n "${FUSESTATE_TEST_WORKERS:-2}" --dist loadfile "$@"
+.venv/bin/pytest -q -p no:cacheprovider --durations=12 -n "${FUSESTATE_TEST_WORKERS:-2}" --dist loadfile "$@"
 status=$?
 set -e
 # Leave no mounts behind, whatever happened.
