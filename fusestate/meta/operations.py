@@ -54,6 +54,9 @@ class Tx(Protocol):
     def all(self, sql: str, args: tuple = ()) -> list[tuple]: ...
     def exec(self, sql: str, args: tuple = ()) -> int: ...
     def lock(self, inodes: Iterable[int]) -> None: ...
+    def inode_row(self, ino: int) -> Optional[tuple]:
+        """The inode's ``INODE_COLUMNS`` (an engine may answer from the rows it locked)."""
+        ...
     def changed(self, ino: int) -> None:
         """An inode's row was updated or deleted (an engine that caches attributes drops it)."""
         ...
@@ -76,7 +79,7 @@ def _inode(row: tuple) -> Inode:
 
 
 def get(tx: Tx, ino: int) -> Inode:
-    row = tx.one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?", (ino,))
+    row = tx.inode_row(ino)
     if row is None:
         raise FsError(errno.ENOENT)
     return _inode(row)

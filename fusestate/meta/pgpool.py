@@ -2,7 +2,11 @@
 
 psycopg's async API is asyncio-only and the daemon runs on trio, so the sync API runs in
 worker threads: a whole transaction per thread hop (a hop costs 56-84 us, a local point
-select 0.08 ms: one hop per FUSE operation, not per statement). A bounded set of
+select 0.08 ms: one hop per FUSE operation, not per statement). Round trips are what a
+namespace operation costs (about 0.1 ms each, even on the same machine), so a caller may
+run without ``conn.transaction()`` (``explicit=True``): reads then run one statement per
+round trip with no BEGIN and COMMIT of their own, and writes send BEGIN together with
+their first statement; the pool ends whatever transaction is left open. A bounded set of
 connections is reused. A transaction that meets a serialization failure, a deadlock or a
 unique-key race is run again whole; a connection lost because the server restarted is
 made again, and the transaction retried, for up to ``outage_budget`` seconds.
@@ -14,6 +18,7 @@ the URL works but is never printed (``redact``).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import queue
 import random
@@ -31,6 +36,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+IDLE, INTRANS, INERROR = (psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS,
+                          psycopg.pq.TransactionStatus.INERROR)
 RETRIED_SQLSTATES = {"40001", "40P01", "23505"}  # serialization failure, deadlock, unique race
 MAX_CONFLICT_TRIES = 50
 CONNECT_TIMEOUT = 5
@@ -68,11 +75,15 @@ class PgPool:
         self.retries = 0
         self.reconnects = 0
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(cursor, *args)`` in one transaction, off the event loop."""
-        return await trio.to_thread.run_sync(self.run_sync, fn, *args, limiter=self._limiter)
+    async def run(self, fn: Callable[..., T], *args: Any, explicit: bool = False) -> T:
+        """``fn(cursor, *args)`` in one transaction, off the event loop. ``explicit``: on
+        an autocommit connection, where ``fn`` sends its own BEGIN (or none, for reads at
+        READ COMMITTED, where each statement sees its own snapshot anyway); a transaction
+        it leaves open is committed, or rolled back if ``fn`` raised."""
+        return await trio.to_thread.run_sync(functools.partial(self.run_sync, fn, *args, explicit=explicit),
+                                             limiter=self._limiter)
 
-    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+    def run_sync(self, fn: Callable[..., T], *args: Any, explicit: bool = False) -> T:
         """The same, from a thread (or before the event loop starts)."""
         conflicts = 0
         outage_started: Optional[float] = None
@@ -80,8 +91,14 @@ class PgPool:
             conn: Optional[psycopg.Connection] = None
             try:
                 conn = self._take()
-                with conn.transaction(), conn.cursor() as cur:
-                    result = fn(cur, *args)
+                if explicit:
+                    with conn.cursor() as cur:
+                        result = fn(cur, *args)
+                        if conn.info.transaction_status != IDLE:
+                            cur.execute("COMMIT")
+                else:
+                    with conn.transaction(), conn.cursor() as cur:
+                        result = fn(cur, *args)
                 self._give(conn)
                 if outage_started is not None:
                     log.warning("metadata database %s is back", self.redacted)
@@ -141,7 +158,12 @@ class PgPool:
         return psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT, autocommit=True)
 
     def _give(self, conn: psycopg.Connection) -> None:
-        if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        if not conn.closed and conn.info.transaction_status in (INTRANS, INERROR):
+            try:
+                conn.execute("ROLLBACK")  # what an explicit transaction left open when it failed
+            except psycopg.Error:
+                pass
+        if conn.closed or conn.info.transaction_status != IDLE:
             self._discard(conn)
         else:
             self._idle.put(conn)

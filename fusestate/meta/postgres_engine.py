@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import trio
+from psycopg import sql
 
 from fusestate.config import DEFAULT_BLOCK_SIZE
 from fusestate.errors import FsError
@@ -44,7 +45,8 @@ SCHEMA_LOCK = 0x66757365  # advisory lock id taken while the schema is created
 MOVE_LOCK = 0x66757366    # advisory lock id that serializes directory moves between parents
 GC_LOCK = 0x66757367      # shared by upload registrations, exclusive for the sweep of unknown objects
 SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clean a session up
-NAMESPACE_COMMIT = "SET LOCAL synchronous_commit = off"  # durable at fsync (sync), visible at once
+# Durable at fsync (sync), visible at once: SET LOCAL as a SELECT, to join the session check.
+NAMESPACE_COMMIT = "SELECT set_config('synchronous_commit', 'off', true)"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes (
@@ -135,6 +137,7 @@ class _PgTx:
         self.holds = engine._holds
         self.inodes_delta = 0
         self.used_delta = 0
+        self._locked: dict[int, tuple] = {}  # rows this transaction locked, until it changes them
 
     def one(self, sql: str, args: tuple = ()) -> Optional[tuple]:
         self._cur.execute(sql.replace("?", "%s"), args)
@@ -149,10 +152,17 @@ class _PgTx:
         return self._cur.rowcount
 
     def lock(self, inodes: Iterable[int]) -> None:
-        self._cur.execute("SELECT id FROM inodes WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (sorted(set(inodes)),))
+        # The locked rows come back whole: the operation reads them next (one round trip fewer).
+        self._cur.execute(f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
+                          (sorted(set(inodes)),))
+        self._locked.update((row[0], row) for row in self._cur.fetchall())
+
+    def inode_row(self, ino: int) -> Optional[tuple]:
+        row = self._locked.get(ino)
+        return row if row is not None else self.one(f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id=%s", (ino,))
 
     def changed(self, ino: int) -> None:
-        pass  # no attribute cache: other nodes change rows too
+        self._locked.pop(ino, None)  # no attribute cache beyond the transaction: other nodes change rows too
 
     def lock_moves(self) -> None:
         self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (MOVE_LOCK,))
@@ -208,7 +218,7 @@ class PostgresEngine:
             raise FsError(errno.EROFS)
         while True:
             try:
-                result, inodes, used = await self.pool.run(self._txn, operation, args, after)
+                result, inodes, used = await self.pool.run(self._txn, operation, args, after, explicit=True)
             except ops.Restart:
                 continue
             if inodes or used:
@@ -217,24 +227,31 @@ class PostgresEngine:
 
     def _txn(self, cur: Any, operation: Callable[..., T], args: tuple,
              after: Optional[Callable[[Any], None]]) -> tuple[T, int, int]:
+        # BEGIN, the session check and the commit mode in one round trip (the session id is
+        # an integer of our own, so it is safe to write inline), and the counters with COMMIT.
         if self.session_id:
-            cur.execute("SELECT 1 FROM sessions WHERE id=%s FOR SHARE", (self.session_id,))
+            cur.execute(f"BEGIN; {NAMESPACE_COMMIT} FROM sessions WHERE id={int(self.session_id)} FOR SHARE")
+            cur.nextset()
             if cur.fetchone() is None:
                 self.lost = True
                 raise SessionLost()
-        cur.execute(NAMESPACE_COMMIT)
+        else:
+            cur.execute(f"BEGIN; {NAMESPACE_COMMIT}")
         tx = _PgTx(cur, self)
         result = operation(tx, *args)
         if after is not None:
             after(cur)
         if tx.inodes_delta or tx.used_delta:
-            cur.execute("INSERT INTO counters (session_id, inodes, used) VALUES (%s, %s, %s)"
-                        " ON CONFLICT (session_id) DO UPDATE SET inodes = counters.inodes + excluded.inodes,"
-                        " used = counters.used + excluded.used", (self.session_id, tx.inodes_delta, tx.used_delta))
+            cur.execute(f"INSERT INTO counters (session_id, inodes, used) VALUES ({int(self.session_id)},"
+                        f" {int(tx.inodes_delta)}, {int(tx.used_delta)}) ON CONFLICT (session_id) DO UPDATE"
+                        " SET inodes = counters.inodes + excluded.inodes, used = counters.used + excluded.used;"
+                        " COMMIT")
+        else:
+            cur.execute("COMMIT")
         return result, tx.inodes_delta, tx.used_delta
 
     async def _read(self, operation: Callable[..., T], *args: Any) -> T:
-        return await self.pool.run(lambda cur: operation(_PgTx(cur, self), *args))
+        return await self.pool.run(lambda cur: operation(_PgTx(cur, self), *args), explicit=True)
 
     # --- namespace ----------------------------------------------------------------
     async def getattr(self, ino: int) -> Inode:
@@ -306,16 +323,16 @@ class PostgresEngine:
         def register(cur: Any) -> Optional[bool]:
             # Against the sweep of objects the database does not know (``sweep_unknown``),
             # which cannot lock a row that is not there.
-            cur.execute("SELECT pg_advisory_xact_lock_shared(%s)", (GC_LOCK,))
+            cur.execute(f"BEGIN; SELECT pg_advisory_xact_lock_shared({GC_LOCK})")
             cur.execute("SELECT uploaded, deleting FROM objects WHERE key=%s FOR SHARE", (key,))
             row = cur.fetchone()
             if row is not None and row[1]:
                 return None
-            cur.execute("INSERT INTO uploads (session_id, key, size) VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
-                        (self.session_id, key, size))
+            cur.execute(sql.SQL("INSERT INTO uploads (session_id, key, size) VALUES ({}, {}, {})"
+                                " ON CONFLICT DO NOTHING; COMMIT").format(self.session_id, key, size))
             return bool(row is not None and row[0])
 
-        return await self.pool.run(register)
+        return await self.pool.run(register, explicit=True)
 
     async def end_upload(self, key: str) -> None:
         """An upload whose commit will not come (the block was superseded): the block is
@@ -492,11 +509,11 @@ class PostgresEngine:
         WAL is flushed up to its commit record, which is after every commit before it, this
         node's and the others'. Its write is this session's heartbeat (a transaction that
         writes nothing commits without a WAL record, and does not wait)."""
-        def flush(cur: Any) -> None:
-            cur.execute("SET LOCAL synchronous_commit = on")
-            cur.execute(f"UPDATE sessions SET heartbeat={_NOW} WHERE id=%s", (self.session_id,))
+        def flush(cur: Any) -> None:  # one round trip
+            cur.execute(f"BEGIN; SET LOCAL synchronous_commit = on;"
+                        f" UPDATE sessions SET heartbeat={_NOW} WHERE id={int(self.session_id)}; COMMIT")
 
-        await self.pool.run(flush)
+        await self.pool.run(flush, explicit=True)
 
     def close(self) -> None:
         if self.session_id and not self.lost and not self.read_only:

@@ -109,6 +109,9 @@ class _SQLiteTx:
     def lock(self, inodes: Iterable[int]) -> None:
         pass
 
+    def inode_row(self, ino: int) -> Optional[tuple]:
+        return self.one(f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id=?", (ino,))
+
     def lock_moves(self) -> None:
         pass
 
