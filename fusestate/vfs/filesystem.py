@@ -270,6 +270,10 @@ class FileSystem:
                       gid: Optional[int] = None, size: Optional[int] = None,
                       atime_ns: Optional[int] = None, mtime_ns: Optional[int] = None) -> Inode:
         self._check_writable()
+        if mtime_ns is not None and (mode, uid, gid, size, atime_ns) == (None,) * 5:
+            node = await self._written_back_mtime(ino, mtime_ns)
+            if node is not None:
+                return node
         if size is not None:
             node = await self._node(ino)
             if node.is_dir:
@@ -284,6 +288,20 @@ class FileSystem:
         if mtime_ns is not None:
             node.mtime_ns = mtime_ns
         return node
+
+    async def _written_back_mtime(self, ino: int, mtime_ns: int) -> Optional[Inode]:
+        """An mtime alone is what the kernel's writeback cache sends after a write, a link or
+        an unlink. For a file open here it goes with the file's next commit, as its data
+        does; one the metadata holds already changes nothing (the operation that changed
+        the file set its ctime). Either way no metadata transaction now; None: store it."""
+        f = self._files.get(ino)
+        if f is not None and f.node.is_reg:
+            if f.node.mtime_ns != mtime_ns:
+                f.node.mtime_ns, f.node.ctime_ns = mtime_ns, max(f.node.ctime_ns, time.time_ns())
+                f.attrs_dirty = True
+            return f.node
+        node = await self._node(ino)
+        return node if node.mtime_ns == mtime_ns else None
 
     async def truncate(self, node: Inode, size: int) -> None:
         if size < 0:
@@ -560,9 +578,12 @@ class FileSystem:
                         await self.blocks.abandon(key)  # superseded by a newer write or truncate
                         return
                     try:
+                        size_mtime = (f.node.size, f.node.mtime_ns)
                         freed = await self.meta.commit_blocks(
-                            f.inode, {index: (key, len(data)) if key else None}, f.node.size, f.node.mtime_ns)
+                            f.inode, {index: (key, len(data)) if key else None}, *size_mtime)
                         awaiting_commit = False
+                        if (f.node.size, f.node.mtime_ns) == size_mtime:
+                            f.attrs_dirty = False  # recorded with the block: no commit of its own
                     except FsError as exc:
                         if exc.errno != errno.ENOENT:
                             raise
