@@ -224,6 +224,39 @@ def test_identical_blocks_sealed_at_once_all_reach_the_bucket(tmp_path: Path) ->
     run_fs(tmp_path, body, upload_delay=0.0)
 
 
+def test_a_block_sealed_again_while_its_last_seal_commits(tmp_path: Path) -> None:
+    """A small file flushed, written and flushed again while the first flush's commit is
+    still with the metadata (a slow shared database): the first seal must leave the
+    second's sealing entry alone, and the newest bytes win."""
+    first, second = os.urandom(1000), os.urandom(1000)
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        commit = fs.meta.commit_blocks
+        calls = 0
+
+        async def slow_first_commit(*args, **kw):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                await trio.sleep(0.3)
+            return await commit(*args, **kw)
+
+        fs.meta.commit_blocks = slow_first_commit
+        fh, node = await fs.create(ROOT_INODE, b"f", 0o644, os.O_RDWR, CTX)
+        await fs.write(fh, 0, first)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fs.flush, fh)
+            await trio.sleep(0.1)  # the first seal is committing now
+            await fs.write(fh, 0, second)
+            await fs.flush(fh)
+        assert calls >= 2
+        assert await fs.read(fh, 0, 4096) == second
+        await fs.release(fh)
+        assert await read_file(fs, node.id) == second
+
+    run_fs(tmp_path, body)
+
+
 def test_disk_cache_survives_eviction_racing_inserts(tmp_path: Path) -> None:
     """Eviction deletes emptied directories while other threads insert: no insert may fail
     (a failing insert behind a background fetch once stopped the daemon)."""

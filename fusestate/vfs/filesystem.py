@@ -604,7 +604,9 @@ class FileSystem:
                 f.keys.pop(index, None)
             else:
                 f.keys[index] = key
-            del f.sealing[index]
+            if f.is_current(index, generation):
+                # A newer seal of this block, started while this one committed, keeps its own.
+                f.sealing.pop(index, None)
             await self.blocks.committed(key, len(data), upload=not f.node.scratch)
             await self.blocks.release(freed.keys)
         finally:
