@@ -222,12 +222,14 @@ def _log_ids(directory: Path) -> set[int]:
 
 
 def test_shim_commit_survives_node_loss_at_once(make_mount, file_bucket: Bucket, baseline, tmp_path: Path, shim):
-    """Every batch Spark has recorded as committed is in the bucket: the node dies the moment
-    the batch is reported, and a fresh node still finds its commit. The journal is not shipped
-    on a timer here; only fsyncs ship it, and Spark itself never syncs its checkpoint files."""
+    """Every batch Spark has recorded as committed is in the bucket, under the settings the
+    setup helper writes by default (changelog checkpointing, a snapshot every few versions):
+    the node dies the moment the batch is reported, and on a fresh node the query resumes
+    after it with that batch's state. The journal is not shipped on a timer here; only
+    fsyncs ship it, and Spark itself never syncs its checkpoint files."""
     m = make_mount(file_bucket).mount("--journal-interval", "600")
-    job = m.path / "job"
-    cmd = pipeline_cmd(job, tmp_path / "out", "--input", str(baseline["input"]), "--use-shim", *SMALL)
+    job, out = m.path / "job", tmp_path / "out"
+    cmd = pipeline_cmd(job, out, "--input", str(baseline["input"]), "--use-shim", *SMALL)
     done = _run_until_batches(cmd, 2)
     commits = job / "checkpoints" / "pipeline" / "commits"
     recorded = _log_ids(commits)
@@ -236,6 +238,13 @@ def test_shim_commit_survives_node_loss_at_once(make_mount, file_bucket: Bucket,
     m.wipe_cache()
     m.mount("--takeover")
     assert _log_ids(commits) >= recorded, "a commit Spark recorded was lost with the node"
+    # The committed batches' state came along: the query resumes after them, and its
+    # aggregates end as in the uninterrupted run (a lost changelog would miss its counts).
+    report = pipeline(job, out, baseline["input"], "--use-shim", *SMALL)
+    assert report["state_store_conf"]["spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"] == "true"
+    resumed = [b["batch"] for b in report["batches"]]
+    assert resumed and resumed[0] > max(recorded), (resumed, recorded)
+    assert final_view(out) == baseline["final"]
     m.umount()
 
 
