@@ -31,6 +31,8 @@ import fcntl
 import mmap
 import os
 import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import BinaryIO, Optional
 
 CHUNK = 1 << 20
@@ -43,6 +45,85 @@ def read_range(path: str, start: int, end: int) -> bytes:
         return os.pread(fd, max(0, end - start), start)
     finally:
         os.close(fd)
+
+
+@dataclass
+class _OpenFile:
+    fd: int
+    users: int = 0
+    dropped: bool = False  # out of the table: the last user closes it
+
+
+class OpenFiles:
+    """Read-only descriptors of immutable files (``file://`` bucket objects), kept open in
+    a bounded LRU so that a small read costs one ``pread``: no path lookup, no open and
+    close. Shared by the event loop and worker threads; a descriptor dropped from the
+    table while a read uses it is closed by that read."""
+
+    def __init__(self, limit: int = 128) -> None:
+        self._limit = limit
+        self._files: OrderedDict[str, _OpenFile] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the file (shorter at its end): one ``pread``."""
+        f = self._acquire(path)
+        try:
+            return os.pread(f.fd, max(0, end - start), start)
+        finally:
+            self._release(f)
+
+    def _acquire(self, path: str) -> _OpenFile:
+        with self._lock:
+            f = self._files.get(path)
+            if f is not None:
+                self._files.move_to_end(path)
+                f.users += 1
+                return f
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        opened = _OpenFile(fd, users=1)
+        evicted: list[_OpenFile] = []
+        with self._lock:
+            f = self._files.get(path)
+            if f is not None:  # another thread opened it meanwhile: use that one
+                f.users += 1
+            else:
+                f = self._files[path] = opened
+                while len(self._files) > self._limit:
+                    evicted.append(self._files.popitem(last=False)[1])
+        if f is not opened:
+            os.close(fd)
+        for old in evicted:
+            self._drop(old)
+        return f
+
+    def _release(self, f: _OpenFile) -> None:
+        with self._lock:
+            f.users -= 1
+            close = f.dropped and f.users == 0
+        if close:
+            os.close(f.fd)
+
+    def _drop(self, f: _OpenFile) -> None:
+        with self._lock:
+            f.dropped = True
+            close = f.users == 0
+        if close:
+            os.close(f.fd)
+
+    def forget(self, path: str) -> None:
+        """The file was removed or replaced: close its descriptor (once no read uses it)."""
+        with self._lock:
+            f = self._files.pop(path, None)
+        if f is not None:
+            self._drop(f)
+
+    def close(self) -> None:
+        with self._lock:
+            files = list(self._files.values())
+            self._files.clear()
+        for f in files:
+            self._drop(f)
 
 
 def write_all(f: BinaryIO, data: bytes | bytearray | memoryview) -> int:

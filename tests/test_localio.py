@@ -80,3 +80,45 @@ def test_an_aligned_block_is_written_from_its_own_buffer(tmp_path: Path, direct:
             localio.write_file(f, data, keep_cached=False, direct=True)
         assert (tmp_path / name).read_bytes() == data
     assert copies == [(4 << 20) - 1], "only the unaligned block went through a copy"
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_open_files_read_ranges_and_keep_a_bounded_number_open(tmp_path: Path) -> None:
+    files = localio.OpenFiles(limit=2)
+    contents = {}
+    for i in range(4):
+        path = tmp_path / f"o{i}"
+        contents[str(path)] = os.urandom(10_000)
+        path.write_bytes(contents[str(path)])
+    before = _open_descriptors()
+    for path, data in contents.items():
+        assert files.read(path, 100, 4196) == data[100:4196]
+        assert files.read(path, 9_990, 20_000) == data[9_990:]  # past the end: what is there
+        assert files.read(path, 20_000, 20_010) == b""
+    assert _open_descriptors() == before + 2  # the two most recent stay open, the others were closed
+    with pytest.raises(FileNotFoundError):
+        files.read(str(tmp_path / "missing"), 0, 10)
+    files.close()
+    assert _open_descriptors() == before
+
+
+def test_open_files_forget_a_replaced_file_and_close_a_dropped_one_after_its_read(tmp_path: Path) -> None:
+    files = localio.OpenFiles(limit=1)
+    path = tmp_path / "o"
+    path.write_bytes(b"old bytes")
+    assert files.read(str(path), 0, 3) == b"old"
+    (tmp_path / "new").write_bytes(b"new bytes")
+    os.replace(tmp_path / "new", path)
+    assert files.read(str(path), 0, 3) == b"old"  # the open descriptor still reads the file it opened
+    files.forget(str(path))
+    assert files.read(str(path), 0, 3) == b"new"
+
+    held = files._acquire(str(path))  # a read in progress in another thread
+    files.forget(str(path))           # ... while the file is dropped from the table
+    os.fstat(held.fd)                 # still open for that read
+    files._release(held)
+    with pytest.raises(OSError):
+        os.fstat(held.fd)             # closed by its last user

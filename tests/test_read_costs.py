@@ -20,7 +20,8 @@ def test_a_bucket_as_fast_as_local_disk_is_read_by_range() -> None:
         costs.bucket(0.0015)  # a file:// bucket on a busy node
         costs.local(0.0009)
     assert not costs.whole_blocks_pay()
-    assert costs.summary() == {"bucket": 1.5, "local": 0.9, "bucket_samples": 32, "whole_blocks": False}
+    assert costs.summary() == {"bucket": 1.5, "local": 0.9, "bucket_samples": 32, "whole_blocks": False,
+                               "on_event_loop": False}
 
 
 def test_a_remote_bucket_is_worth_whole_blocks_and_one_slow_read_moves_nothing() -> None:
@@ -56,3 +57,24 @@ def test_the_verdict_follows_the_bucket_when_it_slows_down() -> None:
         costs.whole_blocks_pay()  # asked all along, as the read path does
     assert costs.whole_blocks_pay()
     assert costs.summary()["whole_blocks"] is True
+
+
+def test_only_a_bucket_timed_quick_is_read_on_the_event_loop() -> None:
+    costs = ReadCosts()
+    assert not costs.bucket_is_quick()  # nothing timed yet: worker threads
+    for _ in range(MIN_BUCKET_SAMPLES - 1):
+        costs.bucket(0.0002)
+    assert not costs.bucket_is_quick()
+    costs.bucket(0.0002)
+    assert costs.bucket_is_quick()  # a file:// bucket on a fast disk
+    assert costs.summary()["on_event_loop"] is True
+    for _ in range(64):  # its disk turns slow: a blocked loop would hold up every other request
+        costs.bucket(0.0015)
+        costs.bucket_is_quick()
+    assert not costs.bucket_is_quick()
+    assert not costs.whole_blocks_pay()  # still no reason to copy whole blocks (1.5 ms < 4 x the 0.5 ms floor)
+
+    remote = ReadCosts("never")  # the whole-blocks override does not decide this
+    for _ in range(32):
+        remote.bucket(0.020)  # S3
+    assert not remote.bucket_is_quick()

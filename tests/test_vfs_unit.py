@@ -37,8 +37,11 @@ CTX = RequestContext(uid=0, gid=0)
 def run_fs(tmp_path: Path, body: Callable[[FileSystem, RemoteStore], Awaitable[None]], **kw) -> None:
     """Run ``body`` against the layers a mount builds (``components.build``), on a memory bucket."""
     async def main() -> None:
-        fs_mem = fsspec.filesystem("memory")
-        remote = RemoteStore(fs_mem, f"/vol-{uuid.uuid4().hex}", retries=2, backoff_initial=0.01)
+        if kw.get("file_bucket"):
+            remote = RemoteStore(fsspec.filesystem("file"), str(tmp_path / "bucket"), retries=2, backoff_initial=0.01)
+        else:
+            remote = RemoteStore(fsspec.filesystem("memory"), f"/vol-{uuid.uuid4().hex}", retries=2,
+                                 backoff_initial=0.01)
         meta = SQLiteEngine(str(tmp_path / "meta.db"), block_size=BS)
         parts = components.build(meta, remote, CacheLayout(str(tmp_path)), components.Settings(
             block_size=BS, read_cache_size=64 << 20, memory_cache_size=16 << 20,
@@ -508,6 +511,77 @@ def test_file_bucket_range_reads_clip_at_the_end_and_name_a_missing_object(tmp_p
     assert remote.stats.bytes_in == 4096 + 10
     with pytest.raises(FileNotFoundError):
         remote.get_range("blocks/ab/missing", 0, 10)
+
+
+def test_small_cold_reads_of_a_quick_file_bucket_take_no_worker_thread(tmp_path: Path) -> None:
+    """Once a file:// bucket's small reads are timed quick, a small cold read is one pread
+    on the event loop; the bytes are the same. A large read, every read while another
+    waits in a worker thread (concurrent readers go on in parallel there), and every read
+    while faults are injected still take a thread."""
+    import threading
+
+    from fusestate.blocks.read_costs import MIN_BUCKET_SAMPLES
+
+    async def body(fs: FileSystem, remote: RemoteStore) -> None:
+        blocks = [os.urandom(BS) for _ in range(MIN_BUCKET_SAMPLES + 4)]  # the first reads: one per block
+        keys = []
+        for data in blocks:
+            key = block_key(data)
+            remote.put(object_name(key), data)  # in the bucket only: every read of it is cold
+            keys.append(key)
+        threads: list[str] = []
+        gate = threading.Event()
+        gate.set()
+        real_run = remote.run
+
+        async def counting_run(fn, *args):  # type: ignore[no-untyped-def]
+            threads.append(fn.__name__)
+
+            def gated():  # type: ignore[no-untyped-def]
+                gate.wait()
+                return fn(*args)
+            return await real_run(gated)
+        remote.run = counting_run  # type: ignore[method-assign]
+        store = fs.blocks
+
+        async def small(i: int) -> None:
+            k = i % len(keys)
+            offset = (i * 4096) % (BS - 4096)
+            assert await store.read(keys[k], offset, offset + 100) == blocks[k][offset:offset + 100]
+
+        for i in range(MIN_BUCKET_SAMPLES):
+            await small(i)
+        assert len(threads) == MIN_BUCKET_SAMPLES  # timed in worker threads first
+        assert store.read_costs.bucket_is_quick()
+        threads.clear()
+        requests = remote.stats.requests["get_range"]
+        for i in range(20):
+            await small(i)
+        assert threads == [] and remote.stats.requests["get_range"] == requests + 20
+        assert store.stats.remote_range_reads == MIN_BUCKET_SAMPLES + 20
+
+        assert await store.read(keys[0], 0, BS // 2) == blocks[0][:BS // 2]  # a large read
+        assert len(threads) == 1
+
+        gate.clear()  # a read held in its thread: the next small read must not wait behind the loop
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(store.read, keys[1], 0, BS // 2)
+                await trio.sleep(0.05)
+                threads.clear()
+                nursery.start_soon(small, 1)
+                await trio.sleep(0.05)
+                assert len(threads) == 1, threads
+                gate.set()
+        finally:
+            gate.set()
+
+        threads.clear()
+        remote.on_call = lambda op, key: None  # a fault injector
+        await small(2)
+        assert len(threads) == 1
+
+    run_fs(tmp_path, body, file_bucket=True)
 
 
 def test_a_block_finding_the_disk_full_waits_for_blocks_still_being_staged(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ LOCAL_COST_FLOOR = 0.0005    # seconds: local reads faster than this count as th
 MIN_BUCKET_SAMPLES = 16      # until then, fetch whole blocks (the safe choice for a remote bucket)
 WINDOW = 64                  # recent reads whose median is the cost: one slow read moves nothing
 RECHECK_EVERY = 8            # new samples between two workings-out of the verdict
+QUICK_BUCKET_READ = 0.001    # seconds: a bucket whose small reads take less is read on the event loop
 
 
 class ReadCosts:
@@ -36,16 +37,19 @@ class ReadCosts:
     count lost to a race only delays that by one)."""
 
     def __init__(self, mode: str = "auto", ratio: float = COST_RATIO, local_floor: float = LOCAL_COST_FLOOR,
-                 min_bucket_samples: int = MIN_BUCKET_SAMPLES, window: int = WINDOW) -> None:
+                 min_bucket_samples: int = MIN_BUCKET_SAMPLES, window: int = WINDOW,
+                 quick_bucket_read: float = QUICK_BUCKET_READ) -> None:
         self.mode = mode  # auto | always | never (--whole-blocks)
         self.ratio = ratio
         self.local_floor = local_floor
         self.min_bucket_samples = min_bucket_samples
+        self.quick_bucket_read = quick_bucket_read
         self._bucket: collections.deque[float] = collections.deque(maxlen=window)
         self._local: collections.deque[float] = collections.deque(maxlen=window)
         self._samples = 0                      # appended so far, to both windows
         self._verdict_at = 0                   # ... when the verdict was last worked out
         self._verdict: Optional[bool] = None
+        self._quick = False
 
     def bucket(self, seconds: float) -> None:
         self._bucket.append(seconds)
@@ -69,14 +73,28 @@ class ReadCosts:
             return self.mode == "always"
         if len(self._bucket) < self.min_bucket_samples:
             return True
-        if self._verdict is None or self._samples - self._verdict_at >= RECHECK_EVERY:
-            self._verdict_at = self._samples
-            self._decide()
+        self._recheck()
         assert self._verdict is not None
         return self._verdict
 
+    def bucket_is_quick(self) -> bool:
+        """Whether a small read from the bucket (that is not in the page cache) is quick
+        enough to make on the event loop itself, blocking it, rather than in a worker thread:
+        a thread hop costs about as much as a read from a fast local disk. Only for a bucket
+        whose reads are timed (``file://``), once enough of them are."""
+        if len(self._bucket) < self.min_bucket_samples:
+            return False
+        self._recheck()
+        return self._quick
+
+    def _recheck(self) -> None:
+        if self._verdict is None or self._samples - self._verdict_at >= RECHECK_EVERY:
+            self._verdict_at = self._samples
+            self._decide()
+
     def _decide(self) -> None:
         bucket = self.bucket_seconds or 0.0
+        self._quick = bucket < self.quick_bucket_read
         local = max(self.local_seconds or 0.0, self.local_floor)
         verdict = bucket >= self.ratio * local
         if verdict != self._verdict:
@@ -90,4 +108,5 @@ class ReadCosts:
         def ms(seconds: Optional[float]) -> Optional[float]:
             return None if seconds is None else round(seconds * 1e3, 3)
         return {"bucket": ms(self.bucket_seconds), "local": ms(self.local_seconds),
-                "bucket_samples": len(self._bucket), "whole_blocks": self.whole_blocks_pay()}
+                "bucket_samples": len(self._bucket), "whole_blocks": self.whole_blocks_pay(),
+                "on_event_loop": self.bucket_is_quick()}

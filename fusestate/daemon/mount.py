@@ -487,6 +487,8 @@ class Daemon:
         else:
             with contextlib.suppress(Exception):
                 self.meta.close()
+        if hasattr(self, "remote"):
+            self.remote.close()
 
 
 CACHE_DISK_RESERVE_MIN = 16 << 20   # kept free on the cache dir's disk: 5% of it, within these bounds

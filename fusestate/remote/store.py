@@ -20,7 +20,7 @@ import fsspec
 import tenacity
 import trio
 
-from fusestate.localio import copy_direct, drop_cached, read_file, read_range, write_all
+from fusestate.localio import OpenFiles, copy_direct, drop_cached, read_file, write_all
 from fusestate.remote.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ class RemoteStore:
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         self._is_local = "file" in protocols or "local" in protocols
         self._is_memory = "memory" in protocols
+        # file://: objects are immutable, so their descriptors stay open for range reads.
+        self._open_files: Optional[OpenFiles] = OpenFiles() if self._is_local else None
         self._limiter = trio.CapacityLimiter(concurrency)
         self._retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(retries),
@@ -123,10 +125,28 @@ class RemoteStore:
         return data
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        if self._is_local:  # a point lookup's read: one pread, without fsspec's file object
-            data = self._call("get_range", key, lambda: read_range(self.path(key), start, end))
+        if self._open_files is not None:  # a point lookup's read: one pread, without fsspec's file object
+            files = self._open_files
+            data = self._call("get_range", key, lambda: files.read(self.path(key), start, end))
         else:
             data = self._call("get_range", key, lambda: self.fs.cat_file(self.path(key), start=start, end=end))
+        self.stats.bytes_in += len(data)
+        return data
+
+    def get_range_now(self, key: str, start: int, end: int) -> Optional[bytes]:
+        """A range read made by the caller itself, on the event loop, without a worker
+        thread or retries: ``file://`` only, where it is one ``pread`` (the caller judged
+        the disk quick enough to block on). None where a worker thread must do the read
+        after all: another backend, faults injected, or an error, which the thread's read
+        meets again with its retries."""
+        if self._open_files is None or self.on_call is not None:
+            return None
+        started = time.monotonic()
+        try:
+            data = self._open_files.read(self.path(key), start, end)
+        except OSError:
+            return None
+        self.stats.record("get_range", time.monotonic() - started, True)
         self.stats.bytes_in += len(data)
         return data
 
@@ -189,12 +209,16 @@ class RemoteStore:
         except BaseException:
             with_suppress_remove(tmp)
             raise
+        if self._open_files is not None:
+            self._open_files.forget(target)  # a descriptor of a replaced file reads the old one
         return size
 
     def exists(self, key: str) -> bool:
         return self._call("head", key, lambda: self.fs.exists(self.path(key)))
 
     def delete(self, key: str) -> None:
+        if self._open_files is not None:
+            self._open_files.forget(self.path(key))
         try:
             self._call("delete", key, lambda: self.fs.rm_file(self.path(key)))
         except FileNotFoundError:
@@ -210,6 +234,10 @@ class RemoteStore:
         root_len = len(self.root.lstrip("/")) + 1
         return sorted(p.lstrip("/")[root_len:] for p in found
                       if not os.path.basename(p).startswith(".tmp-"))
+
+    def close(self) -> None:
+        if self._open_files is not None:
+            self._open_files.close()
 
     # --- async API (the event loop) --------------------------------------
     async def run(self, fn: Callable[..., T], *args: object) -> T:
