@@ -78,3 +78,25 @@ def test_only_a_bucket_timed_quick_is_read_on_the_event_loop() -> None:
     for _ in range(32):
         remote.bucket(0.020)  # S3
     assert not remote.bucket_is_quick()
+
+
+def test_a_quick_bucket_no_dearer_than_the_cache_is_read_before_it() -> None:
+    costs = ReadCosts()
+    for _ in range(32):
+        costs.bucket(0.0002)
+    assert costs.bucket_is_quick() and not costs.bucket_beats_local()  # the cache's cost unknown
+    for _ in range(32):
+        costs.local(0.0004)  # the disk cache: a thread hop and an SQLite transaction per read
+    assert costs.bucket_beats_local()
+
+    slower = ReadCosts()
+    for _ in range(32):
+        slower.bucket(0.0006)
+        slower.local(0.0002)
+    assert slower.bucket_is_quick() and not slower.bucket_beats_local()
+
+    remote = ReadCosts()
+    for _ in range(32):
+        remote.bucket(0.020)
+        remote.local(0.030)  # a cache disk slower still: a remote bucket is never read first
+    assert not remote.bucket_beats_local()

@@ -515,7 +515,8 @@ def test_file_bucket_range_reads_clip_at_the_end_and_name_a_missing_object(tmp_p
 
 def test_small_cold_reads_of_a_quick_file_bucket_take_no_worker_thread(tmp_path: Path) -> None:
     """Once a file:// bucket's small reads are timed quick, a small cold read is one pread
-    on the event loop; the bytes are the same. A large read, every read while another
+    on the event loop; the bytes are the same. So is a small read of a block in the disk
+    cache, once the cache's reads are timed no cheaper. A large read, every read while another
     waits in a worker thread (concurrent readers go on in parallel there), and every read
     while faults are injected still take a thread."""
     import threading
@@ -559,6 +560,18 @@ def test_small_cold_reads_of_a_quick_file_bucket_take_no_worker_thread(tmp_path:
             await small(i)
         assert threads == [] and remote.stats.requests["get_range"] == requests + 20
         assert store.stats.remote_range_reads == MIN_BUCKET_SAMPLES + 20
+
+        # A block in the disk cache as well: once the bucket's small reads are timed no dearer
+        # than the cache's (a thread and an SQLite transaction each), they go to the bucket.
+        await trio.to_thread.run_sync(store.disk.put, keys[3], blocks[3])
+        hits = store.disk.stats.hits
+        await small(3)  # the cache's reads not timed yet: read from the cache
+        assert store.disk.stats.hits == hits + 1
+        for _ in range(16):
+            store.read_costs.local(0.001)
+        threads.clear()
+        await small(3)
+        assert store.disk.stats.hits == hits + 1 and threads == []
 
         assert await store.read(keys[0], 0, BS // 2) == blocks[0][:BS // 2]  # a large read
         assert len(threads) == 1

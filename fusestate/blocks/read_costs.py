@@ -50,6 +50,7 @@ class ReadCosts:
         self._verdict_at = 0                   # ... when the verdict was last worked out
         self._verdict: Optional[bool] = None
         self._quick = False
+        self._bucket_first = False
 
     def bucket(self, seconds: float) -> None:
         self._bucket.append(seconds)
@@ -87,6 +88,12 @@ class ReadCosts:
         self._recheck()
         return self._quick
 
+    def bucket_beats_local(self) -> bool:
+        """Whether a small read should go to the bucket even for a block in the disk cache:
+        the bucket is quick (see ``bucket_is_quick``) and its small reads cost no more than
+        the cache's, whose reads each take a worker thread and an SQLite transaction."""
+        return self.bucket_is_quick() and self._bucket_first
+
     def _recheck(self) -> None:
         if self._verdict is None or self._samples - self._verdict_at >= RECHECK_EVERY:
             self._verdict_at = self._samples
@@ -95,6 +102,7 @@ class ReadCosts:
     def _decide(self) -> None:
         bucket = self.bucket_seconds or 0.0
         self._quick = bucket < self.quick_bucket_read
+        self._bucket_first = self.local_seconds is not None and bucket <= self.local_seconds
         local = max(self.local_seconds or 0.0, self.local_floor)
         verdict = bucket >= self.ratio * local
         if verdict != self._verdict:

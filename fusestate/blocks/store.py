@@ -290,6 +290,8 @@ class BlockStore:
         started = time.perf_counter()
         small = (end - start) * 4 < self.block_size and not whole
         maybe_local = self._maybe_local(key)
+        if small and maybe_local and not self._staged(key) and self.read_costs.bucket_beats_local():
+            maybe_local = False  # a quick file:// bucket: one pread on the loop, no thread, no SQLite
         if small and maybe_local:
             chunk = await trio.to_thread.run_sync(self._read_local_range, key, start, end,
                                                   limiter=self._local_io)
