@@ -176,7 +176,7 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     by = {r["metric"]: r for r in doc.get("summary", [])}
     out = []
     rate, restart = by.get("records_per_s"), by.get("restart_s")
-    for name in [n for n in doc.get("systems", []) if n != "local"]:
+    for name in [n for n in doc.get("systems", []) if n.startswith("fusestate")]:
         ratio = rate["ratio"].get(name) if rate else None
         if ratio is not None:
             out.append(goal_row(f"Spark pipeline, steady records/s, {name} / local ≥ 0.9",
@@ -185,7 +185,8 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     commit = by.get("commit_ms_median")
     for name in [n for n in doc.get("systems", []) if n.startswith("fusestate")] if commit else []:
         # Local disk's commit: the local setup's, or on the shaped endpoint local+download's.
-        base = next((commit["systems"].get(b, {}).get("median") for b in ("local", "local+download")
+        bases = ("local+download", "local") if name.endswith("@s3") else ("local", "local+download")
+        base = next((commit["systems"].get(b, {}).get("median") for b in bases
                      if commit["systems"].get(b, {}).get("median")), None)
         mine = commit["systems"].get(name, {}).get("median")
         if base and mine:
