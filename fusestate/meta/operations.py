@@ -138,6 +138,12 @@ def parent_of(tx: Tx, ino: int) -> int:
 
 
 def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
+    if len(name) <= NAME_MAX and name not in (b".", b".."):
+        # A name found is the common case, and one statement: only a directory has entries.
+        row = tx.one(f"SELECT {', '.join('i.' + c for c in INODE_COLUMNS.split(', '))} FROM entries e"
+                     " JOIN inodes i ON i.id = e.inode WHERE e.parent=? AND e.name=?", (parent, name))
+        if row is not None:
+            return _inode(row)
     _directory(tx, parent)
     if len(name) > NAME_MAX:
         raise FsError(errno.ENAMETOOLONG)  # not ENOENT: no such name can exist
@@ -145,11 +151,7 @@ def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
         return get(tx, parent)
     if name == b"..":
         return get(tx, parent_of(tx, parent))
-    row = tx.one(f"SELECT {', '.join('i.' + c for c in INODE_COLUMNS.split(', '))} FROM entries e"
-                 " JOIN inodes i ON i.id = e.inode WHERE e.parent=? AND e.name=?", (parent, name))
-    if row is None:
-        raise FsError(errno.ENOENT)
-    return _inode(row)
+    raise FsError(errno.ENOENT)
 
 
 def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False) -> Inode:
