@@ -184,6 +184,7 @@ def _run_until_batches(cmd: list[str], k: int, timeout: float = 240) -> list[int
     return done
 
 
+@pytest.mark.slow  # the default selection resumes on a fresh node in test_shim_commit_survives_node_loss_at_once
 def test_kill_spark_and_node_then_resume_on_fresh_node(make_mount, file_bucket: Bucket, baseline, tmp_path: Path):
     m = make_mount(file_bucket, extra=["--scratch", "blockmgr-*"]).mount()  # as deployed
     out = tmp_path / "out"
@@ -334,7 +335,8 @@ def test_shim_permissions_and_link_status_start_no_process(make_mount, file_buck
     m.umount()
 
 
-@pytest.mark.parametrize("use_shim", [True, False], ids=["shim", "plain-file-scheme"])
+# Without the shim (a file:// checkpoint) is the heavier variant: slow-marked, the shim is the deployed path.
+@pytest.mark.parametrize("use_shim", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["shim", "plain-file-scheme"])
 def test_commit_uploads_no_new_sst_data(make_mount, file_bucket: Bucket, baseline, tmp_path: Path, use_shim, request):
     """Changelog checkpointing off: every commit flushes and copies new SSTs to the checkpoint.
 
