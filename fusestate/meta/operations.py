@@ -23,6 +23,7 @@ from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, 
                                    Freed, Inode, NewNode, ObjectInfo)
 
 INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
+_JOINED_INODE_COLUMNS = ", ".join("i." + c for c in INODE_COLUMNS.split(", "))  # inodes aliased as i
 _S_IFMT = 0o170000  # the file type bits of st_mode
 
 
@@ -140,7 +141,7 @@ def parent_of(tx: Tx, ino: int) -> int:
 def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
     if len(name) <= NAME_MAX and name not in (b".", b".."):
         # A name found is the common case, and one statement: only a directory has entries.
-        row = tx.one(f"SELECT {', '.join('i.' + c for c in INODE_COLUMNS.split(', '))} FROM entries e"
+        row = tx.one(f"SELECT {_JOINED_INODE_COLUMNS} FROM entries e"
                      " JOIN inodes i ON i.id = e.inode WHERE e.parent=? AND e.name=?", (parent, name))
         if row is not None:
             return _inode(row)
@@ -376,7 +377,7 @@ def setattr(tx: Tx, ino: int, change: AttrChange) -> Inode:
 
 def readdir(tx: Tx, ino: int, after_id: int, limit: int) -> list[tuple[DirEntry, Inode]]:
     _directory(tx, ino)
-    rows = tx.all(f"SELECT e.id, e.name, {', '.join('i.' + c for c in INODE_COLUMNS.split(', '))}"
+    rows = tx.all(f"SELECT e.id, e.name, {_JOINED_INODE_COLUMNS}"
                   " FROM entries e JOIN inodes i ON i.id = e.inode WHERE e.parent=? AND e.id>?"
                   " ORDER BY e.id LIMIT ?", (ino, after_id, limit))
     return [(DirEntry(r[0], bytes(r[1]), r[2]), _inode(r[2:])) for r in rows]
