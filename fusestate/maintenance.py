@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from fusestate.blocks.keys import BLOCK_PREFIX, key_matches, key_of_object, object_name
 from fusestate.daemon import volume
-from fusestate.daemon.lease import read_leases
+from fusestate.daemon.lease import epoch_starts, read_leases
 from fusestate.errors import UserError
 import trio
 
@@ -117,7 +117,7 @@ def fsck(url: str, endpoint_url: Optional[str] = None, verify: bool = True,
             engine.close()
         _compare(remote, report, referenced, stored, verify)
         return report
-    epochs = {r.epoch: r.starts_after for r in read_leases(remote)}
+    epochs = epoch_starts(read_leases(remote))
 
     def check_point(db: sqlite3.Connection, seq: int) -> None:
         report.restore_points += 1
@@ -169,7 +169,7 @@ def gc(url: str, endpoint_url: Optional[str] = None, grace: float = 3600.0,
     if leases and leases[-1].expires_at > time.time() and not force:
         raise UserError(f"the volume is mounted by {leases[-1].describe()}; its daemon collects garbage "
                         "itself (use --force to run anyway)")
-    epochs = {r.epoch: r.starts_after for r in leases}
+    epochs = epoch_starts(leases)
     keys = remote.list("meta/")
     referenced: set[str] = set()
     with tempfile.TemporaryDirectory(prefix="fusestate-gc-") as tmp:

@@ -661,6 +661,53 @@ def test_a_released_lease_stays_released_when_a_renewal_comes_late(tmp_path: Pat
     assert nxt.acquire(0, False, record).epoch == 2  # no "volume is held by" refusal
 
 
+def test_a_fence_check_vouches_for_a_short_while(tmp_path: Path) -> None:
+    """A check that found no newer epoch lets the holder acknowledge what lands within
+    FENCE_GRACE of it; after a takeover nothing is vouched for, and a new holder that
+    restores first writes its lease without knowing where its journal continues."""
+    import fsspec
+
+    from fusestate.daemon.lease import FENCE_GRACE, Lease, epoch_starts, read_leases
+    from fusestate.remote.store import RemoteStore
+
+    remote = RemoteStore(fsspec.filesystem("file"), str(tmp_path / "bucket"), retries=1, backoff_initial=0.01)
+    old = Lease(remote, "node-a:1", ttl=30)
+    old.acquire(0, False, None)
+    assert not old.vouches_for(time.monotonic())  # never checked yet
+    sent = time.monotonic()
+    assert not old.superseded()
+    assert old.vouches_for(sent + FENCE_GRACE * 0.9) and not old.vouches_for(sent + FENCE_GRACE * 1.1)
+
+    new = Lease(remote, "node-b:2", ttl=30)
+    previous = read_leases(remote)[-1]
+    assert Lease.may_still_write(previous)  # not released: the new holder waits before it restores
+    new.acquire(None, True, previous)
+    assert epoch_starts(read_leases(remote)) == {1: 0}  # restoring: epoch 2 limits nothing yet
+    assert old.superseded() and not old.vouches_for(time.monotonic())
+    new.settle(17)
+    assert epoch_starts(read_leases(remote)) == {1: 0, 2: 17}
+
+
+def test_fsyncs_in_a_row_ask_the_bucket_about_the_lease_a_few_times_only(make_mount, file_bucket: Bucket) -> None:
+    """Each fsync ships a journal segment; a check for a newer epoch after each one would
+    add a round trip to every fsync. The mount keeps a recent check instead."""
+    m: Mount = make_mount(file_bucket).mount()
+    write_file(m.path / "warm", b"x", fsync=True)
+    before = m.status()
+    started = time.monotonic()
+    for i in range(40):
+        write_file(m.path / f"f{i}", rand(1000 + i, i), fsync=True)
+    elapsed = time.monotonic() - started
+    after = m.status()
+    segments = after["metadata"]["segments_shipped"] - before["metadata"]["segments_shipped"]
+    checks = sum(after["remote"]["requests"].get("head", {}).values()) - \
+        sum(before["remote"]["requests"].get("head", {}).values())
+    print(f"{segments} segments shipped, {checks} lease checks in {elapsed:.1f} s")
+    assert segments >= 40
+    assert checks <= elapsed / 0.5 + 3, (segments, checks, elapsed)  # the mount's own, every FENCE_GRACE / 3
+    m.umount()
+
+
 def test_takeover_fences_off_the_old_holder(make_mount, file_bucket: Bucket, record_property) -> None:
     _takeover_and_fencing(make_mount, file_bucket, record_property)
 

@@ -24,7 +24,8 @@ from fusestate.daemon import components, control, volume
 from fusestate.daemon.allocator import keep_block_buffers_mapped
 from fusestate.daemon.metrics import Histograms, start_exporter
 from fusestate.daemon.stats import status_numbers
-from fusestate.daemon.lease import Lease, LeaseLost, read_leases
+from fusestate.daemon.lease import (FENCE_GRACE, TAKEOVER_WAIT, Lease, LeaseLost, LeaseRecord, epoch_starts,
+                                    read_leases)
 from fusestate.daemon.locality import REFRESH_SECONDS as LOCALITY_REFRESH_SECONDS, Locality, warm_dirs
 from fusestate.daemon.paths import CacheLayout, control_socket
 from fusestate.errors import UserError
@@ -39,6 +40,8 @@ from fusestate.meta.sqlite_engine import SQLiteEngine
 from fusestate.remote import RemoteStore, open_bucket
 
 log = logging.getLogger(__name__)
+
+FENCE_ACTIVE_SECONDS = 30.0  # keep checking the fence this long after the last fsync
 
 
 def check_mountpoint(path: str) -> None:
@@ -143,7 +146,7 @@ class Daemon:
                                           interval=cfg.journal_interval)
             if not cfg.read_only:
                 self.fs.ship_metadata = self.shipper.wait_shipped
-                self.shipper.fenced = self.lease.superseded if self.lease else None
+                self.shipper.fence = self.lease
         self.blocks.read_observer = Histograms.observer(histograms.block_read)
         self.ops.op_observer = Histograms.observer(histograms.fuse)
         self.metrics_addr: Optional[tuple[str, int]] = None
@@ -169,10 +172,9 @@ class Daemon:
             )
         leases = read_leases(self.remote)
         current = leases[-1] if leases else None
-        epochs = {r.epoch: r.starts_after for r in leases}
         if cfg.read_only:
             path = os.path.join(layout.root, "meta-readonly.db")
-            self.restored = restore_metadata(self.remote, path, epochs)
+            self.restored = restore_metadata(self.remote, path, epoch_starts(leases))
             self.lease = None
             return SQLiteEngine(path, block_size=self.volume.block_size, read_only=True)
 
@@ -185,18 +187,36 @@ class Daemon:
         if os.path.exists(layout.metadata) and (ours or (current is None and not leases)):
             meta = SQLiteEngine(layout.metadata, block_size=self.volume.block_size)
             self.restored = None
+            record = self.lease.acquire(int(meta.get_setting("shipped_seq") or 0), cfg.takeover, current)
         else:
             if os.path.exists(layout.metadata):
                 log.warning("local metadata in %s is older than the volume's (epoch %s); restoring from the bucket",
                             layout.root, current.epoch if current else "?")
-            self.restored = restore_metadata(self.remote, layout.metadata, epochs)
-            # Blocks staged by older local metadata are not part of the restored history.
-            shutil.rmtree(layout.staging, ignore_errors=True)
-            meta = SQLiteEngine(layout.metadata, block_size=self.volume.block_size)
-        record = self.lease.acquire(int(meta.get_setting("shipped_seq") or 0), cfg.takeover, current)
+            record = self.lease.acquire(None, cfg.takeover, current)
+            try:
+                meta = self._restore(current)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.lease.release()  # nothing written: let the next attempt in at once
+                raise
         with open(layout.volume_file, "w") as f:
             json.dump({"volume_id": self.volume.volume_id, "url": cfg.url, "holder": holder,
                        "epoch": record.epoch}, f)
+        return meta
+
+    def _restore(self, previous: Optional[LeaseRecord]) -> SQLiteEngine:
+        """The volume's metadata from the bucket, read after this mount's lease is written
+        (and, if the previous holder may still be shipping, after ``TAKEOVER_WAIT``): every
+        segment that holder acknowledged is then in the bucket (see ``daemon.lease``)."""
+        assert self.lease is not None
+        if Lease.may_still_write(previous):
+            time.sleep(TAKEOVER_WAIT)
+        layout = self.layout
+        self.restored = restore_metadata(self.remote, layout.metadata, epoch_starts(read_leases(self.remote)))
+        # Blocks staged by older local metadata are not part of the restored history.
+        shutil.rmtree(layout.staging, ignore_errors=True)
+        meta = SQLiteEngine(layout.metadata, block_size=self.volume.block_size)
+        self.lease.settle(int(meta.get_setting("shipped_seq") or 0))
         return meta
 
     def _fit_cache_to_disk(self, free: int) -> None:
@@ -235,6 +255,7 @@ class Daemon:
                 if self.shipper is not None:
                     await nursery.start(self.shipper.run)
                     nursery.start_soon(self._heartbeat)
+                    nursery.start_soon(self._keep_fence_checked)
                 nursery.start_soon(self._collect_garbage_loop)
             if self.cfg.prefetch != "off":
                 nursery.start_soon(self.warmer.run)
@@ -318,6 +339,19 @@ class Daemon:
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying; the lease has slack
                 log.warning("lease renewal failed: %s", exc)
+
+    async def _keep_fence_checked(self) -> None:
+        """While fsyncs come, check for a newer epoch often enough that the journal shipper
+        can acknowledge a segment without a check of its own (``Lease.vouches_for``)."""
+        assert self.lease is not None and self.shipper is not None
+        while not self.shipper.stopped:
+            await trio.sleep(FENCE_GRACE / 3)
+            if time.monotonic() - self.shipper.last_request > FENCE_ACTIVE_SECONDS:
+                continue
+            try:
+                await self.remote.run(self.lease.superseded)
+            except Exception as exc:  # noqa: BLE001 - the shipper then checks itself
+                log.debug("fence check failed: %s", exc)
 
     async def _collect_garbage_loop(self) -> None:
         while True:

@@ -219,6 +219,15 @@ STATS: list[Stat] = [
          "Seconds since the last journal shipment", _journal_age, when=_has_journal),
     Stat("metadata.ship_failures", "fusestate_journal_ship_failures_total", COUNTER, "Journal shipments that failed",
          lambda d: d.shipper.stats.failures, when=_has_journal),  # type: ignore[union-attr]
+    *[Stat(f"metadata.ship_{part}_seconds", "fusestate_journal_ship_seconds_total", COUNTER,
+           "Time journal shipments spent, by part: waiting for the blocks a segment references, its upload, "
+           "the fence check after it", (lambda d, a=attr: getattr(d.shipper.stats, a)),  # type: ignore[union-attr]
+           labels={"part": part}, when=_has_journal)
+      for part, attr in (("upload_wait", "upload_wait_seconds"), ("put", "put_seconds"),
+                         ("fence", "fence_seconds"))],
+    Stat("metadata.ship_blocks_waited", "fusestate_journal_ship_blocks_waited_total", COUNTER,
+         "Blocks a journal shipment had to wait for (not yet in the bucket when it started)",
+         lambda d: d.shipper.stats.blocks_waited, when=_has_journal),  # type: ignore[union-attr]
     Stat("metadata.snapshots_shipped", "fusestate_snapshots_shipped_total", COUNTER, "Metadata snapshots shipped",
          lambda d: d.shipper.stats.snapshots_shipped, when=_has_journal),  # type: ignore[union-attr]
     Stat("metadata.restored_bytes", "fusestate_metadata_restored_bytes", GAUGE,

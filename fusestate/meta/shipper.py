@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional, Protocol
 
 import trio
 
@@ -32,6 +32,14 @@ class ShipFailed(IOError):
     pass
 
 
+class Fence(Protocol):
+    """What the shipper asks the lease (``fusestate.daemon.lease.Lease``)."""
+
+    def vouches_for(self, landed_at: float) -> bool: ...
+
+    def superseded(self) -> bool: ...
+
+
 @dataclass
 class ShipperStats:
     segments_shipped: int = 0
@@ -40,6 +48,11 @@ class ShipperStats:
     snapshots_shipped: int = 0
     failures: int = 0
     last_ship_time: float = 0.0
+    # Where a ship's time goes: waiting for the blocks it references, its PUT, the fence check.
+    blocks_waited: int = 0
+    upload_wait_seconds: float = 0.0
+    put_seconds: float = 0.0
+    fence_seconds: float = 0.0
 
 
 class JournalShipper:
@@ -64,8 +77,10 @@ class JournalShipper:
         self._lock = trio.Lock()
         self._error: Optional[str] = None
         self.stopped = False
-        # Set by the daemon: True once another holder took the volume over (fencing).
-        self.fenced: Optional[Callable[[], bool]] = None
+        # Set by the daemon: the volume's lease, which says whether another holder took the
+        # volume over (fencing) before a segment may be acknowledged.
+        self.fence: Optional[Fence] = None
+        self.last_request = float("-inf")  # monotonic time of the last fsync that waited for a ship
 
     # --- state for status/metrics ------------------------------------------------
     def pending_entries(self) -> int:
@@ -78,6 +93,7 @@ class JournalShipper:
     async def wait_shipped(self, seq: Optional[int] = None) -> None:
         """Return once the journal up to ``seq`` (default: now) is in the bucket."""
         target = self.meta.journal_last_seq() if seq is None else seq
+        self.last_request = time.monotonic()
         while self.shipped_seq < target:
             if self.stopped:
                 raise ShipFailed("the volume lease was lost; metadata is no longer shipped")
@@ -104,6 +120,19 @@ class JournalShipper:
                 log.error("shipping metadata failed, will retry: %s", exc)
                 self._signal_shipped()
                 await trio.sleep(min(self.interval, 1.0))
+
+    async def _fenced_off(self, landed_at: float) -> bool:
+        """Whether a newer epoch existed when the segment landed: asked of the bucket unless
+        a recent check vouches for that moment."""
+        if self.fence is None or self.fence.vouches_for(landed_at):
+            return False
+        return await self.remote.run(self.fence.superseded)
+
+    def _account(self, blocks: int, waited: float, put: float, fence: float) -> None:
+        self.stats.blocks_waited += blocks
+        self.stats.upload_wait_seconds += waited
+        self.stats.put_seconds += put
+        self.stats.fence_seconds += fence
 
     def _signal_shipped(self) -> None:
         self._shipped.set()
@@ -136,11 +165,20 @@ class JournalShipper:
                         needed.append(key)
             self.uploader.pin(needed)
             try:
+                started = time.monotonic()
                 await self.uploader.wait_uploaded(needed)
+                waited = time.monotonic()
                 first = self.shipped_seq + 1
                 data = await trio.to_thread.run_sync(journal.encode_segment, changes)
                 await self.remote.aput(journal.segment_key(self.epoch, first, end), data)
-                if self.fenced is not None and await self.remote.run(self.fenced):
+                put = time.monotonic()
+                fenced = await self._fenced_off(put)
+                done = time.monotonic()
+                self._account(len(needed), waited - started, put - waited, done - put)
+                log.debug("shipped %d changes: waited %.0f ms for %d blocks, put %.0f ms, fence check %.0f ms",
+                          len(changes), (waited - started) * 1e3, len(needed), (put - waited) * 1e3,
+                          (done - put) * 1e3)
+                if fenced:
                     # A newer epoch exists: this segment will be ignored on restore, so
                     # nothing it carries may be acknowledged as durable.
                     self.stopped = True

@@ -216,6 +216,20 @@ class RemoteStore:
     def exists(self, key: str) -> bool:
         return self._call("head", key, lambda: self.fs.exists(self.path(key)))
 
+    def object_exists(self, key: str) -> bool:
+        """Whether a non-empty object exists, in one request: a GET of its first byte.
+
+        fsspec's ``exists`` on an object store asks again with a listing when the object
+        is missing (it could be a "directory"): two round trips for every "no", which is
+        the answer a fence check gets almost always."""
+        if self._is_local or self._is_memory:
+            return self.exists(key)
+        try:
+            self._call("head", key, lambda: self.fs.cat_file(self.path(key), start=0, end=1))
+        except FileNotFoundError:
+            return False
+        return True
+
     def delete(self, key: str) -> None:
         if self._open_files is not None:
             self._open_files.forget(self.path(key))
