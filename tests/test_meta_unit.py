@@ -102,3 +102,130 @@ def test_file_and_byte_counters_match_the_tables(tmp_path: Path) -> None:
         reopened.close()
 
     trio.run(body)
+
+
+class _NoBlocks:
+    """The uploader as the shipper sees it, for metadata that references no block."""
+
+    def pin(self, keys: list[str]) -> None:
+        pass
+
+    def unpin(self, keys: list[str]) -> None:
+        pass
+
+    async def wait_uploaded(self, keys: list[str]) -> None:
+        assert not keys
+
+
+def test_segments_in_flight_are_acknowledged_in_order_and_fail_together(tmp_path: Path) -> None:
+    """Two fsyncs, two segments uploading at once. The first one's upload fails after the
+    second's has landed: both fsyncs fail (a restore would stop at the gap before the
+    second), nothing counts as shipped, and the next segment starts again after what is in
+    the bucket. A restore then has every name, with the orphan segment left aside."""
+    import fsspec
+
+    from fusestate.meta.restore import restore_metadata
+    from fusestate.meta.shipper import JournalShipper, ShipFailed
+    from fusestate.remote.store import RemoteError, RemoteStore
+
+    remote = RemoteStore(fsspec.filesystem("file"), str(tmp_path / "bucket"), retries=1, backoff_initial=0.01)
+    real_aput = remote.aput
+    calls: list[str] = []
+
+    async def aput(key: str, data: bytes) -> None:
+        calls.append(key)
+        if len(calls) == 2:
+            await trio.sleep(0.3)  # the first segment: slow, then failing
+            raise RemoteError(f"put {key}: injected")
+        await real_aput(key, data)
+
+    remote.aput = aput  # type: ignore[method-assign]
+    outcomes: dict[str, str] = {}
+
+    async def body() -> None:
+        engine = SQLiteEngine(str(tmp_path / "meta.db"))
+        shipper = JournalShipper(engine, remote, _NoBlocks(), epoch=1, interval=60)  # type: ignore[arg-type]
+
+        async def fsync(name: bytes) -> None:
+            await engine.create(ROOT_INODE, name, _file(0))
+            try:
+                await shipper.wait_shipped()
+                outcomes[name.decode()] = "ok"
+            except ShipFailed:
+                outcomes[name.decode()] = "failed"
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(shipper.run)
+            await engine.create(ROOT_INODE, b"base", _file(0))
+            await shipper.wait_shipped()                  # one segment in the bucket
+            nursery.start_soon(fsync, b"first")
+            await trio.sleep(0.05)                        # its segment is uploading (slowly)
+            nursery.start_soon(fsync, b"second")
+            await trio.sleep(0.5)
+            assert outcomes == {"first": "failed", "second": "failed"}, outcomes
+            assert len(calls) == 3 and shipper.stats.failures == 1, calls  # the second's landed
+            shipped = shipper.shipped_seq
+            await trio.sleep(1.2)                         # past the retry pause
+            await fsync(b"third")
+            assert outcomes["third"] == "ok" and shipper.shipped_seq > shipped
+            shipper.stopped = True
+            shipper._wakeup.set()
+        engine.close()
+
+    trio.run(body)
+    restored = restore_metadata(remote, str(tmp_path / "restored.db"), {1: 0})
+    db = sqlite3.connect(tmp_path / "restored.db")
+    names = sorted(row[0].decode() for row in db.execute("SELECT name FROM entries"))
+    db.close()
+    assert names == ["base", "first", "second", "third"], names
+    assert restored.segments == 2, restored  # base, then the retry that covers the rest
+
+
+def test_restore_takes_the_longer_of_two_segments_that_start_at_one_point() -> None:
+    """A segment uploaded, then not acknowledged (its fence check failed), is uploaded again
+    with what came since: both start at the same sequence."""
+    seg = journal.segment_key
+    segments = journal.parse_segments([seg(1, 1, 4), seg(1, 5, 7), seg(1, 5, 9), seg(1, 8, 9), seg(1, 10, 12)])
+    _, chain = journal.History({1: 0}).restore_plan([], segments)
+    assert [(s.first, s.last) for s in chain] == [(1, 4), (5, 9), (10, 12)]
+
+
+def test_restore_stops_before_a_segment_whose_new_blocks_never_landed(tmp_path: Path) -> None:
+    """A segment uploads together with the blocks it is the first to reference; a writer
+    that died in between left the segment without them. Restore applies the journal up to
+    the segment before, and all of it once the blocks are there."""
+    import fsspec
+
+    from fusestate.blocks.keys import object_name
+    from fusestate.meta.restore import restore_metadata
+    from fusestate.remote.store import RemoteStore
+
+    remote = RemoteStore(fsspec.filesystem("file"), str(tmp_path / "bucket"), retries=1, backoff_initial=0.01)
+
+    async def write_journal() -> list[journal.Change]:
+        engine = SQLiteEngine(str(tmp_path / "meta.db"))
+        await engine.create(ROOT_INODE, b"old", _file(0))
+        node = await engine.create(ROOT_INODE, b"new", _file(0))
+        await engine.commit_blocks(node.id, {0: ("k" * 64, 5)}, 5, 1)
+        changes = engine.journal_tail(0)
+        engine.close()
+        return changes
+
+    changes = trio.run(write_journal)
+    split = next(c.seq for c in changes if c.image and c.table == "entries" and bytes.fromhex(c.image[2]) == b"new")
+    first, second = [c for c in changes if c.seq < split], [c for c in changes if c.seq >= split]
+    remote.put(journal.segment_key(1, 1, split - 1), journal.encode_segment(first))
+    remote.put(journal.segment_key(1, split, second[-1].seq),
+               journal.encode_segment(second, journal.SegmentHeader(split - 1, ("k" * 64,))))
+
+    def names() -> list[str]:
+        restore_metadata(remote, str(tmp_path / "restored.db"), {1: 0})
+        db = sqlite3.connect(tmp_path / "restored.db")
+        try:
+            return sorted(row[0].decode() for row in db.execute("SELECT name FROM entries"))
+        finally:
+            db.close()
+
+    assert names() == ["old"]
+    remote.put(object_name("k" * 64), b"12345")
+    assert names() == ["new", "old"]

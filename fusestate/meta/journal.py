@@ -111,12 +111,39 @@ def compact(changes: Iterable[Change]) -> list[Change]:
     return list(last.values())
 
 
-def encode_segment(changes: list[Change]) -> bytes:
-    return gzip.compress("\n".join(c.to_json() for c in changes).encode() + b"\n", compresslevel=5)
+@dataclass(frozen=True)
+class SegmentHeader:
+    """What a segment says about the blocks it references.
+
+    A segment is uploaded while the blocks it references that were not yet in the bucket
+    (``unconfirmed``) upload alongside it, and acknowledged once both are there. If the
+    writer died in between, the segment is in the bucket and a block may not be: restore
+    checks the unconfirmed blocks of every segment after ``acked_through`` (the newest
+    sequence acknowledged when the segment started, after which nothing is known)."""
+
+    acked_through: int = 0
+    unconfirmed: tuple[str, ...] = ()
+
+
+def encode_segment(changes: list[Change], header: SegmentHeader = SegmentHeader()) -> bytes:
+    head = json.dumps({"acked_through": header.acked_through, "unconfirmed": list(header.unconfirmed)},
+                      separators=(",", ":"))
+    return gzip.compress("\n".join([head, *(c.to_json() for c in changes)]).encode() + b"\n", compresslevel=5)
+
+
+def decode_segment_with_header(data: bytes) -> tuple[SegmentHeader, list[Change]]:
+    header, changes = SegmentHeader(), []
+    for line in gzip.decompress(data).decode().splitlines():
+        if line.startswith("{"):
+            fields = json.loads(line)
+            header = SegmentHeader(int(fields.get("acked_through", 0)), tuple(fields.get("unconfirmed", ())))
+        elif line:
+            changes.append(Change.from_json(line))
+    return header, changes
 
 
 def decode_segment(data: bytes) -> list[Change]:
-    return [Change.from_json(line) for line in gzip.decompress(data).decode().splitlines() if line]
+    return decode_segment_with_header(data)[1]
 
 
 def segment_key(epoch: int, first: int, last: int) -> str:
@@ -187,7 +214,9 @@ class History:
                 base = snap
         seq = base.seq if base else 0
         chain: list[Segment] = []
-        for seg in segments:
+        # A segment uploaded again after a failed acknowledgement starts where the first
+        # attempt did and reaches further: of two that start at one point, the longer wins.
+        for seg in sorted(segments, key=lambda s: (s.first, -s.last, s.epoch)):
             if not self.valid(seg.epoch, seg.last) or seg.last <= seq:
                 continue
             if seg.first != seq + 1:

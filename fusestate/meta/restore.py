@@ -9,14 +9,18 @@ import contextlib
 import logging
 import os
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from fusestate.blocks.keys import object_name
 from fusestate.meta import journal
 from fusestate.meta.sqlite_engine import SQLiteEngine
 from fusestate.remote.store import RemoteStore
 
 log = logging.getLogger(__name__)
+
+FETCH_PARALLEL = 16  # segments fetched at once
 
 
 @dataclass(frozen=True)
@@ -51,15 +55,16 @@ def restore_metadata(remote: RemoteStore, path: str, epochs: dict[int, int],
             f.write(data)
     SQLiteEngine(tmp).close()  # creates the schema (and the root) if there was no snapshot
     seq = base.seq if base else 0
+    segments = _fetch_segments(remote, chain)
+    fetched += sum(size for size, _, _ in segments)
+    applied = _landed_whole(remote, chain, [header for _, header, _ in segments])
     db = sqlite3.connect(tmp, isolation_level=None)
     try:
         db.execute("BEGIN")
         if check_each is not None:
             check_each(db, seq)
-        for seg in chain:
-            data = remote.get(seg.key)
-            fetched += len(data)
-            journal.apply_changes(db, journal.decode_segment(data))
+        for seg, (_, _, changes) in zip(chain[:applied], segments):
+            journal.apply_changes(db, changes)
             seq = seg.last
             if check_each is not None:
                 check_each(db, seq)
@@ -80,5 +85,33 @@ def restore_metadata(remote: RemoteStore, path: str, epochs: dict[int, int],
             os.replace(tmp + suffix, path + suffix)
     os.replace(tmp, path)
     log.info("restored metadata: snapshot %s + %d journal segments up to seq %d (%d bytes)",
-             base.key if base else None, len(chain), seq, fetched)
-    return RestoreResult(seq, base.key if base else None, len(chain), fetched)
+             base.key if base else None, applied, seq, fetched)
+    return RestoreResult(seq, base.key if base else None, applied, fetched)
+
+
+def _fetch_segments(remote: RemoteStore, chain: list[journal.Segment]
+                    ) -> list[tuple[int, journal.SegmentHeader, list[journal.Change]]]:
+    """Every segment of the chain, fetched in parallel (each is a round trip to the bucket)."""
+    def fetch(seg: journal.Segment) -> tuple[int, journal.SegmentHeader, list[journal.Change]]:
+        data = remote.get(seg.key)
+        return (len(data), *journal.decode_segment_with_header(data))
+
+    with ThreadPoolExecutor(max_workers=FETCH_PARALLEL) as pool:
+        return list(pool.map(fetch, chain))
+
+
+def _landed_whole(remote: RemoteStore, chain: list[journal.Segment], headers: list[journal.SegmentHeader]) -> int:
+    """How many segments of the chain to apply: up to the first one whose writer died before
+    the blocks uploaded alongside it landed (only segments after the newest acknowledgement
+    any of them records can be such)."""
+    acked = max((header.acked_through for header in headers), default=0)
+    for i, (seg, header) in enumerate(zip(chain, headers)):
+        if seg.last <= acked:
+            continue
+        missing = [key for key in header.unconfirmed if not remote.object_exists(object_name(key))]
+        if missing:
+            log.warning("journal segment %d of %d references %d blocks that never reached the bucket "
+                        "(its writer died before acknowledging it): restoring up to the one before",
+                        i + 1, len(chain), len(missing))
+            return i
+    return len(chain)

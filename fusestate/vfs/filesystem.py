@@ -685,10 +685,11 @@ class FileSystem:
             return  # on the cache disk, and gone at the next mount whatever is synced
         keys = [k for k in f.keys.values() if self.uploader.is_pending(k)]
         try:
-            if self.durability == "remote":
-                await self.uploader.wait_uploaded(keys)
-            else:
+            if self.durability == "local":
                 await self.uploader.sync_staged(keys)
+            elif self.ship_metadata is None:  # a shared engine commits uploaded blocks only
+                await self.uploader.wait_uploaded(keys)
+            # else the journal segment that carries the block map uploads them alongside it
         except UploadFailed as exc:
             raise FsError(errno.EIO, str(exc)) from exc
         await self.sync_metadata()
