@@ -183,7 +183,7 @@ def test_spark_restart_fits_and_extrapolates() -> None:
     assert sr.restart_points(doc, "local") == [(0.5, 25.0), (2.0, 40.0), (4.0, 60.0)]
     (goal,) = sr.goals(doc)
     assert goal["met"] is False and "at 4 GB" in goal["goal"] and goal["measured"].startswith("3.00×")
-    assert "per GB on local disk" in sr.slope_sentence(doc)
+    assert "20.0 s + 10.0 s per GB on local;" in sr.slope_sentence(doc)
     assert sr.ceiling_sentence(doc) == ""  # no floor measured: no ceiling claimed
     # A floor of 12 s (the faster setup) caps the ratio at 60 / 12 = 5x at 4 GB, 25 / 12 at 0.5 GB.
     floor_row = row(sr.FLOOR, 14.0, 12.0)
@@ -193,6 +193,49 @@ def test_spark_restart_fits_and_extrapolates() -> None:
     assert "5.0× at 4 GB" in ceiling and "2.1× at 0.5 GB" in ceiling and "20.5 MB of state" in ceiling
     (goal,) = sr.goals(doc)
     assert goal["measured"] == "3.00× (20.0 s against 60.0 s; at most 5.0× over a 12.0 s floor)"
+
+
+def test_spark_restart_renders_the_part_above_the_floor() -> None:
+    """Each setup's restart minus the floor (Spark's own part of a restart), per size and per GB,
+    and on the shaped endpoint the goal of fusestate+shim@s3 against local+download."""
+    from bench.scenarios import sparkrestart as sr
+
+    names = ["local", "fusestate+shim", "local+download", "fusestate+shim@s3"]
+
+    def row(variant: str, *medians: float) -> dict:
+        return {"variant": variant, "metric": "restart_s",
+                "systems": {n: {"median": m} for n, m in zip(names, medians)}}
+
+    doc = {"systems": names, "params": {"floor_keys": 1_000, "payload_bytes": 1024, "extra": [],
+                                        "shape": "30 ms to first byte"},
+           "summary": [row("1.0 GB", 20.0, 14.0, 30.0, 16.0), row("2.0 GB", 30.0, 15.0, 50.0, 18.0)],
+           "floor": [row(sr.FLOOR, 11.0, 10.0, 12.0, 13.0)]}
+    table = sr.above_floor_table(doc)
+    assert "floor (10.0 s)" in table
+    lines = table.splitlines()
+    assert lines[-6] == "| state | local | fusestate+shim | local+download | fusestate+shim@s3 |"
+    assert lines[-4] == "| floor | 1.0 | 0.0 | 2.0 | 3.0 |"
+    assert lines[-3] == "| 1.0 GB | 10.0 | 4.0 | 20.0 | 6.0 |"
+    assert lines[-1] == "| fitted, per GB | 10.0 | 1.0 | 20.0 | 2.0 |"
+    assert "local+download and fusestate+shim@s3 would be 5× apart" in sr.slope_sentence(doc)
+    assert "; local+download 3.0× at 1 GB, 5.0× at 2 GB." in sr.ceiling_sentence(doc)
+    assert "*local+download*" in sr.describe_setups(doc) and "changelog checkpointing, a snapshot every 10" in \
+        sr.describe_setups(doc)
+    local, s3 = sr.goals(doc)
+    assert local["measured"].startswith("2.00× (15.0 s against 30.0 s")
+    assert "local+download" in s3["goal"] and "fusestate+shim@s3" in s3["goal"]
+    assert s3["measured"] == "2.78× (18.0 s against 50.0 s; at most 5.0× over a 10.0 s floor)" and not s3["met"]
+    assert sr.above_floor_table({**doc, "floor": []}) == ""  # no floor measured: nothing above it
+    # Sizes a few MB apart (--quick): no slope is fitted, and the text says why.
+    small = {**doc, "summary": [row("0.0205 GB", 20.0, 14.0, 30.0, 16.0), row("0.0819 GB", 30.0, 15.0, 50.0, 18.0)]}
+    assert "fitted" not in sr.above_floor_table(small).splitlines()[-1]
+    assert sr.slope_sentence(small).startswith("The sizes span 0.061 GB") and "5×" not in sr.slope_sentence(small)
+    # Restarts that replayed changelogs and loaded no snapshot are said to have done so.
+    rocksdb = {"rocksdbNumReplayChangelogFiles": 8, "rocksdbLoadFromSnapshotLatencyMs": 0}
+    doc["runs"] = [{"raw": {"restart": {"batch": {"rocksdb": rocksdb}}}}]
+    assert "replaying the changelogs (8–8 files per restart)" in sr.replay_sentence(doc)
+    rocksdb["rocksdbLoadFromSnapshotLatencyMs"] = 40
+    assert sr.replay_sentence(doc) == ""
 
 
 def test_spark_runner_mounts_with_extra_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

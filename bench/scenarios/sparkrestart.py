@@ -12,16 +12,24 @@ A restart also costs what no storage can take away: the JVM, the session, the qu
 start and its first batch. The *floor* measures those with the same batches over a
 state of a few megabytes; a restart at S GB can be at most local(S) / floor times faster
 than local disk's, whatever the storage under it.
+
+With ``fusestate-s3-shaped`` among the systems (or no ``--systems``), every size and the
+floor also run on the shaped S3 endpoint (the ``spark`` scenario's setups and endpoint):
+fusestate+shim on one of its buckets against local disk whose checkpoint the fresh node
+downloads from one of its buckets before the query restarts (file by file, as Spark's state
+store copies each SST, and all at once, a generous bound).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import Context, Metric, summarize
-from bench.render import goal_row, medians_note, points_plot, variant_table
-from bench.scenarios.spark import chosen_setups, runner_records, spark_env
+from bench.endpoints import ShapedMoto
+from bench.render import goal_row, md_table, medians_note, points_plot, variant_table
+from bench.scenarios.spark import chosen_setups, runner_records, shaped_setups, spark_env
 
 NAME = "spark-restart"
 FLOOR = "floor"
@@ -29,7 +37,14 @@ TITLE = "Spark restart against state size"
 SUMMARY = "Spark pipeline: restart to the first completed batch for growing state, fixed batch size"
 BUDGET = {"tiny": None, "quick": 300.0, "full": None}
 SETUPS = ["local", "fusestate+shim"]
-EXTRA = ["--state-compression", "none", "--no-changelog"]
+# Every setup runs the setup helper's defaults (changelog checkpointing, a snapshot every 10
+# versions), so the setups differ only in where the state and its checkpoint live.
+EXTRA = ["--state-compression", "none"]
+# Each fusestate setup against the local-disk restart it replaces: on the shaped endpoint,
+# local disk whose checkpoint is downloaded first (file by file, as Spark's state store copies).
+PAIRS = [("local", "fusestate+shim"), ("local+download", "fusestate+shim@s3")]
+# Under this span of state sizes, run-to-run noise (seconds) outweighs what the state adds: no slope.
+MIN_SPAN_GB = 0.5
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"keys": [2_000, 6_000], "floor_keys": 200, "payload_bytes": 256, "events_per_batch": 2_000,
              "restart_events": 200, "timeout": 900, "repeats": 1},
@@ -46,6 +61,7 @@ METRICS = [
     Metric("restart_s", "s", higher_is_better=False, label="restart to first batch done"),
     Metric("jvm_s", "s", higher_is_better=False, label="JVM and Spark session start"),
     Metric("first_batch_s", "s", higher_is_better=False, label="first batch"),
+    Metric("download_s", "s", higher_is_better=False, label="checkpoint download (part of the restart)"),
     Metric("load_s", "s", higher_is_better=False, label="state store load (sum over stores)"),
     Metric("fetched_bytes", "B", higher_is_better=False, label="bytes fetched by the restart"),
     Metric("records_per_s", "records/s", label="records/s while building the state"),
@@ -70,7 +86,10 @@ def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
     first, restart = setup.get("first_run", {}), setup.get("restart", {})
     out = {"restart_s": restart.get("to_first_batch_done_s"), "jvm_s": restart.get("jvm_and_session_s"),
            "first_batch_s": seconds(restart.get("first_batch_ms")), "load_s": seconds(restart.get("rocksdb_load_ms")),
-           "fetched_bytes": restart.get("fetched_bytes"), "records_per_s": first.get("records_per_second")}
+           "download_s": setup.get("download_s"), "records_per_s": first.get("records_per_second"),
+           # local+download fetches the whole checkpoint before the restart; a mount counts its own
+           "fetched_bytes": restart.get("fetched_bytes", setup.get("checkpoint_bytes") if "download_s" in setup
+                                        else None)}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -81,24 +100,33 @@ def seconds(ms: Optional[float]) -> Optional[float]:
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
     setups = chosen_setups(ctx, SETUPS)
+    on_s3 = shaped_setups(ctx)
     variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
     env = spark_env(ctx)
     runs: list[dict[str, Any]] = []
     floor_runs: list[dict[str, Any]] = []
-    for repeat in ctx.repetitions():
-        if repeat >= p.get("repeats", ctx.repeats):
-            break
-        for keys, variant in [(p["floor_keys"], FLOOR), *zip(p["keys"], variants)]:
-            call = {"keys": keys, "payload_bytes": p["payload_bytes"], "timeout": p["timeout"],
-                    "batches": batches_for(keys, p["events_per_batch"]),
-                    "extra": ["--events-per-batch", str(p["events_per_batch"]),
-                              "--restart-events", str(p["restart_events"]), *EXTRA]}
-            (floor_runs if variant == FLOOR else runs).extend(
-                runner_records(ctx, call, setups, env, repeat=repeat, variant=variant,
-                                    label=f"{NAME} r{repeat + 1} {variant}", metrics_of=metrics_of))
-    return {"params": {**p, "setups": setups, "extra": EXTRA}, "systems": setups,
-            "summary": summarize(runs, METRICS, setups, variants), "runs": runs,
-            "floor": summarize(floor_runs, METRICS, setups, [FLOOR]), "floor_runs": floor_runs}
+    with contextlib.ExitStack() as stack:
+        endpoint = stack.enter_context(ShapedMoto(ctx.work / "shaped-s3", ctx.shape)) if on_s3 else None
+        for repeat in ctx.repetitions():
+            if repeat >= p.get("repeats", ctx.repeats):
+                break
+            for keys, variant in [(p["floor_keys"], FLOOR), *zip(p["keys"], variants)]:
+                call = {"keys": keys, "payload_bytes": p["payload_bytes"], "timeout": p["timeout"],
+                        "batches": batches_for(keys, p["events_per_batch"]),
+                        "extra": ["--events-per-batch", str(p["events_per_batch"]),
+                                  "--restart-events", str(p["restart_events"]), *EXTRA]}
+                label = f"{NAME} r{repeat + 1} {variant}"
+                out = floor_runs if variant == FLOOR else runs
+                if setups:
+                    out += runner_records(ctx, call, setups, env, repeat=repeat, variant=variant, label=label,
+                                          metrics_of=metrics_of)
+                if endpoint is not None:
+                    out += runner_records(ctx, call, on_s3, env, repeat=repeat, variant=variant, label=label,
+                                          metrics_of=metrics_of, runner_args=["--s3-endpoint", endpoint.endpoint])
+    names = setups + on_s3
+    return {"params": {**p, "setups": names, "extra": EXTRA, "shape": ctx.shape.describe() if on_s3 else None},
+            "systems": names, "summary": summarize(runs, METRICS, names, variants), "runs": runs,
+            "floor": summarize(floor_runs, METRICS, names, [FLOOR]), "floor_runs": floor_runs}
 
 
 def restart_points(doc: dict[str, Any], system: str, metric: str = "restart_s") -> list[tuple[float, float]]:
@@ -127,17 +155,34 @@ def size_for_ratio(local: tuple[float, float], fused: tuple[float, float], ratio
     return size if size > 0 else None
 
 
+def setups_of(doc: dict[str, Any]) -> list[str]:
+    """The setups a result holds, in its order (from its rows when it does not list them)."""
+    return doc.get("systems") or list(dict.fromkeys(s for r in doc.get("summary", []) for s in r["systems"]))
+
+
+def size_span(doc: dict[str, Any]) -> float:
+    """GB between the smallest and the largest state measured."""
+    sizes = {gigabytes(r["variant"]) for r in doc.get("summary", [])}
+    return max(sizes) - min(sizes) if sizes else 0.0
+
+
 def slope_sentence(doc: dict[str, Any]) -> str:
-    local, fused = (line_fit(restart_points(doc, s)) for s in ("local", "fusestate+shim"))
-    if local is None or fused is None:
+    fits = {s: fit for s in setups_of(doc) if (fit := line_fit(restart_points(doc, s))) is not None}
+    if not fits:
         return ""
-    text = (f"Fitted over the medians, the restart takes {local[0]:.1f} s + {local[1]:.1f} s per GB on local "
-            f"disk and {fused[0]:.1f} s + {fused[1]:.1f} s per GB on fusestate+shim.")
-    at5 = size_for_ratio(local, fused, 5.0)
-    if at5 is not None:
-        text += f" Extended in straight lines, the two would be 5× apart at about {at5:,.0f} GB of state."
-    else:
-        text += " Extended in straight lines, they never get 5× apart."
+    if size_span(doc) < MIN_SPAN_GB:
+        return (f"The sizes span {size_span(doc):.2g} GB: what that much state adds to a restart is smaller than "
+                f"the differences between runs, so no slope per GB is fitted and nothing is extrapolated.")
+    sizes = len({x for s in fits for x, _ in restart_points(doc, s)})
+    text = (f"Fitted over the medians at {sizes} sizes, the restart takes "
+            + "; ".join(f"{a:.1f} s {'+' if b >= 0 else '−'} {abs(b):.1f} s per GB on {s}"
+                        for s, (a, b) in fits.items()) + ".")
+    for base, mine in PAIRS:
+        if base in fits and mine in fits:
+            at5 = size_for_ratio(fits[base], fits[mine], 5.0)
+            text += (f" Extended in straight lines, {base} and {mine} would be 5× apart at about {at5:,.0f} GB "
+                     f"of state." if at5 is not None else
+                     f" Extended in straight lines, {base} and {mine} never get 5× apart.")
     return text
 
 
@@ -149,37 +194,98 @@ def floor_seconds(doc: dict[str, Any]) -> Optional[float]:
 
 
 def ceiling_sentence(doc: dict[str, Any]) -> str:
-    """How far apart any storage could bring the two restarts, size by size."""
+    """How far apart any storage could bring a restart and a baseline's, size by size."""
     floor = floor_seconds(doc)
-    local = restart_points(doc, "local")
-    if floor is None or not local:
+    bases = [(b, pts) for b in (pair[0] for pair in PAIRS) if (pts := restart_points(doc, b))]
+    if floor is None or not bases:
         return ""
     p = doc["params"]
-    cells = ", ".join(f"{base / floor:.1f}× at {size:g} GB" for size, base in local)
+    cells = "; ".join(f"{b} " + ", ".join(f"{base / floor:.1f}× at {size:g} GB" for size, base in pts)
+                      for b, pts in bases)
     return (f"The floor: with {p['floor_keys'] * p['payload_bytes'] / 1e6:.3g} MB of state and the same batches, "
-            f"the restart took {floor:.1f} s (the faster setup's median). That is Spark's own part of a restart "
+            f"the restart took {floor:.1f} s (the fastest setup's median). That is Spark's own part of a restart "
             f"(JVM, session, query start, the first batch), which no storage takes away: however fast the "
-            f"storage, a restart at S GB is at most local(S) / {floor:.1f} s times faster than local disk's, "
-            f"that is {cells}.")
+            f"storage, a restart at S GB is at most baseline(S) / {floor:.1f} s times faster than a baseline's, "
+            f"that is, against {cells}.")
+
+
+def above_floor_table(doc: dict[str, Any]) -> str:
+    """Each setup's restart minus the floor (the part above Spark's own), per state size, and its
+    fitted slope: what the storage adds to a restart, against state size."""
+    floor = floor_seconds(doc)
+    names = setups_of(doc)
+    if floor is None:
+        return ""
+    by = {r["variant"]: r for r in doc.get("floor", []) + doc.get("summary", []) if r["metric"] == "restart_s"}
+    if len(by) < 2:
+        return ""
+
+    def cell(variant: str, s: str) -> str:
+        median = by[variant]["systems"].get(s, {}).get("median")
+        return "—" if median is None else f"{median - floor:.1f}"
+
+    body = [[variant] + [cell(variant, s) for s in names] for variant in by]
+    fitted = size_span(doc) >= MIN_SPAN_GB
+    if fitted:
+        fits = [line_fit(restart_points(doc, s)) for s in names]
+        body.append(["fitted, per GB"] + ["—" if fit is None else f"{fit[1]:.1f}" for fit in fits])
+    return (f"Above the floor: each setup's restart minus the floor ({floor:.1f} s), in seconds; the floor row is "
+            f"what a setup adds to Spark's own restart when there is almost no state"
+            + (", the last row the seconds it adds per GB (the slope fitted over the sizes)" if fitted else "")
+            + ".\n\n" + md_table(["state"] + names, body))
+
+
+def replay_sentence(doc: dict[str, Any]) -> str:
+    """What the restarts loaded, from Spark's own RocksDB metrics of the first batch after them."""
+    counts, from_snapshot = [], []
+    for r in doc.get("runs", []) + doc.get("floor_runs", []):
+        rocksdb = r.get("raw", {}).get("restart", {}).get("batch", {}).get("rocksdb", {})
+        if "rocksdbNumReplayChangelogFiles" in rocksdb:
+            counts.append(rocksdb["rocksdbNumReplayChangelogFiles"])
+            from_snapshot.append(rocksdb.get("rocksdbLoadFromSnapshotLatencyMs", 0))
+    if not counts or min(counts) == 0 or any(from_snapshot):
+        return ""
+    return (f"No restart here loaded a snapshot's SST files: none had reached the checkpoint, and every setup "
+            f"rebuilt its state stores by replaying the changelogs ({min(counts)}–{max(counts)} files per "
+            f"restart); the state store load above is that replay, and the bytes fetched are the changelogs.")
+
+
+def describe_setups(doc: dict[str, Any]) -> str:
+    """What each setup of the result is, and the checkpointing it ran with."""
+    p = doc["params"]
+    text = ("*local*: state and checkpoint on local disk; *fusestate+shim*: a `file://` mount with the "
+            "`fusestate://` checkpoint, restarted on a fresh cache dir after its daemon was killed. ")
+    if p.get("shape"):
+        text += (f"On the shaped S3 endpoint ({p['shape']}): *local+download*: the state on local disk, its "
+                 f"checkpoint in one of the endpoint's buckets, which the fresh node downloads before the query "
+                 f"restarts, file by file as Spark's state store copies each file (*local+download-parallel*: all "
+                 f"files at once, a generous bound); the download is part of their restart. "
+                 f"*fusestate+shim@s3*: fusestate+shim on one of its buckets. ")
+    if "--no-changelog" in p.get("extra", []):
+        text += ("Local disk with changelog checkpointing; the fusestate setups with a snapshot on every commit "
+                 "(`--no-changelog`). ")
+    else:
+        text += ("Every setup with the setup helper's defaults: changelog checkpointing, a snapshot every 10 "
+                 "versions. ")
+    return text
 
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p = doc["params"]
+    names = doc["systems"]
     sizes = ", ".join(f"{k:,}" for k in p["keys"])
     parts = [f"The pipeline of the `spark` scenario for {sizes} keys × {p['payload_bytes']:,} B, in batches of "
              f"{p['events_per_batch']:,} events (as many as it takes to write every key, plus one); then the job stops "
-             f"and restarts from its checkpoint into a {p['restart_events']:,}-event batch. *local*: state and "
-             f"checkpoint on local disk, changelog checkpointing; *fusestate+shim*: a `file://` mount with the "
-             f"`fusestate://` checkpoint, a snapshot on every commit, restarted on a fresh cache dir after its daemon "
-             f"was killed. The page cache is dropped before every restart. Each cell: "
-             f"{' / '.join(doc['systems'])}. " + medians_note(doc),
+             f"and restarts from its checkpoint into a {p['restart_events']:,}-event batch. " + describe_setups(doc)
+             + f"The page cache is dropped before every restart. Each cell: {' / '.join(names)}. " + medians_note(doc),
              variant_table(doc["summary"] + [r for r in doc.get("floor", []) if r["metric"] in FLOOR_METRICS],
-                           doc["systems"], [m.name for m in METRICS], "state")]
-    sentences = " ".join(s for s in (slope_sentence(doc), ceiling_sentence(doc)) if s)
-    if sentences:
-        parts.append(sentences)
-    series = {**{system: restart_points(doc, system) for system in doc["systems"]},
-              **{f"{system} load": restart_points(doc, system, "load_s") for system in doc["systems"]}}
+                           names, [m.name for m in METRICS], "state")]
+    for text in (above_floor_table(doc), " ".join(s for s in (replay_sentence(doc), slope_sentence(doc),
+                                                             ceiling_sentence(doc)) if s)):
+        if text:
+            parts.append(text)
+    series = {**{system: restart_points(doc, system) for system in names},
+              **{f"{system} load": restart_points(doc, system, "load_s") for system in names if system in SETUPS}}
     plot = points_plot(img_dir / "spark-restart-size.png", series, img_rel, "spark restart against state size",
                        xlabel="state size (GB)", ylabel="seconds",
                        title="Spark: restart to the first batch, and the state load, against state size")
@@ -189,13 +295,19 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
 
 
 def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The restart goal of the Spark issue, at the largest state this scenario measured."""
-    local, fused = restart_points(doc, "local"), restart_points(doc, "fusestate+shim")
-    if not local or not fused or local[-1][0] != fused[-1][0]:
-        return []
-    (size, base), (_, mine) = local[-1], fused[-1]
+    """The restart goal of the Spark issue at the largest state this scenario measured: fusestate+shim
+    against local disk, and on the shaped endpoint fusestate+shim@s3 against local+download."""
+    out = []
     floor = floor_seconds(doc)
-    ceiling = f"; at most {base / floor:.1f}× over a {floor:.1f} s floor" if floor else ""
-    return [goal_row(f"Spark pipeline, restart to the first completed batch at {size:g} GB, fixed batch size, "
-                     f"local (changelog) / fusestate+shim on a fresh cache dir ≥ 5",
-                     f"{base / mine:.2f}× ({mine:.1f} s against {base:.1f} s{ceiling})", base / mine >= 5)]
+    for base_name, name in PAIRS:
+        base_pts, mine_pts = restart_points(doc, base_name), restart_points(doc, name)
+        if not base_pts or not mine_pts or base_pts[-1][0] != mine_pts[-1][0]:
+            continue
+        (size, base), (_, mine) = base_pts[-1], mine_pts[-1]
+        ceiling = f"; at most {base / floor:.1f}× over a {floor:.1f} s floor" if floor else ""
+        baseline = ("local (changelog)" if base_name == "local" else
+                    f"{base_name} (its checkpoint downloaded file by file first)")
+        out.append(goal_row(f"Spark pipeline, restart to the first completed batch at {size:g} GB, fixed batch "
+                            f"size, {baseline} / {name} on a fresh cache dir ≥ 5",
+                            f"{base / mine:.2f}× ({mine:.1f} s against {base:.1f} s{ceiling})", base / mine >= 5))
+    return out
