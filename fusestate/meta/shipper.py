@@ -162,10 +162,11 @@ class JournalShipper:
         the bucket (no-op when nothing is new)."""
         flight = self._start_flight()
         if flight is None:
-            if self._last_flight is not None:
-                await self._last_flight.done.wait()
-                if self._last_flight.error is not None:
-                    raise ShipFailed(self._last_flight.error)
+            last = self._last_flight  # nothing new: wait for the newest one in flight, if any
+            if last is not None:
+                await last.done.wait()
+                if last.error is not None:
+                    raise ShipFailed(last.error)
             return
         await self._fly(flight)
         if flight.error is not None:
