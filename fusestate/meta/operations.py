@@ -53,7 +53,10 @@ class Tx(Protocol):
 
     def one(self, sql: str, args: tuple = ()) -> Optional[tuple]: ...
     def all(self, sql: str, args: tuple = ()) -> list[tuple]: ...
-    def exec(self, sql: str, args: tuple = ()) -> int: ...
+    def exec(self, sql: str, args: tuple = ()) -> None:
+        """A statement whose result nobody reads: an engine may queue it and send it with
+        the next statement whose rows are read (errors surface there, or at commit)."""
+        ...
     def lock(self, inodes: Iterable[int]) -> None: ...
     def inode_row(self, ino: int) -> Optional[tuple]:
         """The inode's ``INODE_COLUMNS`` (an engine may answer from the rows it locked)."""
@@ -398,7 +401,7 @@ def open_file(tx: Tx, ino: int) -> tuple[Inode, dict[int, str]]:
 def close_file(tx: Tx, ino: int) -> Freed:
     tx.lock([ino])
     tx.holds.remove(tx, ino)
-    row = tx.one(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?", (ino,))
+    row = tx.inode_row(ino)  # locked: what the lock read is current
     if row is None:
         return Freed()
     return _drop_if_unused(tx, _inode(row))
@@ -464,7 +467,7 @@ def _drop_if_unused(tx: Tx, node: Inode) -> Freed:
 def _delete_inode(tx: Tx, ino: int, freed: Freed) -> None:
     _drop_blocks(tx, ino, 0, freed)
     tx.changed(ino)
-    tx.inodes_delta -= tx.exec("DELETE FROM inodes WHERE id=?", (ino,))
+    tx.inodes_delta -= len(tx.all("DELETE FROM inodes WHERE id=? RETURNING id", (ino,)))
     freed.deleted_inode = ino
 
 

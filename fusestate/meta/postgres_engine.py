@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
+import psycopg
 import trio
 from psycopg import sql
 
@@ -128,10 +129,16 @@ class _SessionHolds:
 
 
 class _PgTx:
+    """One transaction on a connection, pipelined when ``pipeline`` is given: a statement
+    whose result nobody reads (``exec``) is only queued, and goes to the server with the
+    next one whose rows are read, or with COMMIT. A namespace operation then costs one
+    round trip per query it reads, not one per statement."""
+
     commits_uploaded = True
 
-    def __init__(self, cur: Any, engine: "PostgresEngine") -> None:
+    def __init__(self, cur: Any, engine: "PostgresEngine", pipeline: Optional[psycopg.Pipeline] = None) -> None:
         self._cur = cur
+        self._pipeline = pipeline
         self.now_ns = time.time_ns()
         self.block_size = engine.block_size
         self.holds = engine._holds
@@ -139,22 +146,29 @@ class _PgTx:
         self.used_delta = 0
         self._locked: dict[int, tuple] = {}  # rows this transaction locked, until it changes them
 
+    def _results(self) -> None:
+        """Send what is queued and wait for its results (errors are raised here)."""
+        if self._pipeline is not None:
+            self._pipeline.sync()
+
     def one(self, sql: str, args: tuple = ()) -> Optional[tuple]:
         self._cur.execute(sql.replace("?", "%s"), args)
+        self._results()
         return self._cur.fetchone() if self._cur.description else None
 
     def all(self, sql: str, args: tuple = ()) -> list[tuple]:
         self._cur.execute(sql.replace("?", "%s"), args)
+        self._results()
         return self._cur.fetchall()
 
-    def exec(self, sql: str, args: tuple = ()) -> int:
+    def exec(self, sql: str, args: tuple = ()) -> None:
         self._cur.execute(sql.replace("?", "%s"), args)
-        return self._cur.rowcount
 
     def lock(self, inodes: Iterable[int]) -> None:
         # The locked rows come back whole: the operation reads them next (one round trip fewer).
         self._cur.execute(f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
                           (sorted(set(inodes)),))
+        self._results()
         self._locked.update((row[0], row) for row in self._cur.fetchall())
 
     def inode_row(self, ino: int) -> Optional[tuple]:
@@ -227,26 +241,29 @@ class PostgresEngine:
 
     def _txn(self, cur: Any, operation: Callable[..., T], args: tuple,
              after: Optional[Callable[[Any], None]]) -> tuple[T, int, int]:
-        # BEGIN, the session check and the commit mode in one round trip (the session id is
-        # an integer of our own, so it is safe to write inline), and the counters with COMMIT.
-        if self.session_id:
-            cur.execute(f"BEGIN; {NAMESPACE_COMMIT} FROM sessions WHERE id={int(self.session_id)} FOR SHARE")
-            cur.nextset()
-            if cur.fetchone() is None:
+        # Pipelined: BEGIN, the session check and the commit mode go out with the
+        # operation's first query, and its last writes with the counters and COMMIT. The
+        # session row is locked (FOR SHARE) from the start; its answer is read at the end.
+        conn = cur.connection
+        with conn.pipeline() as pipeline:
+            cur.execute("BEGIN")
+            check = None
+            if self.session_id:
+                check = conn.cursor()
+                check.execute(f"{NAMESPACE_COMMIT} FROM sessions WHERE id={int(self.session_id)} FOR SHARE")
+            else:
+                cur.execute(NAMESPACE_COMMIT)
+            tx = _PgTx(cur, self, pipeline)
+            result = operation(tx, *args)
+            if after is not None:
+                after(cur)
+            if check is not None and check.fetchone() is None:
                 self.lost = True
                 raise SessionLost()
-        else:
-            cur.execute(f"BEGIN; {NAMESPACE_COMMIT}")
-        tx = _PgTx(cur, self)
-        result = operation(tx, *args)
-        if after is not None:
-            after(cur)
-        if tx.inodes_delta or tx.used_delta:
-            cur.execute(f"INSERT INTO counters (session_id, inodes, used) VALUES ({int(self.session_id)},"
-                        f" {int(tx.inodes_delta)}, {int(tx.used_delta)}) ON CONFLICT (session_id) DO UPDATE"
-                        " SET inodes = counters.inodes + excluded.inodes, used = counters.used + excluded.used;"
-                        " COMMIT")
-        else:
+            if tx.inodes_delta or tx.used_delta:
+                cur.execute(f"INSERT INTO counters (session_id, inodes, used) VALUES ({int(self.session_id)},"
+                            f" {int(tx.inodes_delta)}, {int(tx.used_delta)}) ON CONFLICT (session_id) DO UPDATE"
+                            " SET inodes = counters.inodes + excluded.inodes, used = counters.used + excluded.used")
             cur.execute("COMMIT")
         return result, tx.inodes_delta, tx.used_delta
 

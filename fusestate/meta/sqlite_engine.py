@@ -103,8 +103,8 @@ class _SQLiteTx:
     def all(self, sql: str, args: tuple = ()) -> list[tuple]:
         return self._db.execute(sql, args).fetchall()
 
-    def exec(self, sql: str, args: tuple = ()) -> int:
-        return self._db.execute(sql, args).rowcount
+    def exec(self, sql: str, args: tuple = ()) -> None:
+        self._db.execute(sql, args)
 
     def lock(self, inodes: Iterable[int]) -> None:
         pass
