@@ -246,11 +246,21 @@ class FileSystem:
         await self._settle(await self.meta.rename(old_parent, old_name, new_parent, new_name, flags))
 
     async def opendir(self, ino: int) -> int:
+        await self._check_dir(ino)
+        self._open_dirs[ino] = self._open_dirs.get(ino, 0) + 1
+        return ino
+
+    async def _check_dir(self, ino: int) -> Optional[Inode]:
+        """ENOTDIR unless ``ino`` is a directory; its attributes where they cost nothing. The
+        kernel sends OPENDIR and FSYNCDIR only for inodes it knows are directories, and an
+        inode never changes type: on a shared engine, where reading attributes is a round
+        trip to the database, it is not asked again."""
+        if self.meta.shared:
+            return None
         node = await self._node(ino)
         if not node.is_dir:
             raise FsError(errno.ENOTDIR)
-        self._open_dirs[ino] = self._open_dirs.get(ino, 0) + 1
-        return ino
+        return node
 
     def releasedir(self, ino: int) -> None:
         left = self._open_dirs.get(ino, 0) - 1
@@ -398,23 +408,21 @@ class FileSystem:
         self._cached_content[f.inode] = _content_version(f.node.size, f.keys)
 
     async def open(self, ino: int, flags: int) -> int:
-        if ino in self._files:
-            node = self._files[ino].node
-        else:
-            node = await self.meta.getattr(ino)
-        if node.is_dir:
-            raise FsError(errno.EISDIR)
         writing = flags & os.O_ACCMODE != os.O_RDONLY
         if writing or flags & os.O_TRUNC:
             self._check_writable()
+        # The first open of a file brings its attributes (close-to-open): no read of them before.
         f = await self._held_file(ino)
         f.handles += 1
-        if flags & os.O_TRUNC and f.node.size > 0:
-            try:
+        try:
+            if f.node.is_dir:
+                raise FsError(errno.EISDIR)
+            if flags & os.O_TRUNC and f.node.size > 0:
                 await self.truncate(f.node, 0)
-            except BaseException:
-                await self._let_go(f)
-                raise
+        except BaseException:
+            f.handles -= 1
+            await self._let_go(f)
+            raise
         return self._new_handle(f, flags)
 
     def _new_handle(self, f: OpenFile, flags: int) -> int:
@@ -704,10 +712,8 @@ class FileSystem:
                 raise FsError(errno.EIO, str(exc)) from exc
 
     async def fsyncdir(self, ino: int) -> None:
-        node = await self._node(ino)
-        if not node.is_dir:
-            raise FsError(errno.ENOTDIR)
-        if not node.scratch:
+        node = await self._check_dir(ino)
+        if node is None or not node.scratch:  # a shared volume has no scratch directories
             await self.sync_metadata()
 
     async def _expire_dirty_loop(self) -> None:
