@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,22 @@ def test_daemon_cpu_scenario_tiny(tmp_path: Path) -> None:
     for phase, row in cpu.items():
         assert (row["systems"]["fusestate-file"]["median"] or 0) > 0, (phase, row, errors)
     assert not any(is_mounted(p) for p in work.rglob("mnt"))
+
+
+def test_cpu_time_is_charged_to_the_part_that_spent_it() -> None:
+    from bench import cpu
+
+    assert cpu._part("python3", "/venv/bin/python3 -P -m fusestate mount file:///b /mnt/state --meta x") == "fusestate"
+    assert cpu._part("postgres", "postgres: postgres fusestate 127.0.0.1(5432) idle") == "postgresql"
+    assert cpu._part("java", "/usr/lib/jvm/bin/java -cp ... CoarseGrainedExecutorBackend") == "spark"
+    before = cpu.snapshot()
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass\n"
+                                                     "time.sleep(60)"])
+    try:
+        time.sleep(1.0)  # burning, then asleep: its CPU time is in /proc until it is killed
+        used = cpu.spent(before, cpu.snapshot())
+    finally:
+        burner.kill()
+        burner.wait()
+    assert used["machine"] >= 0.5, used
+    assert 0.5 <= used["other"] <= used["machine"] + 0.1, used

@@ -15,7 +15,10 @@ Each run builds the state with batches of a fixed size, then kills the second wo
 with one worker. Measured: records/s of the batches before the loss (the first two, while
 the executors' JVMs warm up, left out), the time from the loss to the first batch
 completed after it, which includes loading the lost node's state stores on the survivor,
-and the state files those loads brought (linked on fusestate, copied on local disk).
+and the state files those loads brought (linked on fusestate, copied on local disk). Every
+part of the run shares the machine's cores, so the CPU time the machine spent per record over
+the same batches is measured too, and what the fusestate daemons, PostgreSQL and Spark took
+of it (kept with each run in the results).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from bench import cpu
 from bench.common import Context, Metric, error_text, log, record, summarize
 from bench.render import goal_row, medians_note, ratio_table
 
@@ -47,6 +51,7 @@ METRICS = [
     Metric("records_per_s", "records/s", label="steady records/s before the loss"),
     Metric("recovery_s", "s", higher_is_better=False, label="loss to the first batch completed after it"),
     Metric("loaded_files", "files", higher_is_better=False, label="state files loaded after the loss"),
+    Metric("cpu_ms_per_record", "ms", higher_is_better=False, label="CPU time of the machine per record before the loss"),
 ]
 # Snapshots every second version, taken by a maintenance task every second: a node lost
 # mid-stream leaves state stores whose load reads a snapshot (its files linked on
@@ -84,12 +89,19 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path) 
             for c in CONF:
                 args += ["--conf", c]
             driver = cluster.start_driver(args)
-            done = out / f"batch-{lose_after:06d}" / "_SUCCESS"
             deadline = time.monotonic() + p["timeout"]
-            while not done.exists():
-                if not driver.alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"batch {lose_after} did not complete; see {driver.log}")
-                time.sleep(0.1)
+
+            def wait_for_batch(batch: int) -> None:
+                done = out / f"batch-{batch:06d}" / "_SUCCESS"
+                while not done.exists():
+                    if not driver.alive() or time.monotonic() > deadline:
+                        raise RuntimeError(f"batch {batch} did not complete; see {driver.log}")
+                    time.sleep(0.1)
+
+            wait_for_batch(WARMUP_BATCHES - 1)
+            cpu_before = cpu.snapshot()
+            wait_for_batch(lose_after)
+            cpu_used = cpu.spent(cpu_before, cpu.snapshot())
             lost_at = time.time()
             cluster.workers[-1].kill()
             cluster.workers[-1].wipe_cache()
@@ -105,7 +117,9 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path) 
     ends = [_end_time(b) for b in after]
     first_end = min(e for e in ends if e > lost_at)
     return {"records_per_s": rows / (ms / 1000) if ms else 0.0, "recovery_s": first_end - lost_at,
-            "loaded_files": sum(b["rocksdb"].get("rocksdbFilesCopied", 0) for b in after[:1])}
+            "loaded_files": sum(b["rocksdb"].get("rocksdbFilesCopied", 0) for b in after[:1]),
+            "cpu_ms_per_record": 1000 * cpu_used["machine"] / rows if rows else 0.0,
+            **{f"cpu_s_{part}": round(seconds, 2) for part, seconds in cpu_used.items()}}
 
 
 def _end_time(batch: dict[str, Any]) -> float:
@@ -149,8 +163,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
     text = (f"`fusestate.spark.cluster`: a Spark standalone master, two single-core worker nodes and a driver node, "
             f"each node in its own mount and PID namespace; {sizes} keys × {p['payload_bytes']:,} B, batches of "
             f"{p['events_per_batch']:,} events, 4 state partitions, `spark.locality.wait=0s`, a snapshot every "
-            f"second version (maintenance every second); records/s over {STEADY_BATCHES} batches after every key "
-            f"is written, the first {WARMUP_BATCHES} batches left out. *local*: every node's "
+            f"second version (maintenance every second); records/s and the machine's CPU time per record over the "
+            f"batches before the loss, the first {WARMUP_BATCHES} left out (the JVMs warm up). *local*: every node's "
             f"local dir on local disk, the checkpoint in a plain directory all nodes share (a favourable stand-in for "
             f"HDFS or an object store connector); *fusestate*: one shared volume (`file://` bucket, PostgreSQL on "
             f"127.0.0.1) holding every node's local dir and the `fusestate://` checkpoint, a daemon per node. Once "

@@ -1,0 +1,62 @@
+"""CPU time spent by each part of a run, read from /proc.
+
+On a machine where every part shares the same cores, a throughput ratio is a ratio of CPU
+spent per record: what fusestate's daemons and its database take is what Spark does not
+get. A snapshot before and after a phase gives each part's share of it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+TICK = os.sysconf("SC_CLK_TCK")
+PARTS = ("fusestate", "postgresql", "spark", "other")
+
+
+def _part(comm: str, cmdline: str) -> str:
+    if "-m fusestate mount" in cmdline:
+        return "fusestate"
+    if comm == "postgres":
+        return "postgresql"
+    if comm == "java" or "pyspark" in cmdline or "spark-pipeline" in cmdline:
+        return "spark"
+    return "other"
+
+
+@dataclass
+class CpuSnapshot:
+    machine_busy: float                      # seconds of every core not idle, since boot
+    by_process: dict[int, tuple[str, float]] = field(default_factory=dict)  # pid -> (part, seconds)
+
+
+def snapshot() -> CpuSnapshot:
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    snap = CpuSnapshot(machine_busy=(sum(ticks[:8]) - idle) / TICK)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        snap.by_process[int(name)] = (_part(comm, cmdline), (int(fields[11]) + int(fields[12])) / TICK)
+    return snap
+
+
+def spent(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
+    """CPU seconds between two snapshots: the machine's, and each part's (a process that
+    ended in between is missing from its part, and counted in the machine's)."""
+    parts: Counter[str] = Counter({p: 0.0 for p in PARTS})
+    for pid, (part, seconds) in after.by_process.items():
+        earlier = before.by_process.get(pid)
+        parts[part] += seconds - (earlier[1] if earlier and earlier[0] == part else 0.0)
+    return {"machine": after.machine_busy - before.machine_busy, **dict(parts)}
