@@ -583,3 +583,19 @@ def test_a_sweep_of_unknown_blocks_holds_back_uploads_of_the_same_bytes(new_engi
         assert await a.begin_upload(key(3), BS) is False
 
     drive(new_engine, body, nodes=2)
+
+
+@shared_only
+def test_closing_while_the_database_is_down_gives_up_in_seconds(new_engine, postgres_server) -> None:
+    """Ending a session touches nothing but the session's own rows, which the other nodes
+    clean up after the session timeout: an unmount does not wait the minute that an
+    operation waits for the database to come back."""
+    engine = new_engine()
+    trio.run(engine.start)
+    postgres_server.stop("fast")
+    try:
+        started = time.monotonic()
+        engine.close()
+        assert time.monotonic() - started < 20
+    finally:
+        postgres_server.start()

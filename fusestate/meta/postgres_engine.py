@@ -46,6 +46,9 @@ SCHEMA_LOCK = 0x66757365  # advisory lock id taken while the schema is created
 MOVE_LOCK = 0x66757366    # advisory lock id that serializes directory moves between parents
 GC_LOCK = 0x66757367      # shared by upload registrations, exclusive for the sweep of unknown objects
 SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clean a session up
+# How long an unmount tries to end its session while the database is unreachable: nothing
+# but the session's own rows is at stake (the other nodes clean them up after SESSION_TTL).
+CLOSE_OUTAGE_BUDGET = 5.0
 # Durable at fsync (sync), visible at once: SET LOCAL as a SELECT, to join the session check.
 NAMESPACE_COMMIT = "SELECT set_config('synchronous_commit', 'off', true)"
 
@@ -534,6 +537,7 @@ class PostgresEngine:
 
     def close(self) -> None:
         if self.session_id and not self.lost and not self.read_only:
+            self.pool.outage_budget = min(self.pool.outage_budget, CLOSE_OUTAGE_BUDGET)
             try:
                 # A clean unmount: every file this node held is closed by now; let go of the rest.
                 self.pool.run_sync(lambda cur: _clean_session(_PgTx(cur, self), self.session_id))
