@@ -103,15 +103,17 @@ def _fetch_segments(remote: RemoteStore, chain: list[journal.Segment]
 def _landed_whole(remote: RemoteStore, chain: list[journal.Segment], headers: list[journal.SegmentHeader]) -> int:
     """How many segments of the chain to apply: up to the first one whose writer died before
     the blocks uploaded alongside it landed (only segments after the newest acknowledgement
-    any of them records can be such)."""
+    any of them records can be such). Their blocks are asked for all at once."""
     acked = max((header.acked_through for header in headers), default=0)
-    for i, (seg, header) in enumerate(zip(chain, headers)):
-        if seg.last <= acked:
-            continue
-        missing = [key for key in header.unconfirmed if not remote.object_exists(object_name(key))]
-        if missing:
-            log.warning("journal segment %d of %d references %d blocks that never reached the bucket "
-                        "(its writer died before acknowledging it): restoring up to the one before",
-                        i + 1, len(chain), len(missing))
-            return i
+    unsure = [(i, key) for i, (seg, header) in enumerate(zip(chain, headers)) if seg.last > acked
+              for key in header.unconfirmed]
+    with ThreadPoolExecutor(max_workers=FETCH_PARALLEL) as pool:
+        landed = list(pool.map(lambda item: remote.object_exists(object_name(item[1])), unsure))
+    missing = sorted(i for (i, _), there in zip(unsure, landed) if not there)
+    if missing:
+        first = missing[0]
+        log.warning("journal segment %d of %d references %d blocks that never reached the bucket "
+                    "(its writer died before acknowledging it): restoring up to the one before",
+                    first + 1, len(chain), missing.count(first))
+        return first
     return len(chain)
