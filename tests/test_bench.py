@@ -288,10 +288,12 @@ def test_cpu_time_is_charged_to_the_part_that_spent_it() -> None:
     assert cpu._part("postgres", "postgres: postgres fusestate 127.0.0.1(5432) idle") == "postgresql"
     assert cpu._part("java", "/usr/lib/jvm/bin/java -cp ... CoarseGrainedExecutorBackend") == "spark"
     before = cpu.snapshot()
-    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.6: pass\n"
-                                                     "time.sleep(60)"])
+    # Burns 0.6 s of CPU (however long that takes on a busy machine), then sleeps: its CPU
+    # time stays in /proc until it is killed.
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nwhile time.process_time() < 0.6: pass\n"
+                                                     "print(flush=True)\ntime.sleep(120)"], stdout=subprocess.PIPE)
     try:
-        time.sleep(1.0)  # burning, then asleep: its CPU time is in /proc until it is killed
+        assert burner.stdout is not None and burner.stdout.readline() == b"\n"
         used = cpu.spent(before, cpu.snapshot())
     finally:
         burner.kill()
