@@ -107,6 +107,8 @@ def _landed_whole(remote: RemoteStore, chain: list[journal.Segment], headers: li
     acked = max((header.acked_through for header in headers), default=0)
     unsure = [(i, key) for i, (seg, header) in enumerate(zip(chain, headers)) if seg.last > acked
               for key in header.unconfirmed]
+    if not unsure:  # the usual case: the last segment was acknowledged
+        return len(chain)
     with ThreadPoolExecutor(max_workers=FETCH_PARALLEL) as pool:
         landed = list(pool.map(lambda item: remote.object_exists(object_name(item[1])), unsure))
     missing = sorted(i for (i, _), there in zip(unsure, landed) if not there)
