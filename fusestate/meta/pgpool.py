@@ -1,15 +1,17 @@
-"""Connections to the shared metadata database, used from worker threads.
+"""Connections to the shared metadata database.
 
-psycopg's async API is asyncio-only and the daemon runs on trio, so the sync API runs in
-worker threads: a whole transaction per thread hop (a hop costs 56-84 us, a local point
-select 0.08 ms: one hop per FUSE operation, not per statement). Round trips are what a
-namespace operation costs (about 0.1 ms each, even on the same machine), so a caller may
-run without ``conn.transaction()`` (``explicit=True``): reads then run one statement per
-round trip with no BEGIN and COMMIT of their own, and writes send BEGIN together with
-their first statement; the pool ends whatever transaction is left open. A bounded set of
-connections is reused. A transaction that meets a serialization failure, a deadlock or a
-unique-key race is run again whole; a connection lost because the server restarted is
-made again, and the transaction retried, for up to ``outage_budget`` seconds.
+A whole transaction runs as one call (``fn(cursor)``), written as blocking code; on the
+event loop it runs in a greenlet that waits for the database on the loop itself
+(:mod:`fusestate.meta.loop_io`), so a FUSE operation costs no thread hop. Round trips
+are what a namespace operation costs (about 0.1 ms each, even on the same machine), so a
+caller may run without ``conn.transaction()`` (``explicit=True``): reads then run one
+statement per round trip with no BEGIN and COMMIT of their own, and writes send BEGIN
+together with their first statement; the pool ends whatever transaction is left open. A
+bounded set of connections is reused. A transaction that meets a serialization failure,
+a deadlock or a unique-key race is run again whole; a connection lost because the server
+restarted is made again, and the transaction retried, for up to ``outage_budget``
+seconds. New connections are made in a worker thread: connecting to a server that does
+not answer may take ``CONNECT_TIMEOUT`` seconds, which the loop must not wait out.
 
 Credentials follow libpq (``PGPASSWORD``, ``~/.pgpass``, ``PGSSLMODE``); a password in
 the URL works but is never printed (``redact``).
@@ -22,7 +24,6 @@ import functools
 import logging
 import queue
 import random
-import threading
 import time
 from typing import Any, Callable, Optional, TypeVar
 
@@ -31,6 +32,7 @@ import trio
 
 from fusestate.config import redact_url
 from fusestate.errors import UserError
+from fusestate.meta.loop_io import LoopConnection, await_, on_loop, run_on_loop
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +57,21 @@ def check_connect(url: str) -> None:
         raise UserError(f"cannot reach the metadata database {redact(url)}: {reason}") from None
 
 
+def _pause(seconds: float) -> None:
+    """Sleep without holding up the event loop when running on it."""
+    if on_loop():
+        await_(lambda: trio.sleep(seconds))
+    else:
+        time.sleep(seconds)
+
+
 class DatabaseUnavailable(OSError):
     def __init__(self, url: str, seconds: float, cause: Exception) -> None:
         super().__init__(errno.EIO, f"metadata database {redact(url)} unreachable for {seconds:.0f} s: {cause}")
 
 
 class PgPool:
-    """A bounded set of connections; ``run`` executes one transaction in a worker thread."""
+    """A bounded set of connections; ``run`` executes one transaction on the event loop."""
 
     def __init__(self, url: str, size: int = 8, outage_budget: float = 60.0) -> None:
         self.url = url
@@ -71,20 +81,21 @@ class PgPool:
         self._idle: queue.LifoQueue[psycopg.Connection] = queue.LifoQueue()
         self._limiter = trio.CapacityLimiter(size)
         self._outage_logged = False
-        self._lock = threading.Lock()
         self.retries = 0
         self.reconnects = 0
 
     async def run(self, fn: Callable[..., T], *args: Any, explicit: bool = False) -> T:
-        """``fn(cursor, *args)`` in one transaction, off the event loop. ``explicit``: on
-        an autocommit connection, where ``fn`` sends its own BEGIN (or none, for reads at
-        READ COMMITTED, where each statement sees its own snapshot anyway); a transaction
-        it leaves open is committed, or rolled back if ``fn`` raised."""
-        return await trio.to_thread.run_sync(functools.partial(self.run_sync, fn, *args, explicit=explicit),
-                                             limiter=self._limiter)
+        """``fn(cursor, *args)`` in one transaction, its waits on the event loop.
+        ``explicit``: on an autocommit connection, where ``fn`` sends its own BEGIN (or
+        none, for reads at READ COMMITTED, where each statement sees its own snapshot
+        anyway); a transaction it leaves open is committed, or rolled back if ``fn``
+        raised."""
+        async with self._limiter:
+            return await run_on_loop(functools.partial(self.run_sync, fn, *args, explicit=explicit))
 
     def run_sync(self, fn: Callable[..., T], *args: Any, explicit: bool = False) -> T:
-        """The same, from a thread (or before the event loop starts)."""
+        """The same, blocking: from a thread, before the event loop starts, or (through
+        :meth:`run`) in a greenlet whose waits the loop serves."""
         conflicts = 0
         outage_started: Optional[float] = None
         while True:
@@ -118,7 +129,7 @@ class PgPool:
                     log.warning("metadata database %s unreachable (%s); retrying", self.redacted,
                                 str(exc).strip().splitlines()[0] if str(exc).strip() else exc)
                     self._outage_logged = True
-                time.sleep(min(1.0, 0.05 * 2 ** min(6, int(now - outage_started))))
+                _pause(min(1.0, 0.05 * 2 ** min(6, int(now - outage_started))))
             except psycopg.Error as exc:
                 if exc.sqlstate in RETRIED_SQLSTATES:
                     conflicts = self._conflict(conn, conflicts)
@@ -144,7 +155,7 @@ class PgPool:
         self.retries += 1
         if tries >= MAX_CONFLICT_TRIES:
             raise OSError(errno.EIO, f"metadata transaction still conflicting after {tries} tries")
-        time.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** tries)))
+        _pause(random.uniform(0, min(0.05, 0.001 * 2 ** tries)))
         return tries
 
     def _take(self) -> psycopg.Connection:
@@ -155,7 +166,10 @@ class PgPool:
         except queue.Empty:
             pass
         self.reconnects += 1
-        return psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT, autocommit=True)
+        connect = functools.partial(LoopConnection.connect, self.url, connect_timeout=CONNECT_TIMEOUT, autocommit=True)
+        if on_loop():
+            return await_(lambda: trio.to_thread.run_sync(connect))
+        return connect()
 
     def _give(self, conn: psycopg.Connection) -> None:
         if not conn.closed and conn.info.transaction_status in (INTRANS, INERROR):
