@@ -64,6 +64,9 @@ async def run_on_loop(fn: Callable[..., T], *args: Any) -> T:
     return request
 
 
+_READY = {(True, False): Ready.R, (False, True): Ready.W, (True, True): Ready.RW}
+
+
 def _wait_socket(fd: int, wanted: Wait) -> Ready:
     """Wait (through the driving task) until the socket is ready as psycopg asks."""
     if wanted == Wait.R:
@@ -72,12 +75,12 @@ def _wait_socket(fd: int, wanted: Wait) -> Ready:
     if wanted == Wait.W:
         await_(lambda: trio.lowlevel.wait_writable(fd))
         return Ready.W
-    # Both (a large request still being sent): whichever is ready now, else writable first.
+    # Both (a pipeline sending its statements): whichever is ready now, else writable first.
     readable, writable, _ = select.select([fd], [fd], [], 0)
     if not readable and not writable:
         await_(lambda: trio.lowlevel.wait_writable(fd))
         return Ready.W
-    return Ready((Ready.R if readable else 0) | (Ready.W if writable else 0))
+    return _READY[bool(readable), bool(writable)]
 
 
 class LoopConnection(psycopg.Connection):

@@ -90,8 +90,14 @@ class PgPool:
         none, for reads at READ COMMITTED, where each statement sees its own snapshot
         anyway); a transaction it leaves open is committed, or rolled back if ``fn``
         raised."""
-        async with self._limiter:
+        try:  # a free connection slot is the common case: take it without a scheduling round
+            self._limiter.acquire_nowait()
+        except trio.WouldBlock:
+            await self._limiter.acquire()
+        try:
             return await run_on_loop(functools.partial(self.run_sync, fn, *args, explicit=explicit))
+        finally:
+            self._limiter.release()
 
     def run_sync(self, fn: Callable[..., T], *args: Any, explicit: bool = False) -> T:
         """The same, blocking: from a thread, before the event loop starts, or (through

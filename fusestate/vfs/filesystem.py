@@ -636,6 +636,8 @@ class FileSystem:
         return FsError(errno.EIO, str(exc))
 
     async def _flush_file(self, f: OpenFile) -> None:
+        if not (f.dirty or f.in_flight or f.attrs_dirty or f.error):
+            return  # nothing written since: the common close (and every close of a dup'd fd)
         async with f.lock:
             for index in list(f.dirty):
                 self._seal(f, index)
