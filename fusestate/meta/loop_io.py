@@ -67,18 +67,19 @@ async def run_on_loop(fn: Callable[..., T], *args: Any) -> T:
 _READY = {(True, False): Ready.R, (False, True): Ready.W, (True, True): Ready.RW}
 
 
-def _wait_socket(fd: int, wanted: Wait) -> Ready:
-    """Wait (through the driving task) until the socket is ready as psycopg asks."""
+def _wait_socket(switch: Callable[[Callable[[], Awaitable[None]]], None], fd: int, wanted: Wait) -> Ready:
+    """Wait until the socket is ready as psycopg asks; ``switch`` hands each wait to the
+    driving task (:func:`await_`, with the greenlet looked up once per query)."""
     if wanted == Wait.R:
-        await_(lambda: trio.lowlevel.wait_readable(fd))
+        switch(lambda: trio.lowlevel.wait_readable(fd))
         return Ready.R
     if wanted == Wait.W:
-        await_(lambda: trio.lowlevel.wait_writable(fd))
+        switch(lambda: trio.lowlevel.wait_writable(fd))
         return Ready.W
     # Both (a pipeline sending its statements): whichever is ready now, else writable first.
     readable, writable, _ = select.select([fd], [fd], [], 0)
     if not readable and not writable:
-        await_(lambda: trio.lowlevel.wait_writable(fd))
+        switch(lambda: trio.lowlevel.wait_writable(fd))
         return Ready.W
     return _READY[bool(readable), bool(writable)]
 
@@ -88,12 +89,13 @@ class LoopConnection(psycopg.Connection):
     trio loop instead of blocking the thread."""
 
     def wait(self, gen: Any, interval: Any = 0.1, timeout: Any = None) -> Any:  # psycopg's hook
-        if not on_loop():
+        task = greenlet.getcurrent()
+        if not isinstance(task, _LoopGreenlet):
             return super().wait(gen, interval, timeout)
-        fd = self.pgconn.socket
+        switch, fd = task.parent.switch, self.pgconn.socket
         try:
             wanted = next(gen)
             while True:
-                wanted = gen.send(_wait_socket(fd, wanted))
+                wanted = gen.send(_wait_socket(switch, fd, wanted))
         except StopIteration as done:
             return done.value
