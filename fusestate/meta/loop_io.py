@@ -84,6 +84,19 @@ def _wait_socket(switch: Callable[[Callable[[], Awaitable[None]]], None], fd: in
     return _READY[bool(readable), bool(writable)]
 
 
+def wait_socket(fd: int, write: bool) -> None:
+    """Wait until ``fd`` is readable (or writable): on the loop under :func:`run_on_loop`,
+    else blocking the thread."""
+    current = greenlet.getcurrent()
+    if isinstance(current, _LoopGreenlet):
+        wait = trio.lowlevel.wait_writable if write else trio.lowlevel.wait_readable
+        current.parent.switch(lambda: wait(fd))
+    elif write:
+        select.select([], [fd], [])
+    else:
+        select.select([fd], [], [])
+
+
 class LoopConnection(psycopg.Connection):
     """A psycopg connection that, under :func:`run_on_loop`, waits for its socket on the
     trio loop instead of blocking the thread."""

@@ -40,7 +40,9 @@ T = TypeVar("T")
 
 IDLE, INTRANS, INERROR = (psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS,
                           psycopg.pq.TransactionStatus.INERROR)
-RETRIED_SQLSTATES = {"40001", "40P01", "23505"}  # serialization failure, deadlock, unique race
+# Serialization failure, deadlock, unique race; and a prepared statement the connection
+# lost (``pgpipeline`` prepares afresh on the next try).
+RETRIED_SQLSTATES = {"40001", "40P01", "23505", "26000"}
 MAX_CONFLICT_TRIES = 50
 CONNECT_TIMEOUT = 5
 
@@ -172,7 +174,10 @@ class PgPool:
         except queue.Empty:
             pass
         self.reconnects += 1
-        connect = functools.partial(LoopConnection.connect, self.url, connect_timeout=CONNECT_TIMEOUT, autocommit=True)
+        # No automatic preparing by psycopg: it deallocates every prepared statement of
+        # the connection after a ROLLBACK, those of ``pgpipeline`` too, which prepares its own.
+        connect = functools.partial(LoopConnection.connect, self.url, connect_timeout=CONNECT_TIMEOUT,
+                                    autocommit=True, prepare_threshold=None)
         if on_loop():
             return await_(lambda: trio.to_thread.run_sync(connect))
         return connect()

@@ -1,9 +1,10 @@
 """The shared metadata engine: PostgreSQL, for one volume mounted read-write by many nodes.
 
 Every operation of ``fusestate.meta.operations`` runs as one READ COMMITTED transaction
-in a worker thread on a pooled connection (one thread hop per FUSE operation; the trio
-loop never waits on the network), with the inodes it changes locked in increasing id
-order, retried whole on a serialization failure, a deadlock or a unique-key race.
+on a pooled connection, on the trio loop (``loop_io``: the loop serves other requests
+while it waits for the database), its statements pipelined (``pgpipeline``), with the
+inodes it changes locked in increasing id order, retried whole on a serialization
+failure, a deadlock or a unique-key race.
 
 Each mount is a *session*: a row with a heartbeat. A session holds the files its node
 has open (``holds``), so a file unlinked on one node stays readable where it is open
@@ -36,6 +37,7 @@ from fusestate.errors import FsError
 from fusestate.meta import operations as ops
 from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
                                    ObjectInfo)
+from fusestate.meta.pgpipeline import Pipeline
 from fusestate.meta.pgpool import PgPool
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,8 @@ CREATE TABLE IF NOT EXISTS counters (
 
 _UNKNOWN = ("SELECT k FROM unnest(%s::text[]) AS k WHERE NOT EXISTS (SELECT 1 FROM objects WHERE key=k)"
             " AND NOT EXISTS (SELECT 1 FROM uploads WHERE key=k)")
+_LOCK_INODES = f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id = ANY(?) ORDER BY id FOR UPDATE"
+_INODE_ROW = f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id=?"
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock: one clock for every node
 
 
@@ -132,16 +136,15 @@ class _SessionHolds:
 
 
 class _PgTx:
-    """One transaction on a connection, pipelined when ``pipeline`` is given: a statement
+    """One transaction on a connection, its statements in a :class:`Pipeline`: a statement
     whose result nobody reads (``exec``) is only queued, and goes to the server with the
     next one whose rows are read, or with COMMIT. A namespace operation then costs one
     round trip per query it reads, not one per statement."""
 
     commits_uploaded = True
 
-    def __init__(self, cur: Any, engine: "PostgresEngine", pipeline: Optional[psycopg.Pipeline] = None) -> None:
-        self._cur = cur
-        self._pipeline = pipeline
+    def __init__(self, pipe: Pipeline, engine: "PostgresEngine") -> None:
+        self._pipe = pipe
         self.now_ns = time.time_ns()
         self.block_size = engine.block_size
         self.holds = engine._holds
@@ -149,43 +152,41 @@ class _PgTx:
         self.used_delta = 0
         self._locked: dict[int, tuple] = {}  # rows this transaction locked, until it changes them
 
-    def _results(self) -> None:
-        """Send what is queued and wait for its results (errors are raised here)."""
-        if self._pipeline is not None:
-            self._pipeline.sync()
-
     def one(self, sql: str, args: tuple = ()) -> Optional[tuple]:
-        self._cur.execute(sql.replace("?", "%s"), args)
-        self._results()
-        return self._cur.fetchone() if self._cur.description else None
+        rows = self._pipe.query(sql, args)
+        return rows[0] if rows else None
 
     def all(self, sql: str, args: tuple = ()) -> list[tuple]:
-        self._cur.execute(sql.replace("?", "%s"), args)
-        self._results()
-        return self._cur.fetchall()
+        return self._pipe.query(sql, args)
 
     def exec(self, sql: str, args: tuple = ()) -> None:
-        self._cur.execute(sql.replace("?", "%s"), args)
+        self._pipe.queue(sql, args)
 
     def lock(self, inodes: Iterable[int]) -> None:
         # The locked rows come back whole: the operation reads them next (one round trip fewer).
-        self._cur.execute(f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
-                          (sorted(set(inodes)),))
-        self._results()
-        self._locked.update((row[0], row) for row in self._cur.fetchall())
+        rows = self._pipe.query(_LOCK_INODES, (sorted(set(inodes)),))
+        self._locked.update((row[0], row) for row in rows)
 
     def inode_row(self, ino: int) -> Optional[tuple]:
         row = self._locked.get(ino)
-        return row if row is not None else self.one(f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id=%s", (ino,))
+        return row if row is not None else self.one(_INODE_ROW, (ino,))
 
     def changed(self, ino: int) -> None:
         self._locked.pop(ino, None)  # no attribute cache beyond the transaction: other nodes change rows too
 
     def lock_moves(self) -> None:
-        self._cur.execute("SELECT pg_advisory_xact_lock(%s)", (MOVE_LOCK,))
+        self._pipe.queue("SELECT pg_advisory_xact_lock(?)", (MOVE_LOCK,))
 
     def unreferenced_mark(self) -> int:
         return 0
+
+
+def _in_pipeline(engine: "PostgresEngine", operation: Callable[..., T], *args: Any) -> Callable[[Any], T]:
+    """``operation(tx, *args)`` as a pool transaction function, its statements pipelined."""
+    def run(cur: Any) -> T:
+        with Pipeline(cur.connection) as pipe:
+            return operation(_PgTx(pipe, engine), *args)
+    return run
 
 
 class PostgresEngine:
@@ -223,7 +224,8 @@ class PostgresEngine:
             cur.execute("INSERT INTO counters (session_id, inodes) VALUES (0, 1)")
 
     # --- running an operation -----------------------------------------------------
-    async def _write(self, operation: Callable[..., T], *args: Any, after: Optional[Callable[[Any], None]] = None) -> T:
+    async def _write(self, operation: Callable[..., T], *args: Any,
+                     after: Optional[Callable[[ops.Tx], None]] = None) -> T:
         """One namespace operation in one transaction that first checks this session is alive.
 
         It commits without waiting for the WAL flush (see :meth:`sync`): what POSIX makes
@@ -243,35 +245,37 @@ class PostgresEngine:
             return result
 
     def _txn(self, cur: Any, operation: Callable[..., T], args: tuple,
-             after: Optional[Callable[[Any], None]]) -> tuple[T, int, int]:
+             after: Optional[Callable[[ops.Tx], None]]) -> tuple[T, int, int]:
         # Pipelined: BEGIN, the session check and the commit mode go out with the
         # operation's first query, and its last writes with the counters and COMMIT. The
         # session row is locked (FOR SHARE) from the start; its answer is read at the end.
-        conn = cur.connection
-        with conn.pipeline() as pipeline:
-            cur.execute("BEGIN")
+        with Pipeline(cur.connection) as pipe:
+            pipe.queue("BEGIN")
             check = None
             if self.session_id:
-                check = conn.cursor()
-                check.execute(f"{NAMESPACE_COMMIT} FROM sessions WHERE id={int(self.session_id)} FOR SHARE")
+                check = pipe.queue(f"{NAMESPACE_COMMIT} FROM sessions WHERE id=? FOR SHARE", (self.session_id,),
+                                   rows=True)
             else:
-                cur.execute(NAMESPACE_COMMIT)
-            tx = _PgTx(cur, self, pipeline)
+                pipe.queue(NAMESPACE_COMMIT)
+            tx = _PgTx(pipe, self)
             result = operation(tx, *args)
             if after is not None:
-                after(cur)
-            if check is not None and check.fetchone() is None:
-                self.lost = True
-                raise SessionLost()
+                after(tx)
+            if check is not None:
+                if check.rows is None:
+                    pipe.read()
+                if not check.rows:
+                    self.lost = True
+                    raise SessionLost()
             if tx.inodes_delta or tx.used_delta:
-                cur.execute(f"INSERT INTO counters (session_id, inodes, used) VALUES ({int(self.session_id)},"
-                            f" {int(tx.inodes_delta)}, {int(tx.used_delta)}) ON CONFLICT (session_id) DO UPDATE"
-                            " SET inodes = counters.inodes + excluded.inodes, used = counters.used + excluded.used")
-            cur.execute("COMMIT")
+                pipe.queue("INSERT INTO counters (session_id, inodes, used) VALUES (?, ?, ?) ON CONFLICT (session_id)"
+                           " DO UPDATE SET inodes = counters.inodes + excluded.inodes,"
+                           " used = counters.used + excluded.used", (self.session_id, tx.inodes_delta, tx.used_delta))
+            pipe.queue("COMMIT")
         return result, tx.inodes_delta, tx.used_delta
 
     async def _read(self, operation: Callable[..., T], *args: Any) -> T:
-        return await self.pool.run(lambda cur: operation(_PgTx(cur, self), *args), explicit=True)
+        return await self.pool.run(_in_pipeline(self, operation, *args), explicit=True)
 
     # --- namespace ----------------------------------------------------------------
     async def getattr(self, ino: int) -> Inode:
@@ -320,9 +324,9 @@ class PostgresEngine:
                             size: int, mtime_ns: int) -> Freed:
         keys = [b[0] for b in blocks.values() if b is not None]
 
-        def done_uploading(cur: Any) -> None:
+        def done_uploading(tx: ops.Tx) -> None:
             if keys:
-                cur.execute("DELETE FROM uploads WHERE session_id=%s AND key = ANY(%s)", (self.session_id, keys))
+                tx.exec("DELETE FROM uploads WHERE session_id=? AND key = ANY(?)", (self.session_id, keys))
 
         return await self._write(ops.commit_blocks, ino, blocks, size, mtime_ns, after=done_uploading)
 
@@ -540,7 +544,7 @@ class PostgresEngine:
             self.pool.outage_budget = min(self.pool.outage_budget, CLOSE_OUTAGE_BUDGET)
             try:
                 # A clean unmount: every file this node held is closed by now; let go of the rest.
-                self.pool.run_sync(lambda cur: _clean_session(_PgTx(cur, self), self.session_id))
+                self.pool.run_sync(_in_pipeline(self, _clean_session, self.session_id))
             except Exception as exc:  # noqa: BLE001 - the others clean it up after the timeout
                 log.warning("could not end the metadata session: %s", exc)
         self.pool.close()
