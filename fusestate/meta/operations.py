@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import errno
 import stat
-from typing import Iterable, Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 from fusestate.errors import FsError
 from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, DirEntry,
@@ -57,7 +57,14 @@ class Tx(Protocol):
         """A statement whose result nobody reads: an engine may queue it and send it with
         the next statement whose rows are read (errors surface there, or at commit)."""
         ...
-    def lock(self, inodes: Iterable[int]) -> None: ...
+    def later(self, sql: str, args: tuple = ()) -> Callable[[], list[tuple]]:
+        """A statement whose rows are wanted, but not yet: an engine may queue it and send
+        it with the next statement whose rows are read. Calling the result gives its rows."""
+        ...
+    def lock(self, inodes: Iterable[int]) -> None:
+        """Lock these inodes' rows. An engine may only queue the lock: it is taken, in
+        order, before the next statement whose rows are read."""
+        ...
     def inode_row(self, ino: int) -> Optional[tuple]:
         """The inode's ``INODE_COLUMNS`` (an engine may answer from the rows it locked)."""
         ...
@@ -166,10 +173,11 @@ def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
 def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False) -> Inode:
     _check_name(name)
     tx.lock([parent_id])
-    parent = _directory(tx, parent_id)
-    if parent.nlink == 0:
+    existing = _entry(tx, parent_id, name)  # asked with the lock (one round trip): a file or a
+    parent = _directory(tx, parent_id)      # removed directory has no entries, so ENOTDIR and
+    if parent.nlink == 0:                   # ENOENT still come before EEXIST
         raise FsError(errno.ENOENT)
-    if _entry(tx, parent_id, name) is not None:
+    if existing is not None:
         raise FsError(errno.EEXIST)
     mode, gid = new.mode, new.gid
     is_dir = stat.S_ISDIR(mode)
@@ -415,24 +423,30 @@ def close_file(tx: Tx, ino: int) -> Freed:
 def commit_blocks(tx: Tx, ino: int, blocks: dict[int, Optional[tuple[str, int]]], size: int,
                   mtime_ns: int) -> Freed:
     tx.lock([ino])
+    # Every index's current block asked at once, with the lock (one round trip).
+    current = {index: tx.later("SELECT key FROM blocks WHERE inode=? AND idx=?", (ino, index))
+               for index in sorted(blocks)}
     node = get(tx, ino)
     freed = Freed()
-    for index in sorted(blocks):
+    added: list[tuple[str, int]] = []
+    dropped: list[str] = []
+    for index, rows in current.items():
+        found = rows()
+        old = found[0][0] if found else None
         new = blocks[index]
-        row = tx.one("SELECT key FROM blocks WHERE inode=? AND idx=?", (ino, index))
-        old = row[0] if row else None
         if new is not None and new[0] == old:
             continue
         if new is not None:
             key, nbytes = new
-            _incref(tx, key, nbytes)
+            added.append(new)
             tx.exec("INSERT INTO blocks (inode, idx, key, size) VALUES (?, ?, ?, ?)"
                     " ON CONFLICT (inode, idx) DO UPDATE SET key=excluded.key, size=excluded.size",
                     (ino, index, key, nbytes))
         elif old is not None:
             tx.exec("DELETE FROM blocks WHERE inode=? AND idx=?", (ino, index))
         if old is not None:
-            _decref(tx, old, freed)
+            dropped.append(old)
+    _count_references(tx, added, dropped, freed)
     node.size = size
     node.mtime_ns = mtime_ns
     node.ctime_ns = max(node.ctime_ns, mtime_ns)
@@ -453,11 +467,8 @@ def truncate(tx: Tx, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
 
 
 def _drop_blocks(tx: Tx, ino: int, first_removed: int, freed: Freed) -> None:
-    rows = tx.all("SELECT key FROM blocks WHERE inode=? AND idx>=?", (ino, first_removed))
-    if rows:
-        tx.exec("DELETE FROM blocks WHERE inode=? AND idx>=?", (ino, first_removed))
-    for (key,) in rows:
-        _decref(tx, key, freed)
+    rows = tx.all("DELETE FROM blocks WHERE inode=? AND idx>=? RETURNING key", (ino, first_removed))
+    _count_references(tx, [], [key for (key,) in rows], freed)
 
 
 def _drop_if_unused(tx: Tx, node: Inode) -> Freed:
@@ -470,9 +481,10 @@ def _drop_if_unused(tx: Tx, node: Inode) -> Freed:
 
 
 def _delete_inode(tx: Tx, ino: int, freed: Freed) -> None:
-    _drop_blocks(tx, ino, 0, freed)
     tx.changed(ino)
-    tx.inodes_delta -= len(tx.all("DELETE FROM inodes WHERE id=? RETURNING id", (ino,)))
+    deleted = tx.later("DELETE FROM inodes WHERE id=? RETURNING id", (ino,))  # sent with the blocks'
+    _drop_blocks(tx, ino, 0, freed)
+    tx.inodes_delta -= len(deleted())
     freed.deleted_inode = ino
 
 
@@ -505,26 +517,38 @@ def purge_scratch(tx: Tx) -> Freed:
 
 # --- objects ---------------------------------------------------------------------------
 
-def _incref(tx: Tx, key: str, size: int) -> None:
-    row = tx.one("INSERT INTO objects (key, size, refcount, uploaded) VALUES (?, ?, 1, ?)"
-                 " ON CONFLICT (key) DO UPDATE SET refcount=objects.refcount+1, unreferenced_since=NULL,"
-                 " uploaded=CASE WHEN excluded.uploaded=1 THEN 1 ELSE objects.uploaded END"
-                 " RETURNING refcount, size", (key, size, int(tx.commits_uploaded)))
-    assert row is not None
-    if row[0] == 1:
-        tx.used_delta += row[1]
+_INCREF = ("INSERT INTO objects (key, size, refcount, uploaded) VALUES (?, ?, 1, ?)"
+           " ON CONFLICT (key) DO UPDATE SET refcount=objects.refcount+1, unreferenced_since=NULL,"
+           " uploaded=CASE WHEN excluded.uploaded=1 THEN 1 ELSE objects.uploaded END"
+           " RETURNING refcount, size")
+# The old refcount in the CASEs: a block whose last reference goes is marked unreferenced.
+_DECREF = ("UPDATE objects SET refcount=refcount-1,"
+           " unreferenced_since=CASE WHEN refcount<=1 THEN ? ELSE unreferenced_since END,"
+           " unreferenced_seq=CASE WHEN refcount<=1 THEN ? ELSE unreferenced_seq END"
+           " WHERE key=? RETURNING refcount, size")
 
 
-def _decref(tx: Tx, key: str, freed: Freed) -> None:
-    row = tx.one("UPDATE objects SET refcount=refcount-1 WHERE key=? RETURNING refcount, size", (key,))
-    if row is None:
-        return
-    if row[0] == 0:
-        tx.used_delta -= row[1]
-    if row[0] <= 0:
-        tx.exec("UPDATE objects SET unreferenced_since=?, unreferenced_seq=? WHERE key=?",
-                (tx.now_ns / 1e9, tx.unreferenced_mark(), key))
-        freed.keys.append(key)
+def _count_references(tx: Tx, added: list[tuple[str, int]], dropped: list[str], freed: Freed) -> None:
+    """Count the references a change adds (blocks, with their sizes) and drops, all in one
+    round trip: added first, so a block that only moves within the change never reaches zero."""
+    increfs = [tx.later(_INCREF, (key, size, int(tx.commits_uploaded))) for key, size in added]
+    decrefs = []
+    if dropped:
+        since, mark = tx.now_ns / 1e9, tx.unreferenced_mark()
+        decrefs = [(key, tx.later(_DECREF, (since, mark, key))) for key in dropped]
+    for rows in increfs:
+        refcount, size = rows()[0]
+        if refcount == 1:
+            tx.used_delta += size
+    for key, rows in decrefs:
+        found = rows()
+        if not found:
+            continue
+        refcount, size = found[0]
+        if refcount == 0:
+            tx.used_delta -= size
+        if refcount <= 0:
+            freed.keys.append(key)
 
 
 def object_info(tx: Tx, key: str) -> Optional[ObjectInfo]:

@@ -37,7 +37,7 @@ from fusestate.errors import FsError
 from fusestate.meta import operations as ops
 from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
                                    ObjectInfo)
-from fusestate.meta.pgpipeline import Pipeline
+from fusestate.meta.pgpipeline import Pipeline, Slot
 from fusestate.meta.pgpool import PgPool
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,7 @@ class _PgTx:
         self.inodes_delta = 0
         self.used_delta = 0
         self._locked: dict[int, tuple] = {}  # rows this transaction locked, until it changes them
+        self._lock_slots: list[Slot] = []  # locks queued, their rows not taken in yet
 
     def one(self, sql: str, args: tuple = ()) -> Optional[tuple]:
         rows = self._pipe.query(sql, args)
@@ -162,16 +163,37 @@ class _PgTx:
     def exec(self, sql: str, args: tuple = ()) -> None:
         self._pipe.queue(sql, args)
 
+    def later(self, sql: str, args: tuple = ()) -> Callable[[], list[tuple]]:
+        slot = self._pipe.queue(sql, args, rows=True)
+        pipe = self._pipe
+
+        def rows() -> list[tuple]:
+            if slot.rows is None:
+                pipe.read()
+            return slot.rows
+        return rows
+
     def lock(self, inodes: Iterable[int]) -> None:
-        # The locked rows come back whole: the operation reads them next (one round trip fewer).
-        rows = self._pipe.query(_LOCK_INODES, (sorted(set(inodes)),))
-        self._locked.update((row[0], row) for row in rows)
+        # Only queued: the operation's next query (it reads a name again, or the rows)
+        # takes the lock's answer in the same round trip. The rows come back whole.
+        self._lock_slots.append(self._pipe.queue(_LOCK_INODES, (sorted(set(inodes)),), rows=True))
+
+    def _take_locked(self) -> None:
+        for slot in self._lock_slots:
+            if slot.rows is None:
+                self._pipe.read()
+            self._locked.update((row[0], row) for row in slot.rows)
+        self._lock_slots.clear()
 
     def inode_row(self, ino: int) -> Optional[tuple]:
+        if self._lock_slots:
+            self._take_locked()
         row = self._locked.get(ino)
         return row if row is not None else self.one(_INODE_ROW, (ino,))
 
     def changed(self, ino: int) -> None:
+        if self._lock_slots:
+            self._take_locked()
         self._locked.pop(ino, None)  # no attribute cache beyond the transaction: other nodes change rows too
 
     def lock_moves(self) -> None:

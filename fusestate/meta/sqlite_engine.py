@@ -106,6 +106,10 @@ class _SQLiteTx:
     def exec(self, sql: str, args: tuple = ()) -> None:
         self._db.execute(sql, args)
 
+    def later(self, sql: str, args: tuple = ()) -> Callable[[], list[tuple]]:
+        rows = self._db.execute(sql, args).fetchall()
+        return lambda: rows
+
     def lock(self, inodes: Iterable[int]) -> None:
         pass
 
