@@ -30,6 +30,9 @@ def test_values_of_every_kind_come_back_as_they_went_in(pg_url: str) -> None:
             got = pipe.query("SELECT id, name, label, at, maybe FROM t WHERE id = ANY(?) ORDER BY id", ([1, 2, 3],))
             by_label = pipe.query("SELECT id FROM t WHERE label = ANY(?) ORDER BY id", ([odd, "plain"],))
             nothing = pipe.query("UPDATE t SET maybe = maybe + 1 WHERE id = ?", (99,))
+            many = [pipe.queue("SELECT ? + 0", (n,), rows=True) for n in range(2500)]  # read in bounded runs
+            pipe.read()
+        assert [slot.rows for slot in many] == [[(n,)] for n in range(2500)]
         assert got == rows
         assert by_label == [(1,), (2,)]
         assert nothing == []

@@ -33,6 +33,10 @@ from psycopg.adapt import Transformer
 from fusestate.meta.loop_io import wait_socket
 
 MAX_PREPARED = 256  # per connection; statements beyond these run unprepared
+# Results the server may have to send before they are read: beyond this many, queue()
+# reads them. The server stops reading while its results wait to be sent, so an
+# unbounded queue could stall both ends on full socket buffers.
+MAX_UNREAD = 1000
 _TEXT, _BINARY = pq.Format.TEXT, pq.Format.BINARY
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _SYNC = pq.ExecStatus.PIPELINE_SYNC
@@ -170,6 +174,8 @@ class Pipeline:
         slot = Slot() if rows else None
         self._expected.append(slot)
         self._unsent = True
+        if len(self._expected) >= MAX_UNREAD:
+            self.read()
         return slot
 
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
