@@ -51,6 +51,8 @@ METRICS = [
     Metric("records_per_s", "records/s", label="steady records/s before the loss"),
     Metric("recovery_s", "s", higher_is_better=False, label="loss to the first batch completed after it"),
     Metric("loaded_files", "files", higher_is_better=False, label="state files loaded after the loss"),
+    Metric("fetched_mb", "MB", higher_is_better=False,
+           label="read from the bucket by the surviving node from the loss to that batch (fusestate)"),
     Metric("cpu_ms_per_record", "ms", higher_is_better=False, label="CPU time of the machine per record before the loss"),
 ]
 # Snapshots every second version, taken by a maintenance task every second: a node lost
@@ -102,9 +104,14 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path) 
             cpu_before = cpu.snapshot()
             wait_for_batch(lose_after)
             cpu_used = cpu.spent(cpu_before, cpu.snapshot())
+            survivor = cluster.workers[0]
+            fetched_before = _bucket_bytes_in(survivor) if volume else 0
             lost_at = time.time()
             cluster.workers[-1].kill()
             cluster.workers[-1].wipe_cache()
+            # The batch running at the loss is the first to complete after it.
+            wait_for_batch(lose_after + 1)
+            fetched = _bucket_bytes_in(survivor) - fetched_before if volume else 0
             if driver.wait(p["timeout"]) != 0:
                 raise RuntimeError(f"the pipeline failed; see {driver.log}")
         doc = json.loads(report.read_text())
@@ -118,8 +125,13 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path) 
     first_end = min(e for e in ends if e > lost_at)
     return {"records_per_s": rows / (ms / 1000) if ms else 0.0, "recovery_s": first_end - lost_at,
             "loaded_files": sum(b["rocksdb"].get("rocksdbFilesCopied", 0) for b in after[:1]),
+            **({"fetched_mb": fetched / 1e6} if volume else {}),
             "cpu_ms_per_record": 1000 * cpu_used["machine"] / rows if rows else 0.0,
             **{f"cpu_s_{part}": round(seconds, 2) for part, seconds in cpu_used.items()}}
+
+
+def _bucket_bytes_in(node: Any) -> int:
+    return int(node.status()["remote"]["bytes_in"])
 
 
 def _end_time(batch: dict[str, Any]) -> float:
