@@ -103,9 +103,18 @@ def _directory(tx: Tx, ino: int) -> Inode:
     return node
 
 
+_ENTRY = "SELECT inode FROM entries WHERE parent=? AND name=?"
+
+
 def _entry(tx: Tx, parent: int, name: bytes) -> Optional[int]:
-    row = tx.one("SELECT inode FROM entries WHERE parent=? AND name=?", (parent, name))
+    row = tx.one(_ENTRY, (parent, name))
     return row[0] if row else None
+
+
+def _entries(tx: Tx, *names: tuple[int, bytes]) -> list[Optional[int]]:
+    """Several names' inodes, asked at once (one round trip)."""
+    pending = [tx.later(_ENTRY, name) for name in names]
+    return [rows[0][0] if rows else None for rows in (p() for p in pending)]
 
 
 def _check_name(name: bytes) -> None:
@@ -208,6 +217,7 @@ def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False
 def link(tx: Tx, ino: int, parent_id: int, name: bytes) -> Inode:
     _check_name(name)
     tx.lock([ino, parent_id])
+    existing = _entry(tx, parent_id, name)  # with the lock; checked last, as create does
     node = get(tx, ino)
     if node.is_dir:
         raise FsError(errno.EPERM)
@@ -217,7 +227,7 @@ def link(tx: Tx, ino: int, parent_id: int, name: bytes) -> Inode:
     if parent.nlink == 0:
         raise FsError(errno.ENOENT)
     _check_scratch_move(node, parent)
-    if _entry(tx, parent_id, name) is not None:
+    if existing is not None:
         raise FsError(errno.EEXIST)
     tx.exec("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent_id, name, ino))
     node.nlink += 1
@@ -295,16 +305,16 @@ def rename(tx: Tx, src_parent: int, src_name: bytes, dst_parent: int, dst_name: 
     _check_name(dst_name)
     if src_name in (b".", b".."):
         raise FsError(errno.EINVAL)
-    ino = _entry(tx, src_parent, src_name)
+    names = (src_parent, src_name), (dst_parent, dst_name)
+    ino, target = _entries(tx, *names)
     if ino is None:
         _directory(tx, src_parent)
         _directory(tx, dst_parent)
         raise FsError(errno.ENOENT)
-    target = _entry(tx, dst_parent, dst_name)
     if src_parent != dst_parent and any(_is_dir(tx, i) for i in (ino, target) if i is not None):
         tx.lock_moves()
     tx.lock({src_parent, dst_parent, ino} | ({target} if target is not None else set()))
-    if _entry(tx, src_parent, src_name) != ino or _entry(tx, dst_parent, dst_name) != target:
+    if _entries(tx, *names) != [ino, target]:
         raise Restart()
     src_dir = _directory(tx, src_parent)
     dst_dir = src_dir if dst_parent == src_parent else _directory(tx, dst_parent)
@@ -406,9 +416,13 @@ def block_map(tx: Tx, ino: int) -> dict[int, str]:
 
 
 def open_file(tx: Tx, ino: int) -> tuple[Inode, dict[int, str]]:
-    node = get(tx, ino)
+    row = tx.later(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?", (ino,))  # with the block map
     tx.holds.add(tx, ino)
-    return node, block_map(tx, ino)
+    blocks = block_map(tx, ino)
+    found = row()
+    if not found:
+        raise FsError(errno.ENOENT)  # the hold goes with the rolled-back transaction
+    return _inode(found[0]), blocks
 
 
 def close_file(tx: Tx, ino: int) -> Freed:
