@@ -181,8 +181,15 @@ class Pipeline:
     def query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
         """One statement's rows, after everything queued before it."""
         slot = self.queue(sql, args, rows=True)
+        assert slot is not None
         self.read()
-        assert slot is not None and slot.rows is not None
+        return self.rows(slot)
+
+    def rows(self, slot: Slot) -> list[tuple]:
+        """A queued statement's rows, reading them if they have not come yet."""
+        if slot.rows is None:
+            self.read()
+        assert slot.rows is not None
         return slot.rows
 
     def read(self) -> None:

@@ -21,6 +21,7 @@ metadata never points at a block another node cannot read.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import socket
@@ -28,7 +29,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
-import psycopg
 import trio
 from psycopg import sql
 
@@ -165,13 +165,8 @@ class _PgTx:
 
     def later(self, sql: str, args: tuple = ()) -> Callable[[], list[tuple]]:
         slot = self._pipe.queue(sql, args, rows=True)
-        pipe = self._pipe
-
-        def rows() -> list[tuple]:
-            if slot.rows is None:
-                pipe.read()
-            return slot.rows
-        return rows
+        assert slot is not None
+        return functools.partial(self._pipe.rows, slot)
 
     def lock(self, inodes: Iterable[int]) -> None:
         # Only queued: the operation's next query (it reads a name again, or the rows)
@@ -180,9 +175,7 @@ class _PgTx:
 
     def _take_locked(self) -> None:
         for slot in self._lock_slots:
-            if slot.rows is None:
-                self._pipe.read()
-            self._locked.update((row[0], row) for row in slot.rows)
+            self._locked.update((row[0], row) for row in self._pipe.rows(slot))
         self._lock_slots.clear()
 
     def inode_row(self, ino: int) -> Optional[tuple]:
@@ -284,9 +277,7 @@ class PostgresEngine:
             if after is not None:
                 after(tx)
             if check is not None:
-                if check.rows is None:
-                    pipe.read()
-                if not check.rows:
+                if not pipe.rows(check):
                     self.lost = True
                     raise SessionLost()
             if tx.inodes_delta or tx.used_delta:
