@@ -50,6 +50,11 @@ class _Prepared:
     def __init__(self) -> None:
         self.names: dict[bytes, bytes] = {}
         self.seen: dict[bytes, int] = {}
+        self.generation = 0  # a new one after the server lost some: names never collide
+
+    def forget(self) -> None:
+        self.names.clear()
+        self.generation += 1
 
 
 _CONVERTED: dict[str, bytes] = {}
@@ -161,11 +166,11 @@ class Pipeline:
             seen = prepared.seen.get(query, 0) + 1
             if seen >= 2:
                 prepared.seen.pop(query, None)
-                name = f"fs{len(prepared.names) + len(self._preparing)}".encode()
+                name = f"fs{prepared.generation}_{len(prepared.names) + len(self._preparing)}".encode()
                 pgconn.send_prepare(name, query)
                 self._preparing[query] = name
                 self._expected.append(name)
-            else:
+            elif len(prepared.seen) < MAX_PREPARED * 4:
                 prepared.seen[query] = seen
         if name is not None:
             pgconn.send_query_prepared(name, values, formats, _BINARY)
@@ -231,5 +236,5 @@ class Pipeline:
                 error = error or psycopg.InterfaceError(f"unexpected result {status.name} in a pipeline")
         if error is not None:
             if isinstance(error, errors.InvalidSqlStatementName):
-                self._prepared.names.clear()  # dropped by someone else: prepare again
+                self._prepared.forget()  # dropped by someone else: prepare again
             raise error
