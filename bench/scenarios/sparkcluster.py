@@ -160,11 +160,10 @@ def run(ctx: Context) -> dict[str, Any]:
                     metrics = one_run(ctx, setup, keys, p, work)
                     log(f"  {label}: " + ", ".join(f"{k} {v:,.1f}" for k, v in metrics.items()))
                     runs.append(record(setup, repeat, variant, metrics))
-                except Exception as exc:  # noqa: BLE001 - a failed run is a result
-                    log(f"  {label}: ERROR {error_text(exc)}")
-                    runs.append(record(setup, repeat, variant, error=error_text(exc)))
-                finally:
                     shutil.rmtree(work, ignore_errors=True)
+                except Exception as exc:  # noqa: BLE001 - a failed run is a result
+                    log(f"  {label}: ERROR {error_text(exc)}; its logs stay in {work}")
+                    runs.append(record(setup, repeat, variant, error=error_text(exc)))
     return {"params": {**p, "setups": setups, "conf": CONF}, "systems": setups,
             "summary": summarize(runs, METRICS, setups, variants), "runs": runs}
 
