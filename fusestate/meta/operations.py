@@ -23,6 +23,7 @@ from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, 
                                    Freed, Inode, NewNode, ObjectInfo)
 
 INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
+INODE_ROW = f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?"  # one inode's row, unlocked
 _JOINED_INODE_COLUMNS = ", ".join("i." + c for c in INODE_COLUMNS.split(", "))  # inodes aliased as i
 _S_IFMT = 0o170000  # the file type bits of st_mode
 
@@ -416,7 +417,7 @@ def block_map(tx: Tx, ino: int) -> dict[int, str]:
 
 
 def open_file(tx: Tx, ino: int) -> tuple[Inode, dict[int, str]]:
-    row = tx.later(f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?", (ino,))  # with the block map
+    row = tx.later(INODE_ROW, (ino,))  # with the block map
     tx.holds.add(tx, ino)
     blocks = block_map(tx, ino)
     found = row()

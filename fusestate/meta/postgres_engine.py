@@ -99,7 +99,6 @@ CREATE TABLE IF NOT EXISTS counters (
 _UNKNOWN = ("SELECT k FROM unnest(%s::text[]) AS k WHERE NOT EXISTS (SELECT 1 FROM objects WHERE key=k)"
             " AND NOT EXISTS (SELECT 1 FROM uploads WHERE key=k)")
 _LOCK_INODES = f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id = ANY(?) ORDER BY id FOR UPDATE"
-_INODE_ROW = f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id=?"
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock: one clock for every node
 
 
@@ -182,7 +181,7 @@ class _PgTx:
         if self._lock_slots:
             self._take_locked()
         row = self._locked.get(ino)
-        return row if row is not None else self.one(_INODE_ROW, (ino,))
+        return row if row is not None else self.one(ops.INODE_ROW, (ino,))
 
     def changed(self, ino: int) -> None:
         if self._lock_slots:

@@ -114,7 +114,7 @@ class _SQLiteTx:
         pass
 
     def inode_row(self, ino: int) -> Optional[tuple]:
-        return self.one(f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id=?", (ino,))
+        return self.one(ops.INODE_ROW, (ino,))
 
     def lock_moves(self) -> None:
         pass
