@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import stat
 import uuid
 from pathlib import Path
@@ -637,3 +638,30 @@ def test_a_block_finding_the_disk_full_waits_for_blocks_still_being_staged(tmp_p
         assert await read_file(fs, inodes[b"second"]) == second
 
     run_fs(tmp_path, body, upload_delay=0.0)
+
+
+def test_concurrent_staging_writes_never_eat_into_the_metadata_reserve(small_cache_disk: Path) -> None:
+    """Worker threads stage blocks at the same moment on a disk with room for two above the
+    reserve: two are written, the rest get ENOSPC, and the reserve is still free, instead
+    of every thread seeing room and all of them writing."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    block = 4 << 20
+    free = shutil.disk_usage(small_cache_disk).free
+    staging = Staging(str(small_cache_disk / "staging"), reserve=free - 2 * block - block // 2)
+    start = threading.Barrier(8)
+
+    def stage(n: int) -> int:
+        start.wait()
+        try:
+            staging.write(f"k{n}", os.urandom(block))
+            return 0
+        except OSError as exc:
+            return exc.errno or -1
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(stage, range(8)))
+    assert sorted(results) == [0, 0] + [errno.ENOSPC] * 6, results
+    assert shutil.disk_usage(small_cache_disk).free >= staging.reserve
+    assert len(staging.keys()) == 2
