@@ -91,6 +91,7 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
     repeats = args.repeats or DEFAULT_REPEATS[args.size]
     info = machine.describe()
     written: list[Path] = []
+    kept: list[Path] = []  # scenario work dirs left in place because a run failed
     log(f"work dir {base}; size {args.size}; {repeats} repetition(s); scenarios {', '.join(names)}")
     log(f"machine: {machine.summary_line(info)}")
     try:
@@ -103,6 +104,7 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
                           shape=Shape(args.shape_latency_ms, args.shape_connection_mbps, args.shape_node_mbps))
             started = dt.datetime.now()
             log(f"== {name}: {mod.SUMMARY}")
+            body: dict = {"error": "interrupted", "systems": [], "summary": []}
             try:
                 body = mod.run(ctx)
             except KeyboardInterrupt:
@@ -112,7 +114,9 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
                 body = {"error": error_text(exc), "systems": [], "summary": []}
             finally:
                 detach_all_under(work)
-                if not args.keep:
+                if failed(body):
+                    kept.append(work)  # its logs are how a failure is understood
+                elif not args.keep:
                     shutil.rmtree(work, ignore_errors=True)
             doc = scrub(result_doc(name, ctx, started, info, **body), base)
             path = write_result(doc, results_dir)
@@ -122,9 +126,16 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
             log(f"  {name}: {doc['duration_seconds']:.0f} s, results {path}")
     finally:
         detach_all_under(base)
-        if not args.keep and args.workdir is None:
+        if kept:
+            log("kept for their logs (a run failed): " + ", ".join(str(k) for k in kept))
+        elif not args.keep and args.workdir is None:
             shutil.rmtree(base, ignore_errors=True)
     return written
+
+
+def failed(body: dict) -> bool:
+    """Whether the scenario, or one of its runs, ended in an error."""
+    return bool(body.get("error")) or any(r.get("error") for r in body.get("runs", []))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
