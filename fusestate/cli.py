@@ -130,6 +130,10 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
                         "'all' (or the bare flag) as much of the volume as 90%% of the disk cache holds; "
                         "'off' only on demand; 'auto' (default) is 'recent' for s3:// and gs:// and "
                         "'off' for a file:// bucket, which is no slower to read than the cache")
+    m.add_argument("--prefetch-links", default=unset, choices=("on", "off"),
+                   help="a file hard-linked on this node whose blocks the node does not hold (a Spark "
+                        "state store loaded from its checkpoint) is fetched in the background into the "
+                        "kernel's page cache, so its reads skip the daemon (default on)")
     m.add_argument("--whole-blocks", default=unset, choices=WHOLE_BLOCK_MODES,
                    help="cold reads bring whole blocks to this node (scans and their readahead, blocks "
                         "small reads come back to) instead of reading only their range: 'auto' (default) "

@@ -92,6 +92,7 @@ class MountConfig:
     journal_interval: float = 2.0            # seconds between journal shipments (fsync ships at once)
     lease_ttl: float = 30.0                  # seconds a lease stays valid without a heartbeat
     prefetch: str = "auto"                   # auto | off | recent | all: background cache warming after mounting
+    prefetch_links: str = "on"               # on | off: files linked here from elsewhere go to the page cache
     whole_blocks: str = "auto"               # auto | always | never: cold reads bring whole blocks to the node
     scratch_dirs: list[str] = field(default_factory=list)  # name globs of node-local directories (--scratch)
     meta_url: Optional[str] = None           # a shared metadata engine (postgresql://...); None: embedded SQLite
@@ -117,6 +118,8 @@ class MountConfig:
             raise UserError(f"bad --prefetch {self.prefetch!r}: expected auto, off, recent or all")
         if self.prefetch == "auto":
             self.prefetch = default_prefetch(self.url)
+        if self.prefetch_links not in ("on", "off"):
+            raise UserError(f"bad --prefetch-links {self.prefetch_links!r}: expected on or off")
         if self.whole_blocks not in WHOLE_BLOCK_MODES:
             raise UserError(f"bad --whole-blocks {self.whole_blocks!r}: expected auto, always or never")
         for pattern in self.scratch_dirs:

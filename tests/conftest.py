@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 from blake3 import blake3
@@ -296,6 +296,14 @@ def small_cache_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 # --- helpers shared by the test files ------------------------------------------------
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
 
 BLOCK_SIZE = 4 << 20
 

@@ -17,14 +17,12 @@ import sqlite3
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import trio
 
-from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, sha
+from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, sha, wait_for
 from fusestate.meta import journal
 from fusestate.meta.engine import ROOT_INODE, NewNode
 from fusestate.meta.sqlite_engine import SQLiteEngine
@@ -44,13 +42,6 @@ def write(path: Path, data: bytes, fsync: bool = True) -> None:
         if fsync:
             f.flush()
             os.fsync(f.fileno())
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def read_cold(path: Path) -> bytes:
@@ -213,7 +204,7 @@ def test_scratch_filling_the_cache_disk_fails_with_enospc(make_mount, file_bucke
     assert read_cold(m.path / "000009.sst") == state
 
     shuffle.unlink()
-    wait_for(lambda: m.status()["cache"]["scratch_bytes"] == 0, "the scratch blocks to be freed")
+    wait_for(lambda: m.status()["cache"]["scratch_bytes"] == 0, what="the scratch blocks to be freed")
     more = rand(16 * MiB, 6)
     write(m.path / "000010.sst", more)
     assert read_cold(m.path / "000010.sst") == more

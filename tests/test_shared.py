@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Bucket, Mount, assert_one_line_error, fusestate
+from conftest import Bucket, Mount, assert_one_line_error, fusestate, wait_for
 
 SESSION_TIMEOUT = 3.0
 
@@ -69,6 +69,81 @@ def test_a_reopened_file_keeps_its_cached_pages_until_another_node_changes_it(ma
         os.fsync(f.fileno())
     assert (b.path / "f").read_bytes() == new + old[4096:]
     assert b.status()["fuse"]["bytes_read"] > read_before
+
+
+def test_a_file_linked_in_from_another_node_is_read_from_the_page_cache(make_mount, file_bucket: Bucket,
+                                                                        pg_url: str) -> None:
+    """A state store loaded on B links A's files into B's working dir: B puts them into its
+    page cache in the background, and RocksDB's reads then never reach B's daemon. A link
+    on the node that wrote the file fetches nothing: its pages and blocks are there."""
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    (a.path / "checkpoint").mkdir()
+    (a.path / "work").mkdir()
+    data = os.urandom(9 << 20)  # three blocks, the last one short
+    write_synced(a.path / "checkpoint" / "1.sst", data)
+
+    os.link(b.path / "checkpoint" / "1.sst", b.path / "work" / "1.sst")
+    wait_for(lambda: b.status()["page_fill"]["files"] == 1, what="B to fill its page cache")
+    before = b.status()["fuse"]["bytes_read"]
+    assert (b.path / "work" / "1.sst").read_bytes() == data
+    # From the page cache; the kernel may have reclaimed a few pages since (these VMs page
+    # out memory they see unused), and those few are read through the daemon.
+    assert b.status()["fuse"]["bytes_read"] - before < len(data) / 10
+    fill = b.status()["page_fill"]
+    assert fill["bytes"] == len(data) and fill["pending_bytes"] == 0 and fill["stopped"] == fill["failures"] == 0
+    os.link(a.path / "checkpoint" / "1.sst", a.path / "work" / "1.sst.a")
+    assert a.status()["page_fill"]["bytes"] == 0 and a.status()["page_fill"]["skipped"] == 1
+
+
+def slow_node(make_mount, bucket: Bucket, pg_url: str) -> Mount:
+    """Node B whose every block fetch from the bucket takes half a second: a fill of a file
+    of a few blocks is still running a second after its link."""
+    opts = ["--meta", pg_url, "--metrics-addr", "off", "--session-timeout", str(SESSION_TIMEOUT)]
+    return make_mount(bucket, name="node-b", cache="cache-b", extra=opts).mount(
+        env={"FUSESTATE_FAULTS": "pause=0.5,ops=get,under=blocks/"})
+
+
+def test_a_write_on_the_node_filling_the_page_cache_is_not_overwritten(make_mount, file_bucket: Bucket,
+                                                                       pg_url: str) -> None:
+    """The kernel copies a fill's data over any page, so the fill stops before an open for
+    writing is answered: what B writes right after its link is what B and A read back."""
+    a = make_mount(file_bucket, name="node-a", cache="cache-a",
+                   extra=["--meta", pg_url, "--metrics-addr", "off"]).mount()
+    b = slow_node(make_mount, file_bucket, pg_url)
+    data = bytearray(os.urandom(24 << 20))  # six blocks: three rounds of fetches, 1.5 s
+    write_synced(a.path / "f", bytes(data))
+    os.link(b.path / "f", b.path / "g")
+    mark = b"written on B after the link" * 100
+    with open(b.path / "g", "r+b") as f:
+        f.write(mark)
+        f.seek(20 << 20)
+        f.write(mark)
+        f.flush()
+        os.fsync(f.fileno())
+    data[:len(mark)] = mark
+    data[20 << 20:(20 << 20) + len(mark)] = mark
+    assert b.status()["page_fill"]["stopped"] == 1
+    assert (b.path / "g").read_bytes() == bytes(data)
+    time.sleep(1.2)  # A's cached attributes expire (--attr-timeout 1 s on a shared volume)
+    assert (a.path / "f").read_bytes() == bytes(data)
+
+
+def test_a_fill_never_outlives_a_change_made_on_another_node(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    """A rewrites the file while B is still filling its page cache with the old bytes: B's
+    next open finds the new content, stops the fill first, and reads what A wrote."""
+    a = make_mount(file_bucket, name="node-a", cache="cache-a",
+                   extra=["--meta", pg_url, "--metrics-addr", "off"]).mount()
+    b = slow_node(make_mount, file_bucket, pg_url)
+    old = os.urandom(24 << 20)
+    write_synced(a.path / "f", old)
+    os.link(b.path / "f", b.path / "g")
+    new = os.urandom(4096)
+    with open(a.path / "f", "r+b") as f:
+        f.write(new)
+        f.flush()
+        os.fsync(f.fileno())
+    assert (b.path / "g").read_bytes() == new + old[4096:]
+    assert b.status()["page_fill"]["stopped"] == 1
 
 
 def test_namespace_changes_from_both_nodes_at_once(make_mount, file_bucket: Bucket, pg_url: str) -> None:
@@ -308,3 +383,17 @@ def test_fsync_makes_namespace_changes_survive_a_database_crash(make_mount, file
     for name in names:
         assert (m.path / "d" / name).read_bytes() == name.encode() * 100
     m.umount()
+
+
+def test_each_session_is_kept_for_its_own_timeout(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    """A node mounted with a short --session-timeout never cleans up a live node mounted
+    with the default one, which beats less often: each session carries its own timeout."""
+    a = make_mount(file_bucket, name="node-a", cache="cache-a",
+                   extra=["--meta", pg_url, "--metrics-addr", "off"]).mount()
+    b = make_mount(file_bucket, name="node-b", cache="cache-b",
+                   extra=["--meta", pg_url, "--metrics-addr", "off", "--session-timeout", "1"]).mount()
+    time.sleep(3)  # B cleans up every 1/3 s; A beats every 10 s
+    write_synced(a.path / "f", b"still a live session")
+    assert (b.path / "f").read_bytes() == b"still a live session"
+    assert "cleaned up" not in (b.cache_dir / "fusestate.log").read_text()
+    assert len(b.status()["sessions"]) == 2

@@ -21,7 +21,8 @@ from typing import Callable
 
 import pytest
 
-from conftest import Bucket, Mount, assert_one_line_error, block_key, block_keys, digest, fusestate, is_mounted, new_bucket, resident_bytes
+from conftest import (Bucket, Mount, assert_one_line_error, block_key, block_keys, digest, fusestate, is_mounted, new_bucket,
+                      resident_bytes, wait_for)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -46,14 +47,6 @@ def write_file(path: Path, data: bytes, fsync: bool = False) -> None:
         if fsync:
             f.flush()
             os.fsync(f.fileno())
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def endpoint_args(bucket: Bucket) -> list[str]:

@@ -9,12 +9,11 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
 from conftest import (ENGINES, Bucket, Mount, assert_fsck_clean, block_keys, digest, engine_args, is_mounted, proc_stat,
-                      resident_bytes, sha)
+                      resident_bytes, sha, wait_for)
 
 MiB = 1 << 20
 BLOCK = 4 * MiB
@@ -24,14 +23,6 @@ BLOCK = 4 * MiB
 
 def rand(size: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(size)
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def write_file(path: Path, data: bytes, fsync: bool = False) -> None:

@@ -414,6 +414,15 @@ class BlockStore:
                 log.warning("could not keep block %s in the disk cache: %s", key[:16], exc)
             return data
 
+    async def fetch_uncached(self, key: str) -> BlockData:
+        """The whole block, verified, from the bucket, kept in neither cache: for a copy
+        that lives elsewhere (the kernel's page cache)."""
+        return await self.remote.run(self._fetch_verified_sync, key)
+
+    def holds(self, key: str) -> bool:
+        """Whether this node may have the block locally (memory, staging, disk cache)."""
+        return key in self.memory or self._staged(key) or not self.disk.known_absent(key)
+
     def _fetch_verified_sync(self, key: str) -> BlockData:
         """Blocking: the whole block from the bucket, hashed in the same thread."""
         for _ in range(3):

@@ -32,6 +32,7 @@ from fusestate.errors import UserError
 from fusestate.localio import libc
 from fusestate.fuse import kernel
 from fusestate.fuse.adapter import FuseOperations
+from fusestate.fuse.page_fill import PageFill
 from fusestate.blocks.keys import object_name
 from fusestate.meta.restore import restore_metadata
 from fusestate.meta.shipper import JournalShipper
@@ -138,6 +139,8 @@ class Daemon:
         self.uploader, self.blocks, self.warmer, self.fs = p.uploader, p.blocks, p.warmer, p.fs
         assert cfg.attr_timeout is not None
         self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
+        if cfg.prefetch_links == "on" and not cfg.read_only:
+            self.ops.page_fill = PageFill(self.fs, pyfuse3.notify_store)
         # The embedded engine's own durability: its journal shipped to the bucket, fenced by the lease.
         self.shipper: Optional[JournalShipper] = None
         if isinstance(self.meta, SQLiteEngine):
@@ -259,6 +262,8 @@ class Daemon:
                 nursery.start_soon(self._collect_garbage_loop)
             if self.cfg.prefetch != "off":
                 nursery.start_soon(self.warmer.run)
+            if self.ops.page_fill is not None:
+                nursery.start_soon(self.ops.page_fill.run)
             if self.cfg.metrics_addr and self.cfg.metrics_addr != "off":
                 self.metrics_addr = start_exporter(self, self.cfg.metrics_addr, self.registry)
                 nursery.start_soon(self._refresh_locality)

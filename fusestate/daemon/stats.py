@@ -95,6 +95,11 @@ def _warm_dirs(d: Components, what: str) -> dict[str, int]:
     return {wd.path: getattr(wd, what) for wd in (found.dirs if found else []) if wd.warm_bytes}
 
 
+def _fill_stat(d: Components, attr: str) -> int:
+    fill = d.ops.page_fill
+    return getattr(fill.stats, attr) if fill is not None else 0
+
+
 def _has_journal(d: Components) -> bool:
     return d.shipper is not None  # a shared volume's metadata is in its database
 
@@ -205,6 +210,17 @@ STATS: list[Stat] = [
                                  ("failures", "failed", "failures"))],
     Stat("warmup.seconds", "fusestate_warmup_seconds", GAUGE, "Time cache warming has taken",
          lambda d: d.warmer.stats.seconds),
+    # --- files linked here, put into the kernel's page cache (--prefetch-links)
+    Stat("page_fill.bytes", "fusestate_page_fill_bytes_total", COUNTER,
+         "Bytes of files linked on this node handed to the kernel's page cache", lambda d: _fill_stat(d, "bytes")),
+    *[Stat(f"page_fill.{key}", "fusestate_page_fill_files_total", COUNTER,
+           "Files linked on this node whose blocks it did not hold, by what filling the page cache did with them",
+           (lambda d, a=key: _fill_stat(d, a)), labels={"outcome": outcome})
+      for key, outcome in (("files", "filled"), ("skipped", "skipped"), ("stopped", "stopped"),
+                           ("failures", "failed"))],
+    Stat("page_fill.pending_bytes", "fusestate_page_fill_pending_bytes", GAUGE,
+         "Bytes of linked files waiting to be put into the page cache, or being put",
+         lambda d: d.ops.page_fill.pending_bytes if d.ops.page_fill else 0),
     # --- metadata
     Stat("metadata.journal_pending", "fusestate_journal_entries_pending", GAUGE, "Journal entries not yet in the bucket",
          lambda d: 0 if d.cfg.read_only else d.shipper.pending_entries(), when=_has_journal),  # type: ignore[union-attr]

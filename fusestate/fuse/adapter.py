@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import pyfuse3
 
+from fusestate.fuse.page_fill import PageFill
 from fusestate.meta.engine import Inode
 from fusestate.vfs import FileSystem, FsError, RequestContext
 
@@ -70,6 +71,8 @@ class FuseOperations(pyfuse3.Operations):
         self.bytes_written = 0
         # Latency hook (metrics): called with the operation name and seconds.
         self.op_observer: Optional[Callable[[str, float], None]] = None
+        # Fills the page cache with files linked here (--prefetch-links); None: off.
+        self.page_fill: Optional[PageFill] = None
 
     def _attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -110,6 +113,8 @@ class FuseOperations(pyfuse3.Operations):
     @_translate_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                       fh: Optional[int], ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if fields.update_size and self.page_fill is not None:
+            await self.page_fill.stop(inode)
         node = await self.fs.setattr(
             inode,
             mode=attr.st_mode if fields.update_mode else None,
@@ -156,7 +161,13 @@ class FuseOperations(pyfuse3.Operations):
     @_translate_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(await self.fs.link(inode, new_parent_inode, new_name))
+        node = await self.fs.link(inode, new_parent_inode, new_name)
+        if self.page_fill is not None:
+            try:
+                await self.page_fill.linked(node)
+            except Exception as exc:  # noqa: BLE001 - the link is made: a fill never fails it
+                log.warning("not filling the page cache with inode %d: %s", node.id, exc)
+        return self._attrs(node)
 
     # --- files -------------------------------------------------------------
     @_translate_errors
@@ -164,7 +175,10 @@ class FuseOperations(pyfuse3.Operations):
         fh = await self.fs.open(inode, flags)
         # A truncating open drops the cached pages; otherwise they stay while they hold the
         # file's content (on a shared volume another node may have changed it).
-        return pyfuse3.FileInfo(fh=fh, keep_cache=not flags & os.O_TRUNC and self.fs.keeps_page_cache(fh))
+        keep = not flags & os.O_TRUNC and self.fs.keeps_page_cache(fh)
+        if self.page_fill is not None and (not keep or flags & os.O_ACCMODE != os.O_RDONLY):
+            await self.page_fill.stop(inode)  # its pages are about to hold other content
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     @_translate_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,

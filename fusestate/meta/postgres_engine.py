@@ -80,8 +80,10 @@ CREATE TABLE IF NOT EXISTS objects (
 );
 CREATE TABLE IF NOT EXISTS sessions (
     id BIGSERIAL PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, mountpoint TEXT NOT NULL,
-    started DOUBLE PRECISION NOT NULL, heartbeat DOUBLE PRECISION NOT NULL
+    started DOUBLE PRECISION NOT NULL, heartbeat DOUBLE PRECISION NOT NULL,
+    timeout DOUBLE PRECISION NOT NULL DEFAULT 30  -- its own --session-timeout: others clean it up after that
 );
+ALTER TABLE sessions ADD COLUMN IF NOT EXISTS timeout DOUBLE PRECISION NOT NULL DEFAULT 30;
 CREATE TABLE IF NOT EXISTS holds (
     session_id BIGINT NOT NULL, inode BIGINT NOT NULL, PRIMARY KEY (session_id, inode)
 );
@@ -457,9 +459,9 @@ class PostgresEngine:
         """Register this mount as a session; clean up sessions whose heartbeat stopped."""
         if not self.read_only:
             def register(cur: Any) -> int:
-                cur.execute(f"INSERT INTO sessions (host, pid, mountpoint, started, heartbeat)"
-                            f" VALUES (%s, %s, %s, {_NOW}, {_NOW}) RETURNING id",
-                            (socket.gethostname(), os.getpid(), self.mountpoint))
+                cur.execute(f"INSERT INTO sessions (host, pid, mountpoint, started, heartbeat, timeout)"
+                            f" VALUES (%s, %s, %s, {_NOW}, {_NOW}, %s) RETURNING id",
+                            (socket.gethostname(), os.getpid(), self.mountpoint, self.session_ttl))
                 return cur.fetchone()[0]
 
             self.session_id = await self.pool.run(register)
@@ -495,19 +497,20 @@ class PostgresEngine:
 
     async def clean_dead_sessions(self) -> Freed:
         """The files held and the uploads registered by sessions whose heartbeat stopped
-        longer than the timeout ago: let go of them, deleting files that have no name left."""
-        def dead(cur: Any) -> list[int]:
-            cur.execute(f"SELECT id FROM sessions WHERE heartbeat < {_NOW} - %s AND id <> %s",
-                        (self.session_ttl, self.session_id))
-            return [r[0] for r in cur.fetchall()]
+        longer than the timeout ago: let go of them, deleting files that have no name left.
+        Each session's own timeout counts (nodes may be mounted with different ones)."""
+        def dead(cur: Any) -> list[tuple[int, float]]:
+            cur.execute(f"SELECT id, timeout FROM sessions WHERE heartbeat < {_NOW} - timeout AND id <> %s",
+                        (self.session_id,))
+            return [(r[0], r[1]) for r in cur.fetchall()]
 
         freed = Freed()
-        for session in await self.pool.run(dead):
+        for session, timeout in await self.pool.run(dead):
             one = await self._write(_clean_session, session)
             freed.keys += one.keys
             self.sessions_cleaned += 1
             log.warning("cleaned up metadata session %d (no heartbeat for %.0f s): %d blocks freed",
-                        session, self.session_ttl, len(one.keys))
+                        session, timeout, len(one.keys))
         return freed
 
     async def check(self) -> list[str]:

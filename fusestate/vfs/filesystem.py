@@ -400,12 +400,23 @@ class FileSystem:
         return not self.meta.shared or h.file.page_cache_valid
 
     def _remember_content(self, f: OpenFile) -> None:
+        self.remember_page_cache(f.inode, f.node.size, f.keys)
+
+    def remember_page_cache(self, ino: int, size: int, keys: dict[int, str]) -> None:
+        """The kernel's cached pages of ``ino`` hold this content (or nothing): its next open
+        keeps them if the engine still has it."""
         if not self.meta.shared:
             return
         if len(self._cached_content) >= CACHED_CONTENT_MAX:
             del self._cached_content[next(iter(self._cached_content))]  # the oldest
-        self._cached_content.pop(f.inode, None)
-        self._cached_content[f.inode] = _content_version(f.node.size, f.keys)
+        self._cached_content.pop(ino, None)
+        self._cached_content[ino] = _content_version(size, keys)
+
+    def unknown_to_page_cache(self, ino: int) -> bool:
+        """Whether the kernel can hold no pages of ``ino`` but ones of its current content:
+        not open here, and (on a shared volume, where another node may change it) never
+        cached here with content since remembered."""
+        return ino not in self._files and ino not in self._cached_content
 
     async def open(self, ino: int, flags: int) -> int:
         writing = flags & os.O_ACCMODE != os.O_RDONLY

@@ -1,0 +1,170 @@
+"""Files linked in on this node, put into the kernel's page cache before they are read.
+
+A Spark state store that moves to this node (its executor was lost elsewhere, or the job
+restarts on a fresh node) is loaded by hard-linking its files out of the checkpoint:
+metadata only. Its RocksDB then reads most of those files within seconds: every table's
+index and filters, the keys the batch touches, a compaction of what it loaded. Through the
+mount that is one FUSE request per 4 KiB to 1 MiB, each answered by this process while the
+batch waits: tens of thousands of requests for a few GB. A local disk that had just copied
+the files would answer the same reads from the page cache.
+
+So a regular file linked here whose blocks this node does not hold is fetched whole in
+the background, a few blocks at a time, verified, and handed to the kernel with
+``notify_store``; its reads then never reach the daemon. The daemon's own caches do not
+keep these blocks (the page cache is the copy); pages the kernel drops later are read as
+any cold read is.
+
+The kernel copies what it is given over the pages it has, dirty ones included, so a fill
+must never meet other content: a file open here, or (on a shared volume) cached here
+before, is not filled; and before an open for writing, a truncate, or an open that finds
+the content changed by another node is answered, the file's fill is stopped and its last
+store waited for.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import trio
+
+from fusestate.blocks.store import BlockReadError
+from fusestate.meta.engine import Inode
+from fusestate.vfs import FileSystem
+
+log = logging.getLogger(__name__)
+
+CONCURRENCY = 4          # blocks of a file fetched at once
+BUDGET_SHARE = 4         # files waiting or being filled: at most this share of the memory
+
+
+def default_budget() -> int:
+    """Bytes of linked files that may wait to be filled: a quarter of the memory, at most 8 GiB."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        memory = 4 << 30
+    return min(memory // BUDGET_SHARE, 8 << 30)
+
+
+@dataclass
+class PageFillStats:
+    files: int = 0        # filled to the end
+    bytes: int = 0        # handed to the kernel
+    skipped: int = 0      # linked, not filled: held here already, open or cached here, or over the budget
+    stopped: int = 0      # stopped midway by a change to the file (a write, a truncate, another node's)
+    failures: int = 0     # a block could not be fetched, or the kernel refused it
+
+
+@dataclass
+class _Fill:
+    node: Inode
+    keys: dict[int, str]
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    done: trio.Event = field(default_factory=trio.Event)
+    stored: int = 0
+
+
+class PageFill:
+    def __init__(self, fs: FileSystem, store: Callable[[int, int, bytes], None], *,
+                 budget: Optional[int] = None, concurrency: int = CONCURRENCY) -> None:
+        self.fs = fs
+        self.blocks = fs.blocks
+        self._store = store
+        self.budget = default_budget() if budget is None else budget
+        self.concurrency = concurrency
+        self.stats = PageFillStats()
+        self.pending_bytes = 0
+        self._fills: dict[int, _Fill] = {}
+        self._send, self._receive = trio.open_memory_channel[_Fill](math.inf)
+        self._disabled = False
+
+    async def linked(self, node: Inode) -> None:
+        """A name for ``node`` was just made here: queue its fill if it is worth one.
+
+        Called before the link is answered, so that the content the fill will store is
+        remembered (as the page cache's) before any open of the new name can come."""
+        if self._disabled or not node.is_reg or node.size == 0 or node.id in self._fills:
+            return
+        if not self.fs.unknown_to_page_cache(node.id) or self.pending_bytes + node.size > self.budget:
+            self.stats.skipped += 1
+            return
+        keys = await self.fs.meta.block_map(node.id)
+        if not keys or any(self.blocks.holds(k) for k in keys.values()) or not self.fs.unknown_to_page_cache(node.id):
+            self.stats.skipped += 1  # written or read here: the page cache has it, or reads are local
+            return
+        self.fs.remember_page_cache(node.id, node.size, keys)
+        fill = self._fills[node.id] = _Fill(node, keys)
+        self.pending_bytes += node.size
+        self._send.send_nowait(fill)
+
+    async def stop(self, ino: int) -> None:
+        """Before the kernel's pages of ``ino`` may hold other content: no store after this."""
+        fill = self._fills.get(ino)
+        if fill is None:
+            return
+        fill.scope.cancel()
+        await fill.done.wait()
+
+    def filling(self, ino: int) -> bool:
+        return ino in self._fills
+
+    async def run(self) -> None:
+        """Fill the queued files one at a time, in the order they were linked."""
+        async for fill in self._receive:
+            try:
+                with fill.scope:
+                    await self._fill(fill)
+                if fill.scope.cancelled_caught:
+                    self.stats.stopped += 1
+            finally:
+                self.pending_bytes -= fill.node.size
+                del self._fills[fill.node.id]
+                fill.done.set()
+
+    async def _fill(self, fill: _Fill) -> None:
+        ino, size, bs = fill.node.id, fill.node.size, self.fs.block_size
+        limiter = trio.CapacityLimiter(self.concurrency)
+        failed = False
+
+        async def one(index: int, key: str) -> None:
+            nonlocal failed
+            async with limiter:
+                if failed:
+                    return
+                try:
+                    data = await self.blocks.fetch_uncached(key)
+                except BlockReadError as exc:  # removed meanwhile, most likely: nothing to fill
+                    log.debug("filling inode %d: block %d: %s", ino, index, exc)
+                    failed = True
+                    return
+                start = index * bs
+                chunk = bytes(data[:max(0, min(len(data), size - start))])
+                if not chunk:
+                    return
+                try:
+                    # In a thread: the kernel may wait for a page that a read in flight has
+                    # locked, and that read is answered on this loop.
+                    await trio.to_thread.run_sync(self._store, ino, start, chunk)
+                except OSError as exc:
+                    failed = True
+                    if exc.errno == errno.ENOSYS:
+                        self._disabled = True
+                        log.warning("the kernel cannot take data into its page cache; linked files are not filled")
+                    elif exc.errno != errno.ENOENT:  # ENOENT: the kernel forgot the inode
+                        log.warning("filling inode %d: %s", ino, exc)
+                    return
+                fill.stored += len(chunk)
+                self.stats.bytes += len(chunk)
+
+        async with trio.open_nursery() as nursery:
+            for index, key in sorted(fill.keys.items()):
+                nursery.start_soon(one, index, key)
+        if failed:
+            self.stats.failures += 1
+        else:
+            self.stats.files += 1
