@@ -60,6 +60,9 @@ METRICS = [
 # fusestate, copied from the shared directory on local disk) and a changelog or two.
 CONF = ["spark.locality.wait=0s", "spark.executor.memory=2g", "spark.sql.streaming.stateStore.maintenanceInterval=1s"]
 WARMUP_BATCHES = 2   # the executors' JVMs compile the query's code: not steady
+# Disk a run takes, per byte of state: on fusestate the bucket keeps what RocksDB rewrote for
+# --gc-grace (an hour), so 4 GB of state left 41 GB in the bucket and 7 GB in the nodes' caches.
+DISK_PER_STATE_BYTE = {"local": 4, "fusestate": 12}
 STEADY_BATCHES = 4   # batches that every key has been written before, before the loss
 
 
@@ -73,6 +76,9 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path) 
 
     # Every key written, then steady batches before the loss and a few after it.
     batches = -(-keys // p["events_per_batch"]) + STEADY_BATCHES + 3
+    need, free = keys * p["payload_bytes"] * DISK_PER_STATE_BYTE[setup], shutil.disk_usage(work).free
+    if free < need:
+        raise RuntimeError(f"{free / 1e9:.0f} GB free in {work}; this run needs about {need / 1e9:.0f} GB")
     lose_after = batches - 3
     server = LocalPostgres() if setup == "fusestate" else None
     try:

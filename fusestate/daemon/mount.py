@@ -463,15 +463,18 @@ class Daemon:
         """Whether this node has the block without asking the bucket."""
         return key in self.memory or key in self.disk or os.path.exists(self.staging.path(key))
 
-    async def locality(self, path: str = "") -> Locality:
-        """Which files under ``path`` (relative to the mount) are warm on this node."""
-        return await warm_dirs(self.meta, self.holds_block, self.volume.block_size, path)
+    async def locality(self, path: str = "", exact: bool = True) -> Locality:
+        """Which files under ``path`` (relative to the mount) are warm on this node.
+        ``exact=False`` asks only the caches' in-memory indexes (a block evicted lately may
+        still count): no disk-cache lookup or stat per block, for the periodic refresh."""
+        is_local = self.holds_block if exact else self.blocks.holds
+        return await warm_dirs(self.meta, is_local, self.volume.block_size, path)
 
     async def _refresh_locality(self) -> None:
         """Keep the metrics' view of warm directories at most REFRESH_SECONDS old."""
         while True:
             try:
-                self.last_locality = await self.locality()
+                self.last_locality = await self.locality(exact=False)
             except Exception as exc:  # noqa: BLE001 - a metric must not end the mount
                 log.warning("could not compute which files are warm here: %s", exc)
             await trio.sleep(LOCALITY_REFRESH_SECONDS)
