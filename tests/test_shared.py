@@ -33,6 +33,14 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def overwrite_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` over the file's first bytes, in place, and fsync."""
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def test_fsynced_on_one_node_reads_whole_on_the_other(make_mount, file_bucket: Bucket, pg_url: str) -> None:
     a, b = shared_pair(make_mount, file_bucket, pg_url)
     data = os.urandom(9 << 20)  # three blocks, the last one short
@@ -63,10 +71,7 @@ def test_a_reopened_file_keeps_its_cached_pages_until_another_node_changes_it(ma
     assert (b.path / "f").read_bytes() == old
     assert b.status()["fuse"]["bytes_read"] == read_before  # from the page cache
     new = os.urandom(4096)
-    with open(a.path / "f", "r+b") as f:
-        f.write(new)
-        f.flush()
-        os.fsync(f.fileno())
+    overwrite_synced(a.path / "f", new)
     assert (b.path / "f").read_bytes() == new + old[4096:]
     assert b.status()["fuse"]["bytes_read"] > read_before
 
@@ -138,10 +143,7 @@ def test_a_fill_never_outlives_a_change_made_on_another_node(make_mount, file_bu
     write_synced(a.path / "f", old)
     os.link(b.path / "f", b.path / "g")
     new = os.urandom(4096)
-    with open(a.path / "f", "r+b") as f:
-        f.write(new)
-        f.flush()
-        os.fsync(f.fileno())
+    overwrite_synced(a.path / "f", new)
     assert (b.path / "g").read_bytes() == new + old[4096:]
     assert b.status()["page_fill"]["stopped"] == 1
 
