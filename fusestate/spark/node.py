@@ -75,19 +75,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         proc = _fusestate("mount", args.mount[0], args.mountpoint, *args.mount[1:])
         if proc.returncode != 0:
             reason = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-            ready.write_text(f"error: node {args.name}: mounting {args.mount[0]} at {args.mountpoint} failed: {reason}\n")
+            _announce(ready, f"error: node {args.name}: mounting {args.mount[0]} at {args.mountpoint} failed: {reason}")
             return 1
     code = 1
     try:
         Path(args.local_dir).mkdir(parents=True, exist_ok=True)
         if not stopping:
             child = subprocess.Popen(args.command)
-            ready.write_text("ok\n")
+            _announce(ready, "ok")
             code = _wait(child, lambda: stopping)
     finally:
         if args.mount is not None:
             _unmount(args.mountpoint)
     return code
+
+
+def _announce(ready: Path, text: str) -> None:
+    """Write the ready file whole or not at all: the harness reads it as soon as it exists."""
+    tmp = ready.with_name(ready.name + ".tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, ready)
 
 
 def _wait(child: subprocess.Popen, stopping) -> int:
