@@ -88,6 +88,7 @@ def test_a_file_linked_in_from_another_node_is_read_from_the_page_cache(make_mou
     write_synced(a.path / "checkpoint" / "1.sst", data)
 
     os.link(b.path / "checkpoint" / "1.sst", b.path / "work" / "1.sst")
+    os.link(b.path / "checkpoint" / "1.sst", b.path / "work" / "1.sst.again")  # one fill per file
     wait_for(lambda: b.status()["page_fill"]["files"] == 1, what="B to fill its page cache")
     before = b.status()["fuse"]["bytes_read"]
     assert (b.path / "work" / "1.sst").read_bytes() == data

@@ -94,6 +94,8 @@ class PageFill:
             self.stats.skipped += 1
             return
         keys = await self.fs.meta.block_map(node.id)
+        if node.id in self._fills:
+            return  # another link of the same file, answered meanwhile, queued it
         if not keys or any(self.blocks.holds(k) for k in keys.values()) or not self.fs.unknown_to_page_cache(node.id):
             self.stats.skipped += 1  # written or read here: the page cache has it, or reads are local
             return
@@ -121,9 +123,13 @@ class PageFill:
                     await self._fill(fill)
                 if fill.scope.cancelled_caught:
                     self.stats.stopped += 1
+            except Exception as exc:  # noqa: BLE001 - a fill is an optimisation: never end the mount
+                self.stats.failures += 1
+                log.warning("filling the page cache with inode %d failed: %s", fill.node.id, exc)
             finally:
                 self.pending_bytes -= fill.node.size
-                del self._fills[fill.node.id]
+                if self._fills.get(fill.node.id) is fill:
+                    del self._fills[fill.node.id]
                 fill.done.set()
 
     async def _fill(self, fill: _Fill) -> None:
