@@ -27,15 +27,26 @@ def _part(comm: str, cmdline: str) -> str:
 
 @dataclass
 class CpuSnapshot:
-    machine_busy: float                      # seconds of every core not idle, since boot
-    by_process: dict[int, tuple[str, float]] = field(default_factory=dict)  # pid -> (part, seconds)
+    """The machine's busy time read just before and just after the scan of every process,
+    so that a window from one snapshot's first reading to the next one's last holds all
+    the process time either scan saw (on a busy machine the scan itself takes a while)."""
+
+    busy_before_scan: float                  # seconds of every core not idle, since boot
+    busy_after_scan: float
+    by_process: dict[tuple[int, int], tuple[str, float]] = field(default_factory=dict)
+    # (pid, start tick) -> (part, seconds): the start tick tells a reused pid from its predecessor
 
 
-def snapshot() -> CpuSnapshot:
+def _machine_busy() -> float:
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:]]
     idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
-    snap = CpuSnapshot(machine_busy=(sum(ticks[:8]) - idle) / TICK)
+    return (sum(ticks[:8]) - idle) / TICK
+
+
+def snapshot() -> CpuSnapshot:
+    busy_before = _machine_busy()
+    by_process: dict[tuple[int, int], tuple[str, float]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -48,15 +59,17 @@ def snapshot() -> CpuSnapshot:
             continue  # ended meanwhile
         comm = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
-        snap.by_process[int(name)] = (_part(comm, cmdline), (int(fields[11]) + int(fields[12])) / TICK)
-    return snap
+        by_process[(int(name), int(fields[19]))] = (_part(comm, cmdline),
+                                                    (int(fields[11]) + int(fields[12])) / TICK)
+    return CpuSnapshot(busy_before, _machine_busy(), by_process)
 
 
 def spent(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
     """CPU seconds between two snapshots: the machine's, and each part's (a process that
-    ended in between is missing from its part, and counted in the machine's)."""
+    ended in between is missing from its part, and counted in the machine's). A process
+    is charged to the part it belongs to at the end (an exec may change it)."""
     parts: Counter[str] = Counter({p: 0.0 for p in PARTS})
-    for pid, (part, seconds) in after.by_process.items():
-        earlier = before.by_process.get(pid)
-        parts[part] += seconds - (earlier[1] if earlier and earlier[0] == part else 0.0)
-    return {"machine": after.machine_busy - before.machine_busy, **dict(parts)}
+    for key, (part, seconds) in after.by_process.items():
+        earlier = before.by_process.get(key)
+        parts[part] += seconds - (earlier[1] if earlier else 0.0)
+    return {"machine": after.busy_after_scan - before.busy_before_scan, **dict(parts)}
