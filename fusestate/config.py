@@ -109,8 +109,6 @@ class MountConfig:
             if self.takeover:
                 raise UserError("--takeover is for the embedded engine's single writer; with --meta every node "
                                 "mounts read-write at once")
-            if self.scratch_dirs:
-                raise UserError("--scratch is not supported with --meta: a shared volume keeps no node-local files")
         self.cache_dir = os.path.abspath(self.cache_dir)
         if self.durability not in ("remote", "local"):
             raise UserError(f"bad --durability {self.durability!r}: expected remote or local")

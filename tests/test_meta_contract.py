@@ -386,6 +386,38 @@ def test_start_drops_scratch_and_orphans_of_the_last_mount(new_engine) -> None:
 
 
 @shared_only
+@pytest.mark.parametrize("ending", ["unmount", "lost"])
+def test_a_scratch_dir_belongs_to_its_session_and_goes_with_it(new_engine, ending: str) -> None:
+    """On a shared volume a scratch dir records the session that made it, its blocks are
+    recorded as not in the bucket (another node writing the same bytes uploads them), and
+    its names go when that session ends: a clean unmount, or a lost node's clean-up."""
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        s = await a.create(ROOT_INODE, b"blockmgr-1", NewNode(DIR.mode, 0, 0, scratch_name=True))
+        f = await a.create(s.id, b"shuffle", FILE)
+        assert s.scratch == f.scratch == a.scratch_owner != b.scratch_owner != 0
+        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
+        info = await b.object_info(key(1))
+        assert (info.refcount, info.uploaded) == (1, False)
+        assert await b.begin_upload(key(1), BS) is False
+        mine = await b.create(ROOT_INODE, b"blockmgr-2", NewNode(DIR.mode, 0, 0, scratch_name=True))
+        assert mine.scratch == b.scratch_owner
+        assert (await b.lookup(s.id, b"shuffle")).scratch == a.scratch_owner
+        await raises(errno.EXDEV, b.rename(s.id, b"shuffle", mine.id, b"shuffle"))  # two nodes' scratch
+        if ending == "unmount":
+            a.close()
+        else:
+            await trio.sleep(1.5)  # a stops beating
+            await b.heartbeat()
+            assert (await b.clean_dead_sessions()).keys == [key(1)]
+        assert await names(b, ROOT_INODE) == [b"blockmgr-2"]
+        assert (await b.getattr(ROOT_INODE)).nlink == 3
+        await raises(errno.ENOENT, b.getattr(f.id))
+        assert (await b.object_info(key(1))).refcount == 0
+
+    drive(new_engine, body, nodes=2, session_ttl=1.0)
+
+
+@shared_only
 def test_a_clean_unmount_lets_go_of_what_its_session_held(new_engine) -> None:
     async def body(a: MetaEngine, b: MetaEngine) -> None:
         f = await held_and_unlinked(a, b)

@@ -211,6 +211,50 @@ def test_scratch_filling_the_cache_disk_fails_with_enospc(make_mount, file_bucke
     m.umount()
 
 
+def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, file_bucket: Bucket,
+                                                                    pg_url: str) -> None:
+    """Every node of a shared volume has its own scratch dirs: their names are in the shared
+    namespace, their bytes only on the node that wrote them (another node cannot open
+    them), and their names go when that node unmounts. The same bytes in a normal file
+    still reach the bucket for it."""
+    opts = [*SCRATCH, "--meta", pg_url, "--metrics-addr", "off", "--session-timeout", "3"]
+    a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=opts).mount()
+    b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=opts).mount()
+    state, shuffle = spark_like_tree(a)
+    shuffle_file = Path("job") / "blockmgr-5f1c" / "0c" / "shuffle_0_1_0.data"
+    assert read_cold(a.path / shuffle_file) == shuffle
+    assert a.status()["cache"]["scratch_bytes"] == len(shuffle)
+    assert file_bucket.block_objects() == block_keys(state)  # the state file's fsync waited for them
+
+    assert (b.path / shuffle_file).stat().st_size == len(shuffle)
+    with pytest.raises(OSError) as exc:
+        (b.path / shuffle_file).read_bytes()
+    assert exc.value.errno == errno.EIO
+    assert (b.path / "job" / "state" / "000012.sst").read_bytes() == state
+    write(a.path / "job" / "state" / "copy.sst", shuffle)  # bytes A holds as scratch only
+    assert (b.path / "job" / "state" / "copy.sst").read_bytes() == shuffle
+    mine = rand(MiB + 7, 3)
+    write(b.path / "job" / "blockmgr-b" / "f", mine)
+    assert read_cold(b.path / "job" / "blockmgr-b" / "f") == mine
+    with pytest.raises(OSError) as exc:
+        (a.path / "job" / "blockmgr-b" / "f").read_bytes()
+    assert exc.value.errno == errno.EIO
+    fsck = fusestate("fsck", file_bucket.url, "--meta", pg_url, check=False)  # scratch blocks are not missing
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+
+    a.umount()  # its session ends: its scratch names go
+    wait_for(lambda: sorted(os.listdir(b.path / "job")) == ["blockmgr-b", "state"],
+             what="node A's scratch dir to go with its session")
+    wait_for(lambda: os.stat(b.path / "job").st_nlink == 4, what="the parent's link count")
+    assert read_cold(b.path / "job" / "blockmgr-b" / "f") == mine
+    assert not block_keys(mine) & file_bucket.block_objects()
+    b.umount()
+    a.mount()  # a node's scratch dirs go with it
+    assert sorted(os.listdir(a.path / "job")) == ["state"]
+    assert (a.path / "job" / "state" / "copy.sst").read_bytes() == shuffle
+    a.umount()
+
+
 def test_bad_scratch_pattern_is_refused(make_mount, file_bucket: Bucket) -> None:
     m: Mount = make_mount(file_bucket, extra=["--scratch", "a/b"])
     assert_one_line_error(m.try_mount(), "--scratch", "a/b")

@@ -91,7 +91,13 @@ def test_pipeline_on_a_two_worker_cluster_equals_local_mode(cluster: Cluster, lo
     cluster.start(workers=2)
     out, report = tmp_path / "out", tmp_path / "report.json"
     driver = cluster.start_driver(pipeline_args(out, report, cluster.checkpoint("q")))
+    # Each node's shuffle files stay on it (--scratch 'blockmgr-*'), as on a local disk.
+    shuffle_kept_on_node = False
+    while driver.alive() and not shuffle_kept_on_node:
+        shuffle_kept_on_node = any(w.status()["cache"]["scratch_bytes"] > 0 for w in cluster.workers)
+        time.sleep(0.2)
     finish(driver)
+    assert shuffle_kept_on_node
     assert read_output(out) == read_output(local_reference)  # batch for batch
     result = json.loads(report.read_text())
     s = result["summary"]

@@ -217,6 +217,9 @@ class BlockStore:
         file references the same bytes, which queues it then)."""
         if key is None:
             return
+        if self.meta.shared and not upload:
+            self._scratch[key] = size  # committed without an upload: recorded as not in the bucket
+            return
         if self.meta.shared:
             self._awaiting_commit[key] -= 1  # committed: the engine ended its upload registration
             if self._awaiting_commit[key] <= 0:
@@ -250,18 +253,22 @@ class BlockStore:
         self.disk.stats.misses += 1
         return False
 
-    async def abandon(self, key: Optional[str]) -> None:
-        """A sealed key that will not be referenced after all: drop its staging file."""
-        if key and self.meta.shared:
+    async def abandon(self, key: Optional[str], scratch: bool = False) -> None:
+        """A sealed key that will not be referenced after all: drop its staging file.
+        ``scratch``: sealed for a scratch file (on a shared volume, never uploaded)."""
+        if key and self.meta.shared and not scratch:
             await self._stop_awaiting(key)  # uploaded already: the collector deletes it in time
             return
-        if key and await self.meta.object_info(key) is None and key not in self._staging_inflight:
+        if not key or key in self._scratch or key in self._staging_inflight or self.uploader.is_pending(key):
+            return  # these bytes are staged for something else too
+        if self.meta.shared or await self.meta.object_info(key) is None:
             self.staging.remove(key)
 
     async def release(self, keys: list[str]) -> None:
         """Objects whose refcount fell to zero: drop them if they never left staging."""
         if self.meta.shared:
-            return  # in the bucket: the collector deletes them once no node needs them
+            # The rest are in the bucket: the collector deletes them once no node needs them.
+            keys = [key for key in keys if key in self._scratch]
         unqueued: list[str] = []  # a scratch block, or one left by a crash before recovery
         for key in keys:
             info = await self.meta.object_info(key)
@@ -270,6 +277,8 @@ class BlockStore:
             if key in self._staging_inflight:
                 continue
             if self.uploader.is_pending(key):
+                if self.meta.shared:
+                    continue  # a commit of the same bytes on this node waits for this upload
                 await self.uploader.discard(key)
             else:
                 unqueued.append(key)

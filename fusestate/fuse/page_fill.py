@@ -88,7 +88,7 @@ class PageFill:
 
         Called before the link is answered, so that the content the fill will store is
         remembered (as the page cache's) before any open of the new name can come."""
-        if self._disabled or not node.is_reg or node.size == 0 or node.id in self._fills:
+        if self._disabled or not node.is_reg or node.size == 0 or node.scratch or node.id in self._fills:
             return
         if not self.fs.unknown_to_page_cache(node.id) or self.pending_bytes + node.size > self.budget:
             self.stats.skipped += 1

@@ -47,9 +47,11 @@ class Inode:
     ctime_ns: int
     rdev: int = 0
     symlink_target: Optional[bytes] = None
-    # Node-local: never uploaded, never in the metadata shipped to the bucket, gone at the
-    # next mount (Spark's shuffle files). Set at creation, never changed.
-    scratch: bool = False
+    # Node-local (Spark's shuffle files): never uploaded, never in the metadata shipped to
+    # the bucket, gone when the mount that made it ends. 0 for the rest of the volume, else
+    # its owner: 1 on a single-writer volume, the session of the node on a shared one (no
+    # other node can read it). Set at creation, never changed.
+    scratch: int = 0
 
     @property
     def is_dir(self) -> bool:
@@ -132,6 +134,7 @@ class MetaEngine(Protocol):
     kind: str          # "sqlite", "postgresql": recorded in the volume's record
     shared: bool       # many nodes mount the volume at once: caches expire, blocks are
                        # committed only once they are in the bucket
+    scratch_owner: int  # what this mount's scratch directories record as their owner (Inode.scratch)
 
     # --- namespace ----------------------------------------------------------
     async def getattr(self, ino: int) -> Inode: ...

@@ -51,6 +51,8 @@ class Tx(Protocol):
     used_delta: int
     # True where blocks are committed only once they are in the bucket (shared engines).
     commits_uploaded: bool
+    # What a scratch directory made in this transaction records as its owner (Inode.scratch).
+    scratch_owner: int
 
     def one(self, sql: str, args: tuple = ()) -> Optional[tuple]: ...
     def all(self, sql: str, args: tuple = ()) -> list[tuple]: ...
@@ -87,7 +89,7 @@ class Tx(Protocol):
 def _inode(row: tuple) -> Inode:
     *cols, scratch = row
     target = cols[10]
-    return Inode(*cols[:10], symlink_target=bytes(target) if target is not None else None, scratch=bool(scratch))
+    return Inode(*cols[:10], symlink_target=bytes(target) if target is not None else None, scratch=int(scratch))
 
 
 def get(tx: Tx, ino: int) -> Inode:
@@ -195,13 +197,13 @@ def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False
         gid = parent.gid
         if is_dir:
             mode |= stat.S_ISGID
-    scratch = parent.scratch or (is_dir and new.scratch_name)
+    scratch = parent.scratch or (tx.scratch_owner if is_dir and new.scratch_name else 0)
     size = len(new.symlink_target) if new.symlink_target is not None else 0
     nlink = 2 if is_dir else 1
     now = tx.now_ns
     row = tx.one("INSERT INTO inodes (mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev,"
                  " symlink_target, scratch) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                 (mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, int(scratch)))
+                 (mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, scratch))
     assert row is not None
     node = Inode(row[0], mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, scratch)
     tx.exec("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent_id, name, node.id))
@@ -461,7 +463,9 @@ def commit_blocks(tx: Tx, ino: int, blocks: dict[int, Optional[tuple[str, int]]]
             tx.exec("DELETE FROM blocks WHERE inode=? AND idx=?", (ino, index))
         if old is not None:
             dropped.append(old)
-    _count_references(tx, added, dropped, freed)
+    # A scratch file's blocks never leave its node: never recorded as in the bucket, so
+    # another node writing the same bytes uploads them.
+    _count_references(tx, added, dropped, freed, uploaded=tx.commits_uploaded and not node.scratch)
     node.size = size
     node.mtime_ns = mtime_ns
     node.ctime_ns = max(node.ctime_ns, mtime_ns)
@@ -513,18 +517,19 @@ def drop_orphans(tx: Tx, inodes: Iterable[int]) -> Freed:
     return freed
 
 
-def purge_scratch(tx: Tx) -> Freed:
-    """Remove every scratch inode and its names (they belonged to the last mount's processes)."""
+def purge_scratch(tx: Tx, owner: int) -> Freed:
+    """Remove the scratch inodes of one owner and their names: they belonged to the
+    processes of a mount that ended (this node's last one, or a node that was lost)."""
     freed = Freed()
     # Scratch roots (scratch dirs named in a normal dir) are counted in their parent's nlink.
     for parent, subdirs in tx.all(
             "SELECT e.parent, COUNT(*) FROM entries e JOIN inodes c ON c.id = e.inode"
-            " JOIN inodes p ON p.id = e.parent WHERE c.scratch = 1 AND p.scratch = 0"
-            " AND (c.mode & ?) = ? GROUP BY e.parent", (_S_IFMT, stat.S_IFDIR)):
+            " JOIN inodes p ON p.id = e.parent WHERE c.scratch = ? AND p.scratch <> ?"
+            " AND (c.mode & ?) = ? GROUP BY e.parent", (owner, owner, _S_IFMT, stat.S_IFDIR)):
         tx.changed(parent)
         tx.exec("UPDATE inodes SET nlink = nlink - ? WHERE id=?", (subdirs, parent))
-    tx.exec("DELETE FROM entries WHERE inode IN (SELECT id FROM inodes WHERE scratch = 1)")
-    for (ino,) in tx.all("SELECT id FROM inodes WHERE scratch = 1"):
+    tx.exec("DELETE FROM entries WHERE inode IN (SELECT id FROM inodes WHERE scratch = ?)", (owner,))
+    for (ino,) in tx.all("SELECT id FROM inodes WHERE scratch = ?", (owner,)):
         _delete_inode(tx, ino, freed)
     freed.deleted_inode = None
     return freed
@@ -543,10 +548,11 @@ _DECREF = ("UPDATE objects SET refcount=refcount-1,"
            " WHERE key=? RETURNING refcount, size")
 
 
-def _count_references(tx: Tx, added: list[tuple[str, int]], dropped: list[str], freed: Freed) -> None:
+def _count_references(tx: Tx, added: list[tuple[str, int]], dropped: list[str], freed: Freed,
+                      uploaded: bool = False) -> None:
     """Count the references a change adds (blocks, with their sizes) and drops, all in one
     round trip: added first, so a block that only moves within the change never reaches zero."""
-    increfs = [tx.later(_INCREF, (key, size, int(tx.commits_uploaded))) for key, size in added]
+    increfs = [tx.later(_INCREF, (key, size, int(uploaded))) for key, size in added]
     decrefs = []
     if dropped:
         since, mark = tx.now_ns / 1e9, tx.unreferenced_mark()
@@ -640,4 +646,6 @@ def consistency_problems(tx: Tx, limit: int = 20) -> list[str]:
 
 
 def referenced_keys(tx: Tx) -> set[str]:
-    return {row[0] for row in tx.all("SELECT DISTINCT key FROM blocks")}
+    """The blocks the bucket must hold: every file's but a scratch file's (on its node only)."""
+    return {row[0] for row in tx.all("SELECT DISTINCT b.key FROM blocks b JOIN inodes i ON i.id = b.inode"
+                                     " WHERE i.scratch = 0")}

@@ -15,7 +15,9 @@ was declared dead and comes back cannot publish. The sessions of dead nodes are 
 up by the others. Counters for statfs are kept per session (no hot row).
 
 Blocks are committed only once they are in the bucket (``shared = True``): the shared
-metadata never points at a block another node cannot read.
+metadata never points at a block another node cannot read, except a scratch file's
+(``--scratch``): its inode records the session that made it, its blocks stay on that
+node and are recorded as not uploaded, and its names go when that session ends.
 """
 
 from __future__ import annotations
@@ -60,8 +62,10 @@ CREATE TABLE IF NOT EXISTS inodes (
     mode INTEGER NOT NULL, uid BIGINT NOT NULL, gid BIGINT NOT NULL,
     size BIGINT NOT NULL DEFAULT 0, nlink INTEGER NOT NULL DEFAULT 0,
     atime_ns BIGINT NOT NULL, mtime_ns BIGINT NOT NULL, ctime_ns BIGINT NOT NULL,
-    rdev BIGINT NOT NULL DEFAULT 0, symlink_target BYTEA, scratch INTEGER NOT NULL DEFAULT 0
+    rdev BIGINT NOT NULL DEFAULT 0, symlink_target BYTEA,
+    scratch BIGINT NOT NULL DEFAULT 0  -- 0, or the session whose node-local file it is (--scratch)
 );
+CREATE INDEX IF NOT EXISTS inodes_scratch ON inodes (scratch) WHERE scratch <> 0;
 CREATE TABLE IF NOT EXISTS entries (
     id BIGSERIAL PRIMARY KEY,
     parent BIGINT NOT NULL, name BYTEA NOT NULL, inode BIGINT NOT NULL,
@@ -151,6 +155,7 @@ class _PgTx:
         self.holds = engine._holds
         self.inodes_delta = 0
         self.used_delta = 0
+        self.scratch_owner = engine.session_id
         self._locked: dict[int, tuple] = {}  # rows this transaction locked, until it changes them
         self._lock_slots: list[Slot] = []  # locks queued, their rows not taken in yet
 
@@ -240,6 +245,10 @@ class PostgresEngine:
             cur.execute("INSERT INTO counters (session_id, inodes) VALUES (0, 1)")
 
     # --- running an operation -----------------------------------------------------
+    @property
+    def scratch_owner(self) -> int:
+        return self.session_id
+
     async def _write(self, operation: Callable[..., T], *args: Any,
                      after: Optional[Callable[[ops.Tx], None]] = None) -> T:
         """One namespace operation in one transaction that first checks this session is alive.
@@ -573,6 +582,8 @@ def _clean_session(tx: ops.Tx, session: int) -> Freed:
     # and maybe gone from the bucket, so the next upload of their bytes must not skip the PUT.
     tx.exec("UPDATE objects SET deleting=0, uploaded=0 WHERE deleting=?", (session,))
     tx.exec("DELETE FROM sessions WHERE id=?", (session,))
+    # Its scratch files were readable nowhere else: their names go with it.
+    freed.keys += ops.purge_scratch(tx, session).keys
     for ino in sorted(held):
         tx.lock([ino])
         row = tx.one("SELECT nlink FROM inodes WHERE id=?", (ino,))

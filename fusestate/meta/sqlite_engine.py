@@ -87,6 +87,7 @@ class _SQLiteTx:
     """A transaction on the engine's connection (BEGIN IMMEDIATE: one writer, nothing to lock)."""
 
     commits_uploaded = False
+    scratch_owner = 1
 
     def __init__(self, engine: "SQLiteEngine") -> None:
         self._db = engine._db
@@ -131,6 +132,7 @@ class SQLiteEngine:
 
     kind = "sqlite"
     shared = False
+    scratch_owner = 1
 
     def __init__(self, path: str, block_size: int = DEFAULT_BLOCK_SIZE, read_only: bool = False) -> None:
         self.path = path
@@ -409,7 +411,7 @@ class SQLiteEngine:
         freed = Freed()
         if self.read_only:
             return freed
-        scratch = self._run(ops.purge_scratch)
+        scratch = self._run(ops.purge_scratch, self.scratch_owner)
         orphans = [r[0] for r in self._db.execute("SELECT id FROM inodes WHERE nlink=0 AND id<>?", (ROOT_INODE,))]
         dropped = self._run(ops.drop_orphans, orphans)
         freed.keys = scratch.keys + dropped.keys

@@ -8,7 +8,9 @@ shared volume's namespace lives in PostgreSQL (``--meta``), so what one node com
 others see. Each node has its own loopback address (127.0.0.2, 127.0.0.3, ...), so Spark
 sees separate hosts, and its own ``SPARK_LOCAL_DIRS`` inside the volume
 (``<mountpoint>/nodes/<node>/spark-local``): a state store's working files are on the
-volume, so the shim links them into the checkpoint and back.
+volume, so the shim links them into the checkpoint and back. Every daemon mounts with
+``--scratch 'blockmgr-*'``: a node's shuffle files stay on it, as on a local disk (other
+executors fetch them from its block manager, never through the file system).
 
 Losing a node (:meth:`Node.kill`) kills its namespace's first process: every process of
 the node dies at once, its daemon too, and :meth:`Node.wipe_cache` removes what it had
@@ -40,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from fusestate.errors import UserError
 from fusestate.spark.arguments import DEFAULT_MOUNTPOINT
+from fusestate.spark.config import SHUFFLE_SCRATCH
 from fusestate.spark.pipeline import (REPORT_NAME, BatchLines, aligned, changelog_note, file_rows, run_rows,
                                       write_report)
 
@@ -211,7 +214,8 @@ class Cluster:
         self.volume_url = volume_url
         self.meta_url = meta_url
         self.mountpoint = mountpoint
-        self.mount_options = ["--meta", meta_url or "", "--session-timeout", str(session_timeout), *mount_options]
+        self.mount_options = ["--meta", meta_url or "", "--session-timeout", str(session_timeout),
+                              "--scratch", SHUFFLE_SCRATCH, *mount_options]
         self.worker_cores = worker_cores
         self.worker_memory = worker_memory
         self.master: Optional[subprocess.Popen] = None

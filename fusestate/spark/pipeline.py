@@ -519,8 +519,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     on_cluster = args.master.startswith("spark://")
     if on_cluster and not args.local:
         check_shared_checkpoint(layout, status_before)
-    shared = status_before is not None and status_before["metadata"]["engine"] == "postgresql"
-    if status_before is not None and not shared and not shuffle_is_scratch(status_before.get("scratch_dirs", [])):
+    if status_before is not None and not shuffle_is_scratch(status_before.get("scratch_dirs", [])):
         print(f"note: {mount} was mounted without --scratch '{SHUFFLE_SCRATCH}': Spark's shuffle files will "
               "be uploaded with the state, and every fsync waits for them", file=sys.stderr, flush=True)
     t_status = time.time()

@@ -428,6 +428,11 @@ class FileSystem:
         try:
             if f.node.is_dir:
                 raise FsError(errno.EISDIR)
+            if f.node.scratch and f.node.scratch != self.meta.scratch_owner:
+                # Its blocks are on the node that made it, and nowhere else.
+                log.warning("inode %d is a scratch file of another node (--scratch): it cannot be opened here",
+                            ino)
+                raise FsError(errno.EIO, "a scratch file of another node")
             if flags & os.O_TRUNC and f.node.size > 0:
                 await self.truncate(f.node, 0)
         except BaseException:
@@ -586,15 +591,15 @@ class FileSystem:
         try:
             try:
                 key = await self.blocks.seal(data) if data else None
-                if key is not None and self.meta.shared:
+                if key is not None and self.meta.shared and not f.node.scratch:
                     await self.blocks.upload_before_commit(key, len(data))
                     awaiting_commit = True
                 # One commit of this file at a time, so the generation checked is still the
                 # newest when the block map changes (an older seal never overwrites a newer).
                 async with f.commit_lock:
                     if not f.is_current(index, generation) or self._files.get(f.inode) is not f:
-                        awaiting_commit = False
-                        await self.blocks.abandon(key)  # superseded by a newer write or truncate
+                        awaiting_commit = False  # superseded by a newer write or truncate
+                        await self.blocks.abandon(key, scratch=bool(f.node.scratch))
                         return
                     try:
                         size_mtime = (f.node.size, f.node.mtime_ns)
@@ -607,7 +612,7 @@ class FileSystem:
                         if exc.errno != errno.ENOENT:
                             raise
                         awaiting_commit = False
-                        await self.blocks.abandon(key)  # the file is gone
+                        await self.blocks.abandon(key, scratch=bool(f.node.scratch))  # the file is gone
                         return
             except Exception as exc:  # noqa: BLE001 - never take the daemon down; fsync reports it
                 if awaiting_commit:
@@ -726,7 +731,7 @@ class FileSystem:
 
     async def fsyncdir(self, ino: int) -> None:
         node = await self._check_dir(ino)
-        if node is None or not node.scratch:  # a shared volume has no scratch directories
+        if node is None or not node.scratch:  # shared: asking would cost what syncing does
             await self.sync_metadata()
 
     async def _expire_dirty_loop(self) -> None:
