@@ -222,8 +222,10 @@ def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, 
     b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=opts).mount()
     state, shuffle = spark_like_tree(a)
     shuffle_file = Path("job") / "blockmgr-5f1c" / "0c" / "shuffle_0_1_0.data"
+    spill = rand(2 * MiB + 3, 4)
+    write(a.path / "job" / "blockmgr-5f1c" / "0d" / "temp_shuffle_2", spill)
     assert read_cold(a.path / shuffle_file) == shuffle
-    assert a.status()["cache"]["scratch_bytes"] == len(shuffle)
+    assert a.status()["cache"]["scratch_bytes"] == len(shuffle) + len(spill)
     assert file_bucket.block_objects() == block_keys(state)  # the state file's fsync waited for them
 
     assert (b.path / shuffle_file).stat().st_size == len(shuffle)
@@ -231,8 +233,12 @@ def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, 
         (b.path / shuffle_file).read_bytes()
     assert exc.value.errno == errno.EIO
     assert (b.path / "job" / "state" / "000012.sst").read_bytes() == state
-    write(a.path / "job" / "state" / "copy.sst", shuffle)  # bytes A holds as scratch only
+    write(a.path / "job" / "state" / "copy.sst", shuffle)  # bytes A held as scratch only
     assert (b.path / "job" / "state" / "copy.sst").read_bytes() == shuffle
+    assert a.status()["cache"]["scratch_bytes"] == len(spill)  # the shuffle's are in the bucket now
+    assert read_cold(a.path / shuffle_file) == shuffle
+    os.unlink(a.path / "job" / "blockmgr-5f1c" / "0d" / "temp_shuffle_2")
+    wait_for(lambda: a.status()["cache"]["scratch_bytes"] == 0, what="the deleted spill's blocks to go")
     mine = rand(MiB + 7, 3)
     write(b.path / "job" / "blockmgr-b" / "f", mine)
     assert read_cold(b.path / "job" / "blockmgr-b" / "f") == mine
@@ -253,6 +259,8 @@ def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, 
     assert sorted(os.listdir(a.path / "job")) == ["state"]
     assert (a.path / "job" / "state" / "copy.sst").read_bytes() == shuffle
     a.umount()
+    fsck = fusestate("fsck", file_bucket.url, "--meta", pg_url, check=False)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
 
 
 def test_bad_scratch_pattern_is_refused(make_mount, file_bucket: Bucket) -> None:

@@ -56,6 +56,9 @@ CLOSE_OUTAGE_BUDGET = 5.0
 # Durable at fsync (sync), visible at once: SET LOCAL as a SELECT, to join the session check.
 NAMESPACE_COMMIT = "SELECT set_config('synchronous_commit', 'off', true)"
 
+_ADD_COUNTERS = ("INSERT INTO counters (session_id, inodes, used) VALUES (?, ?, ?) ON CONFLICT (session_id)"
+                 " DO UPDATE SET inodes = counters.inodes + excluded.inodes, used = counters.used + excluded.used")
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes (
     id BIGSERIAL PRIMARY KEY,
@@ -291,9 +294,7 @@ class PostgresEngine:
                     self.lost = True
                     raise SessionLost()
             if tx.inodes_delta or tx.used_delta:
-                pipe.queue("INSERT INTO counters (session_id, inodes, used) VALUES (?, ?, ?) ON CONFLICT (session_id)"
-                           " DO UPDATE SET inodes = counters.inodes + excluded.inodes,"
-                           " used = counters.used + excluded.used", (self.session_id, tx.inodes_delta, tx.used_delta))
+                pipe.queue(_ADD_COUNTERS, (self.session_id, tx.inodes_delta, tx.used_delta))
             pipe.queue("COMMIT")
         return result, tx.inodes_delta, tx.used_delta
 
@@ -390,9 +391,12 @@ class PostgresEngine:
         pass  # a shared engine records a block when it is committed, after its upload
 
     async def forget_objects(self, keys: list[str]) -> None:
+        """Scratch blocks nothing references any more: never in the bucket, so no row is
+        needed. A row some upload of the same bytes marked as in the bucket stays, for
+        the collector."""
         if keys:
             await self.pool.run(lambda cur: cur.execute(
-                "DELETE FROM objects WHERE key = ANY(%s) AND refcount<=0", (keys,)))
+                "DELETE FROM objects WHERE key = ANY(%s) AND refcount<=0 AND uploaded=0", (keys,)))
 
     async def pending_objects(self) -> list[ObjectInfo]:
         return []  # nothing is committed before it is uploaded
@@ -568,7 +572,7 @@ class PostgresEngine:
             self.pool.outage_budget = min(self.pool.outage_budget, CLOSE_OUTAGE_BUDGET)
             try:
                 # A clean unmount: every file this node held is closed by now; let go of the rest.
-                self.pool.run_sync(_in_pipeline(self, _clean_session, self.session_id))
+                self.pool.run_sync(_in_pipeline(self, _end_session, self.session_id))
             except Exception as exc:  # noqa: BLE001 - the others clean it up after the timeout
                 log.warning("could not end the metadata session: %s", exc)
         self.pool.close()
@@ -591,6 +595,15 @@ def _clean_session(tx: ops.Tx, session: int) -> Freed:
             freed.keys += ops.drop_orphans(tx, [ino]).keys
     return freed
 
+
+
+def _end_session(tx: ops.Tx, session: int) -> Freed:
+    """A clean unmount: its own clean-up, outside the transactions that count their changes
+    (``_txn``), so it counts its own."""
+    freed = _clean_session(tx, session)
+    if tx.inodes_delta or tx.used_delta:
+        tx.exec(_ADD_COUNTERS, (session, tx.inodes_delta, tx.used_delta))
+    return freed
 
 
 def _end_uploads(tx: ops.Tx, where: str, args: tuple) -> None:
