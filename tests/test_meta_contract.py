@@ -403,6 +403,7 @@ def test_a_scratch_dir_belongs_to_its_session_and_goes_with_it(new_engine, endin
         assert mine.scratch == b.scratch_owner
         assert (await b.lookup(s.id, b"shuffle")).scratch == a.scratch_owner
         await raises(errno.EXDEV, b.rename(s.id, b"shuffle", mine.id, b"shuffle"))  # two nodes' scratch
+        await raises(errno.EIO, b.create(s.id, b"mine", FILE))
         if ending == "unmount":
             a.close()
         else:

@@ -232,6 +232,9 @@ def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, 
     with pytest.raises(OSError) as exc:
         (b.path / shuffle_file).read_bytes()
     assert exc.value.errno == errno.EIO
+    with pytest.raises(OSError) as exc:
+        (b.path / shuffle_file).with_name("from-b").write_bytes(b"x")
+    assert exc.value.errno == errno.EIO
     assert (b.path / "job" / "state" / "000012.sst").read_bytes() == state
     write(a.path / "job" / "state" / "copy.sst", shuffle)  # bytes A held as scratch only
     assert (b.path / "job" / "state" / "copy.sst").read_bytes() == shuffle

@@ -191,6 +191,9 @@ def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False
         raise FsError(errno.ENOENT)
     if existing is not None:
         raise FsError(errno.EEXIST)
+    if parent.scratch and parent.scratch != tx.scratch_owner:
+        # Its files' bytes would be on this node, its names go with the other one.
+        raise FsError(errno.EIO, "a scratch directory of another node")
     mode, gid = new.mode, new.gid
     is_dir = stat.S_ISDIR(mode)
     if parent.mode & stat.S_ISGID:
