@@ -404,13 +404,15 @@ def test_a_scratch_dir_belongs_to_its_session_and_goes_with_it(new_engine, endin
         assert (await b.lookup(s.id, b"shuffle")).scratch == a.scratch_owner
         await raises(errno.EXDEV, b.rename(s.id, b"shuffle", mine.id, b"shuffle"))  # two nodes' scratch
         await raises(errno.EIO, b.create(s.id, b"mine", FILE))
+        await raises(errno.EXDEV, b.rename(ROOT_INODE, b"blockmgr-2", s.id, b"blockmgr-2"))
+        await b.rename(ROOT_INODE, b"blockmgr-2", ROOT_INODE, b"blockmgr-moved")  # within the volume: fine
         if ending == "unmount":
             a.close()
         else:
             await trio.sleep(1.5)  # a stops beating
             await b.heartbeat()
             assert (await b.clean_dead_sessions()).keys == [key(1)]
-        assert await names(b, ROOT_INODE) == [b"blockmgr-2"]
+        assert await names(b, ROOT_INODE) == [b"blockmgr-moved"]
         assert (await b.getattr(ROOT_INODE)).nlink == 3
         await raises(errno.ENOENT, b.getattr(f.id))
         assert (await b.object_info(key(1))).refcount == 0

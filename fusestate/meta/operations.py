@@ -145,9 +145,10 @@ def _has_entries(tx: Tx, ino: int) -> bool:
 
 
 def _check_scratch_move(node: Inode, new_parent: Inode) -> None:
-    """Nothing crosses between scratch and the volume (EXDEV, as between two file systems:
-    mv then copies), except a whole scratch dir, which stays scratch."""
-    if node.scratch != new_parent.scratch and not (node.scratch and node.is_dir):
+    """Nothing crosses between scratch and the volume, or between two nodes' scratch (EXDEV,
+    as between two file systems: mv then copies), except a whole scratch dir moved into the
+    volume, which stays scratch."""
+    if node.scratch != new_parent.scratch and not (node.scratch and node.is_dir and not new_parent.scratch):
         raise FsError(errno.EXDEV, "scratch and the rest of the volume are separate")
 
 
