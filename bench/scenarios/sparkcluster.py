@@ -184,7 +184,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
             f"batches before the loss, the first {WARMUP_BATCHES} left out (the JVMs warm up). *local*: every node's "
             f"local dir on local disk, the checkpoint in a plain directory all nodes share (a favourable stand-in for "
             f"HDFS or an object store connector); *fusestate*: one shared volume (`file://` bucket, PostgreSQL on "
-            f"127.0.0.1) holding every node's local dir and the `fusestate://` checkpoint, a daemon per node. Once "
+            f"127.0.0.1) holding every node's local dir and the `fusestate://` checkpoint, a daemon per node "
+            f"(its shuffle dirs `--scratch 'blockmgr-*'`). Once "
             f"the state is built, the second worker node is killed (its JVMs and daemon at once) and its cache wiped. "
             + medians_note(doc))
     return "\n\n".join([text, ratio_table(doc["summary"], doc["systems"])])
@@ -198,4 +199,13 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if base and mine:
             out.append(goal_row(f"Spark cluster records/s at {r['variant']}, fusestate / local ≥ 0.9",
                                 f"{mine / base:.2f}", mine / base >= 0.9))
+    # Recovery on fusestate must not grow with the state: the largest size's against the
+    # smallest's, within a tenth (one run's spread).
+    recovery = [r["systems"].get("fusestate", {}).get("median") for r in doc.get("summary", [])
+                if r["metric"] == "recovery_s"]
+    if len(recovery) >= 2 and recovery[0] and recovery[-1]:
+        variants = [r["variant"] for r in doc["summary"] if r["metric"] == "recovery_s"]
+        out.append(goal_row(f"Spark cluster recovery on fusestate, {variants[-1]} / {variants[0]} ≤ 1.1 "
+                            "(does not grow with the state)", f"{recovery[-1] / recovery[0]:.2f}",
+                            recovery[-1] / recovery[0] <= 1.1))
     return out
