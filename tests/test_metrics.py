@@ -271,7 +271,8 @@ def test_status_json_matches_the_metrics(make_mount, file_bucket: Bucket) -> Non
     assert before["remote.bytes_in"] >= len(cold) and before["remote.bytes_out"] >= 3 * MiB
     assert before["metadata.shipped_seq"] > 0 and before["lease.epoch"] >= 2 and before["lease.held"] == 1
     assert before["remote.requests.put.ok"] >= 3 and before["remote.full_fetches"] >= 2
-    assert before["cache.reads_from_bucket"] >= 2 and before["cache.reads_from_memory"] >= 2
+    # The cold file's second block may be read ahead into memory before the kernel asks.
+    assert before["cache.reads_from_bucket"] >= 1 and before["cache.reads_from_memory"] >= 2
     assert before["fuse.bytes_read"] >= 2 * len(cold) and before["fuse.bytes_written"] >= 3 * MiB
     assert before["writeback.deduplicated_blocks"] == 1 and before["writeback.deduplicated_bytes"] == len(new)
     assert before["files"] == 5  # the root and four files
