@@ -269,9 +269,9 @@ class BlockStore:
     async def release(self, keys: list[str]) -> None:
         """Objects whose refcount fell to zero: drop them if they never left staging."""
         if self.meta.shared:
-            # The rest are in the bucket: the collector deletes them once no node needs them.
-            await self._release_scratch([key for key in keys if key in self._scratch])
-            return
+            # Only scratch blocks are this node's to drop; the rest are in the bucket, where
+            # the collector deletes them once no node needs them.
+            keys = [key for key in keys if key in self._scratch]
         unqueued: list[str] = []  # a scratch block, or one left by a crash before recovery
         for key in keys:
             info = await self.meta.object_info(key)
@@ -280,7 +280,8 @@ class BlockStore:
             if key in self._staging_inflight:
                 continue
             if self.uploader.is_pending(key):
-                await self.uploader.discard(key)
+                if not self.meta.shared:  # shared: a volume file's commit of these bytes waits for it
+                    await self.uploader.discard(key)
             else:
                 unqueued.append(key)
         if unqueued:
@@ -288,22 +289,6 @@ class BlockStore:
             for key in unqueued:
                 self._scratch.pop(key, None)
                 self.staging.remove(key)
-
-    async def _release_scratch(self, keys: list[str]) -> None:
-        """A shared volume's scratch blocks that nothing references any more: only this node
-        has them (in staging), and their rows say they are not in the bucket."""
-        forget: list[str] = []
-        for key in keys:
-            info = await self.meta.object_info(key)
-            if info is not None and info.refcount > 0:
-                continue  # referenced again meanwhile
-            if key in self._staging_inflight or self.uploader.is_pending(key):
-                continue  # the same bytes are being staged or uploaded for a file of the volume
-            self._scratch.pop(key, None)
-            self.staging.remove(key)
-            if info is not None and not info.uploaded:
-                forget.append(key)
-        await self.meta.forget_objects(forget)
 
     # --- read side ---------------------------------------------------------
     async def read(self, key: str, start: int, end: int, whole: bool = False) -> bytes:
