@@ -70,7 +70,7 @@ class _Fill:
 
 
 class PageFill:
-    def __init__(self, fs: FileSystem, store: Callable[[int, int, bytes], None], *,
+    def __init__(self, fs: FileSystem, store: Callable[[int, int, memoryview], None], *,
                  budget: Optional[int] = None, concurrency: int = CONCURRENCY) -> None:
         self.fs = fs
         self.blocks = fs.blocks
@@ -149,7 +149,8 @@ class PageFill:
                     failed = True
                     return
                 start = index * bs
-                chunk = bytes(data[:max(0, min(len(data), size - start))])
+                # A view, not a copy: the kernel copies it into its pages anyway.
+                chunk = memoryview(data)[:max(0, min(len(data), size - start))]
                 if not chunk:
                     return
                 try:
