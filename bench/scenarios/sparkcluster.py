@@ -15,10 +15,11 @@ Each run builds the state with batches of a fixed size, then kills the second wo
 with one worker. Measured: records/s of the batches before the loss (the first two, while
 the executors' JVMs warm up, left out), the time from the loss to the first batch
 completed after it, which includes loading the lost node's state stores on the survivor,
-and the state files those loads brought (linked on fusestate, copied on local disk). Every
-part of the run shares the machine's cores, so the CPU time the machine spent per record over
-the same batches is measured too, and what the fusestate daemons, PostgreSQL and Spark took
-of it (kept with each run in the results).
+how long those loads took (Spark's own load time: links on fusestate, copies on local disk;
+the batch's reads of the loaded state come after, in its gets and compactions), and the
+state files those loads brought. Every part of the run shares the machine's cores, so the
+CPU time the machine spent per record over the same batches is measured too, and what the
+fusestate daemons, PostgreSQL and Spark took of it (kept with each run in the results).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ SIZES: dict[str, dict[str, Any]] = {
 METRICS = [
     Metric("records_per_s", "records/s", label="steady records/s before the loss"),
     Metric("recovery_s", "s", higher_is_better=False, label="loss to the first batch completed after it"),
+    Metric("restore_s", "s", higher_is_better=False,
+           label="state store loads in that batch (Spark's load time, summed over the stores)"),
     Metric("loaded_files", "files", higher_is_better=False, label="state files loaded after the loss"),
     Metric("fetched_mb", "MB", higher_is_better=False,
            label="read from the bucket by the surviving node from the loss to that batch (fusestate)"),
@@ -130,6 +133,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path) 
     ends = [_end_time(b) for b in after]
     first_end = min(e for e in ends if e > lost_at)
     return {"records_per_s": rows / (ms / 1000) if ms else 0.0, "recovery_s": first_end - lost_at,
+            "restore_s": sum(b["rocksdb"].get("rocksdbLoadLatencyMs", 0) for b in after[:1]) / 1000,
             "loaded_files": sum(b["rocksdb"].get("rocksdbFilesCopied", 0) for b in after[:1]),
             **({"fetched_mb": fetched / 1e6} if volume else {}),
             "cpu_ms_per_record": 1000 * cpu_used["machine"] / rows if rows else 0.0,
