@@ -552,6 +552,48 @@ def test_a_dead_session_is_cleaned_and_cannot_publish_again(new_engine) -> None:
 
 
 @shared_only
+def test_an_fsync_does_not_wait_for_the_nodes_writes_in_flight(new_engine, pg_url: str) -> None:
+    """Every write transaction locks its session's row against the clean-up, and every
+    fsync commits a heartbeat to that row: the two must not wait for each other (RocksDB
+    fsyncs while the same node commits blocks), while the clean-up still waits for both."""
+    import psycopg
+
+    async def body(a: MetaEngine) -> None:
+        f = await a.create(ROOT_INODE, b"f", FILE)
+        with psycopg.connect(pg_url) as other, psycopg.connect(pg_url) as cleaner:
+            # Another node's transaction on the file: a's commit waits for it, holding its
+            # session row's lock meanwhile.
+            other.execute("SELECT 1 FROM inodes WHERE id=%s FOR UPDATE", (f.id,))
+            committed, synced = trio.Event(), trio.Event()
+
+            async def commit() -> None:
+                await a.commit_blocks(f.id, {}, 10, 2)
+                committed.set()
+
+            async def sync() -> None:
+                await a.sync()
+                synced.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(commit)
+                await trio.sleep(0.5)
+                assert not committed.is_set()
+                nursery.start_soon(sync)
+                with trio.move_on_after(10):
+                    await synced.wait()
+                synced_while_blocked = synced.is_set()
+                cleaner.execute("SET lock_timeout = '300ms'")
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    cleaner.execute("DELETE FROM sessions WHERE id=%s", (a.session_id,))
+                cleaner.rollback()
+                other.rollback()
+            assert synced_while_blocked
+        assert (await a.getattr(f.id)).size == 10
+
+    drive(new_engine, body)
+
+
+@shared_only
 def test_an_upload_in_flight_keeps_gc_away_from_its_block(new_engine) -> None:
     """The collector never claims a block some node registered an upload of, and an upload
     of bytes being deleted waits until the deletion is done."""

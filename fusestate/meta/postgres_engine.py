@@ -276,12 +276,15 @@ class PostgresEngine:
              after: Optional[Callable[[ops.Tx], None]]) -> tuple[T, int, int]:
         # Pipelined: BEGIN, the session check and the commit mode go out with the
         # operation's first query, and its last writes with the counters and COMMIT. The
-        # session row is locked (FOR SHARE) from the start; its answer is read at the end.
+        # session row is locked from the start, its answer read at the end: FOR KEY SHARE,
+        # which the clean-up's DELETE waits for, but a heartbeat (the UPDATE that every
+        # fsync commits, see sync) does not: under FOR SHARE each fsync waited for this
+        # node's write transactions in flight, and they for it.
         with Pipeline(cur.connection) as pipe:
             pipe.queue("BEGIN")
             check = None
             if self.session_id:
-                check = pipe.queue(f"{NAMESPACE_COMMIT} FROM sessions WHERE id=? FOR SHARE", (self.session_id,),
+                check = pipe.queue(f"{NAMESPACE_COMMIT} FROM sessions WHERE id=? FOR KEY SHARE", (self.session_id,),
                                    rows=True)
             else:
                 pipe.queue(NAMESPACE_COMMIT)
