@@ -143,8 +143,8 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--scratch", action="append", default=unset, metavar="PATTERN", dest="scratch_dirs",
                    help="directories created with a name matching this glob, and all they hold, stay on this "
                         "node: never uploaded, emptied at the next mount (on a shared volume: when the mount "
-                        "ends; the other nodes see the names, cannot open the files); for Spark's shuffle dirs: --scratch 'blockmgr-*'; "
-                        "repeatable")
+                        "ends; the other nodes see the names, cannot open the files); for Spark's shuffle dirs: "
+                        "--scratch 'blockmgr-*'; repeatable")
     m.add_argument("--journal-interval", type=float, default=unset,
                    help="seconds between metadata journal shipments; fsync ships at once "
                         f"(default {_default('journal_interval')})")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable, Iterator
 
+import psycopg
 import pytest
 import trio
 
@@ -556,8 +557,6 @@ def test_an_fsync_does_not_wait_for_the_nodes_writes_in_flight(new_engine, pg_ur
     """Every write transaction locks its session's row against the clean-up, and every
     fsync commits a heartbeat to that row: the two must not wait for each other (RocksDB
     fsyncs while the same node commits blocks), while the clean-up still waits for both."""
-    import psycopg
-
     async def body(a: MetaEngine) -> None:
         f = await a.create(ROOT_INODE, b"f", FILE)
         with psycopg.connect(pg_url) as other, psycopg.connect(pg_url) as cleaner:
@@ -583,8 +582,9 @@ def test_an_fsync_does_not_wait_for_the_nodes_writes_in_flight(new_engine, pg_ur
                     await synced.wait()
                 synced_while_blocked = synced.is_set()
                 cleaner.execute("SET lock_timeout = '300ms'")
-                with pytest.raises(psycopg.errors.LockNotAvailable):
-                    cleaner.execute("DELETE FROM sessions WHERE id=%s", (a.session_id,))
+                with pytest.raises(psycopg.errors.LockNotAvailable):  # waits: off the trio loop
+                    await trio.to_thread.run_sync(cleaner.execute, "DELETE FROM sessions WHERE id=%s",
+                                                  (a.session_id,))
                 cleaner.rollback()
                 other.rollback()
             assert synced_while_blocked
