@@ -39,7 +39,7 @@ from pathlib import Path
 
 from bench.common import FUSESTATE, RESULTS_DIR
 from bench.systems import drop_all_caches
-from fusestate.spark.config import SHUFFLE_SCRATCH
+from fusestate.spark.config import scratch_options
 from fusestate.spark.pipeline import SPARK_LOG_NAME, root_cause
 
 SHAPED_SUFFIX = "@s3"  # a fusestate setup on --s3-endpoint's bucket instead of a file:// one
@@ -104,9 +104,9 @@ def steady(report: dict) -> dict:
 
 
 def mount_bucket(url: str, mnt: Path, cache: Path, *options: str, scratch: bool = True) -> None:
-    """Spark's shuffle dirs stay on the node, as deployed, unless ``scratch`` is off."""
+    """Spark's local dirs stay on the node, as deployed, unless ``scratch`` is off."""
     fs("mount", url, str(mnt), "--cache-dir", str(cache),
-       *(["--scratch", SHUFFLE_SCRATCH] if scratch else []), *options)
+       *(scratch_options() if scratch else []), *options)
 
 
 def mount(url: str, mnt: Path, cache: Path, args, *more: str) -> None:

@@ -353,8 +353,9 @@ def _print_status(status: dict) -> None:
                      f"{wb['dedup_skipped']} skipped by dedup, {wb['upload_failures']} failures; "
                      f"{wb.get('deduplicated_blocks', 0)} written blocks ({format_size(wb.get('deduplicated_bytes', 0))}) "
                      f"the volume already had"),
-        ("scratch", f"{cache['scratch_blocks']} blocks, {format_size(cache['scratch_bytes'])} on the cache disk "
-                    f"({', '.join(status['scratch_dirs']) or 'no --scratch'})"),
+        ("scratch", f"{cache['scratch_files']} files, {format_size(cache['scratch_bytes'])} on the cache disk "
+                    f"({', '.join(status['scratch_dirs']) or 'no --scratch'}); {cache['promoted_files']} linked "
+                    f"into the volume ({format_size(cache['promoted_bytes'])})"),
         ("remote", f"{format_size(remote['bytes_in'])} in, {format_size(remote['bytes_out'])} out, "
                    f"{remote['retries']} retries"),
     ]

@@ -286,6 +286,46 @@ def _write_buffer_direct(fd: int, buf: mmap.mmap | bytearray | memoryview, n: in
     return True
 
 
+def open_direct(path: str, flags: int) -> Optional[int]:
+    """A second descriptor of ``path`` with ``O_DIRECT``; None where the filesystem refuses it."""
+    try:
+        return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
+
+
+def pwrite_aligned(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write ``data`` (a whole number of pages, at a page-aligned offset) through an
+    ``O_DIRECT`` descriptor, from a copy in this thread's reused aligned buffer: the disk
+    takes the bytes from memory that is already ours, no page-cache memory is filled."""
+    n = len(data)
+    buf = _aligned_buffer(min(n, 4 << 20))
+    with memoryview(buf) as view:
+        done = 0
+        while done < n:
+            piece = min(n - done, len(buf))
+            view[:piece] = data[done:done + piece]
+            wrote = 0
+            while wrote < piece:
+                wrote += os.pwrite(fd, view[wrote:piece], offset + done + wrote)
+            done += piece
+
+
+def pread_aligned(fd: int, offset: int, size: int) -> memoryview:
+    """Up to ``size`` bytes from a page-aligned ``offset`` through an ``O_DIRECT``
+    descriptor, into a new aligned buffer (shorter at the end of the file)."""
+    view = aligned_bytes(_aligned(size))
+    got = 0
+    while got < size:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return view[:min(got, size)]
+
+
 def read_whole(fd: int) -> bytes | memoryview:
     """The whole content of an open block file. Read with ``O_DIRECT`` into a page-aligned
     buffer where the filesystem allows it: the disk puts the bytes straight into it, with

@@ -30,7 +30,7 @@ NUM=${NUM:-1000000}
 FS=.venv/bin/fusestate
 
 mkdir -p "$BUCKET_DIR" "$MOUNTPOINT"
-$FS mount "$BUCKET_URL" "$MOUNTPOINT" --cache-dir "$CACHE_DIR" --cache-size 20G --scratch 'blockmgr-*'
+$FS mount "$BUCKET_URL" "$MOUNTPOINT" --cache-dir "$CACHE_DIR" --cache-size 20G --scratch 'blockmgr-*' --scratch 'spark-*-*-*-*-*'
 unmount() {
     # After an interrupted run, the Spark JVM may still hold files on the mount for a moment.
     for _ in $(seq 10); do

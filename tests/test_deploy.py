@@ -560,7 +560,7 @@ def test_daemonset_contract(rendered):
         assert env["FUSESTATE_URL"]["value"] == values["volume"]["url"]
         assert env["FUSESTATE_META_URL"]["valueFrom"]["secretKeyRef"] == {"name": "fusestate-meta", "key": "url"}
         args = container["args"][1:]
-        assert [args[i + 1] for i, a in enumerate(args) if a == "--scratch"] == ["blockmgr-*"]
+        assert [args[i + 1] for i, a in enumerate(args) if a == "--scratch"] == ["blockmgr-*", "spark-*-*-*-*-*"]
         assert args[args.index("--session-timeout") + 1] == "20"
         return
     # A volume of its own per node: the URL ends in the node's name.
@@ -633,7 +633,7 @@ def test_daemonset_command_runs_fusestate_mount(rendered, tmp_path: Path):
     assert option("--durability") == volume.get("durability", "remote")
     assert option("--endpoint-url") == volume.get("endpointUrl")
     assert "--foreground" in rest and "--allow-other" in rest
-    scratch = volume.get("scratch", ["blockmgr-*"])
+    scratch = volume.get("scratch", ["blockmgr-*", "spark-*-*-*-*-*"])
     assert [rest[i + 1] for i, a in enumerate(rest) if a == "--scratch"] == scratch
     extra = [str(a) for a in volume.get("extraArgs", [])]
     assert rest[len(rest) - len(extra):] == extra

@@ -282,9 +282,33 @@ def test_scratch_directories_stay_apart(new_engine) -> None:
         inner = await m.create(s.id, b"f", FILE)
         plain = await m.create(ROOT_INODE, b"plain", FILE)
         assert s.scratch and inner.scratch and not plain.scratch
-        await raises(errno.EXDEV, m.link(inner.id, ROOT_INODE, b"g"))
-        await raises(errno.EXDEV, m.rename(ROOT_INODE, b"plain", s.id, b"plain"))
+        await raises(errno.EXDEV, m.link(inner.id, ROOT_INODE, b"g"))  # the vfs promotes it first
         await raises(errno.EXDEV, m.rename(s.id, b"f", ROOT_INODE, b"f"))
+        # A file of the volume may be named in this node's scratch dirs (a state store's load).
+        await m.link(plain.id, s.id, b"linked")
+        await m.rename(ROOT_INODE, b"plain", s.id, b"plain")
+        assert (await m.getattr(plain.id)).nlink == 2 and not (await m.getattr(plain.id)).scratch
+        await m.rename(s.id, b"plain", ROOT_INODE, b"back")  # and leave them again
+
+    drive(new_engine, body)
+
+
+def test_a_promoted_scratch_file_joins_the_volume(new_engine) -> None:
+    async def body(m: MetaEngine) -> None:
+        s = await m.create(ROOT_INODE, b"blockmgr-1", NewNode(DIR.mode, 0, 0, scratch_name=True))
+        f = await m.create(s.id, b"000012.sst", FILE)
+        plain = await m.create(ROOT_INODE, b"plain", FILE)
+        await m.commit_blocks(f.id, {}, BS + 100, 5)  # a scratch file's size, no blocks
+        assert not (await m.promote(f.id, {0: (key(1), BS), 1: (key(2), 100)}, BS + 100, 7)).keys
+        node = await m.getattr(f.id)
+        assert (node.scratch, node.size, node.mtime_ns) == (0, BS + 100, 7)
+        assert await m.block_map(f.id) == {0: key(1), 1: key(2)}
+        assert (await m.object_info(key(1))).refcount == 1
+        await m.link(f.id, ROOT_INODE, b"000012.sst")
+        assert (await m.getattr(f.id)).nlink == 2
+        await raises(errno.EXDEV, m.promote(f.id, {}, 0, 8))  # a file of the volume already
+        await raises(errno.EXDEV, m.promote(plain.id, {}, 0, 8))
+        await raises(errno.ENOENT, m.promote(999_999, {}, 0, 8))
 
     drive(new_engine, body)
 
@@ -376,12 +400,20 @@ def test_start_drops_scratch_and_orphans_of_the_last_mount(new_engine) -> None:
         kept = await a.create(ROOT_INODE, b"kept", FILE, hold=True)
         await a.commit_blocks(kept.id, {0: (key(2), BS)}, BS, 1)
         await a.unlink(ROOT_INODE, b"kept")
+        # Files of the volume named in the scratch dir: they lose those names only.
+        vol = await a.create(ROOT_INODE, b"vol", FILE)
+        await a.commit_blocks(vol.id, {0: (key(3), BS)}, BS, 1)
+        await a.link(vol.id, s.id, b"vol")
+        only = await a.create(ROOT_INODE, b"only", FILE)
+        await a.commit_blocks(only.id, {0: (key(4), BS)}, BS, 1)
+        await a.rename(ROOT_INODE, b"only", s.id, b"only")
         a.close()
         b = new_engine()
         freed = await b.start()
-        assert sorted(freed.keys) == [key(1), key(2)]
-        assert await names(b, ROOT_INODE) == []
-        assert b.stats().inodes == 1
+        assert sorted(freed.keys) == sorted([key(1), key(2), key(4)])
+        assert await names(b, ROOT_INODE) == [b"vol"]
+        assert (await b.getattr(vol.id)).nlink == 1 and await b.block_map(vol.id) == {0: key(3)}
+        assert b.stats().inodes == 2
 
     trio.run(main)
 
@@ -407,13 +439,17 @@ def test_a_scratch_dir_belongs_to_its_session_and_goes_with_it(new_engine, endin
         await raises(errno.EIO, b.create(s.id, b"mine", FILE))
         await raises(errno.EXDEV, b.rename(ROOT_INODE, b"blockmgr-2", s.id, b"blockmgr-2"))
         await b.rename(ROOT_INODE, b"blockmgr-2", ROOT_INODE, b"blockmgr-moved")  # within the volume: fine
+        vol = await b.create(ROOT_INODE, b"vol", FILE)
+        await raises(errno.EXDEV, b.link(vol.id, s.id, b"vol"))  # not into another node's scratch
+        await a.link(vol.id, s.id, b"vol")  # A loads it into its own
         if ending == "unmount":
             a.close()
         else:
             await trio.sleep(1.5)  # a stops beating
             await b.heartbeat()
             assert (await b.clean_dead_sessions()).keys == [key(1)]
-        assert await names(b, ROOT_INODE) == [b"blockmgr-moved"]
+        assert await names(b, ROOT_INODE) == [b"blockmgr-moved", b"vol"]
+        assert (await b.getattr(vol.id)).nlink == 1
         assert (await b.getattr(ROOT_INODE)).nlink == 3
         await raises(errno.ENOENT, b.getattr(f.id))
         assert (await b.object_info(key(1))).refcount == 0

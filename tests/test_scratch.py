@@ -76,39 +76,36 @@ def spark_like_tree(m: Mount) -> tuple[bytes, bytes]:
 
 
 def test_scratch_data_reads_back_and_never_reaches_the_bucket(make_mount, file_bucket: Bucket) -> None:
-    # A memory cache smaller than the data: reads must find scratch blocks on the cache disk.
     m: Mount = make_mount(file_bucket, extra=[*SCRATCH, "--memory-cache-size", "4M"]).mount()
     assert m.status()["scratch_dirs"] == ["blockmgr-*"]
     state, shuffle = spark_like_tree(m)
     shuffle_file = m.path / "job" / "blockmgr-5f1c" / "0c" / "shuffle_0_1_0.data"
     st = settle(m)
-    assert (st["cache"]["scratch_blocks"], st["cache"]["scratch_bytes"]) == (3, len(shuffle))
+    assert (st["cache"]["scratch_files"], st["cache"]["scratch_bytes"]) == (1, len(shuffle))
     assert read_cold(shuffle_file) == shuffle
-    assert m.status()["cache"]["reads_from_disk"] > st["cache"]["reads_from_disk"]
-    st = m.status()
     assert file_bucket.block_objects() == block_keys(state)
     assert st["writeback"]["uploaded_bytes"] == len(state)
-    assert st["writeback"]["staged_blocks"] == 0  # scratch blocks are outside the write-back queue
+    assert st["writeback"]["staged_blocks"] == 0  # scratch files are outside the write-back queue
+    assert (m.cache_dir / "scratch").is_dir() and st["cache"]["promoted_files"] == 0
 
-    # Nothing crosses the boundary: EXDEV, as between two file systems (mv then copies).
-    with pytest.raises(OSError) as exc:
-        os.rename(shuffle_file, m.path / "job" / "shuffle.data")
-    assert exc.value.errno == errno.EXDEV
-    with pytest.raises(OSError) as exc:
-        os.link(m.path / "job" / "state" / "000012.sst", shuffle_file.with_name("linked.sst"))
-    assert exc.value.errno == errno.EXDEV
+    # A file of the volume may be named in a scratch dir too; the name goes with the dir.
+    os.link(m.path / "job" / "state" / "000012.sst", shuffle_file.with_name("linked.sst"))
+    assert os.stat(m.path / "job" / "state" / "000012.sst").st_nlink == 2
     # A whole scratch dir may move, and stays scratch.
     os.rename(m.path / "job" / "blockmgr-5f1c", m.path / "job" / "blockmgr-moved")
     assert read_cold(m.path / "job" / "blockmgr-moved" / "0c" / "shuffle_0_1_0.data") == shuffle
     assert os.stat(m.path / "job").st_nlink == 4  # ., .., state, blockmgr-moved
 
     scratch_copy = m.path / "job" / "blockmgr-moved" / "copy"
-    scratch_copy.write_bytes(shuffle)  # the same bytes again: stored once
-    assert m.status()["cache"]["scratch_bytes"] == len(shuffle)
+    scratch_copy.write_bytes(shuffle)
+    assert m.status()["cache"]["scratch_bytes"] == 2 * len(shuffle)
+    os.truncate(scratch_copy, 5)
+    assert scratch_copy.read_bytes() == shuffle[:5]
     os.unlink(scratch_copy)
     os.unlink(m.path / "job" / "blockmgr-moved" / "0c" / "shuffle_0_1_0.data")
-    wait_for(lambda: m.status()["cache"]["scratch_blocks"] == 0,  # once the kernel forgets the inodes
-             what="the deleted scratch files' blocks to go")
+    wait_for(lambda: m.status()["cache"]["scratch_files"] == 0,  # once the kernel forgets the inodes
+             what="the deleted scratch files' backing files to go")
+    assert not os.listdir(m.cache_dir / "scratch")
 
     m.umount()  # flushes everything: still nothing of the shuffle file
     assert file_bucket.block_objects() == block_keys(state)
@@ -121,6 +118,7 @@ def test_scratch_data_reads_back_and_never_reaches_the_bucket(make_mount, file_b
     assert sorted(os.listdir(m.path / "job")) == ["state"]
     assert os.stat(m.path / "job").st_nlink == 3
     assert digest(m.path / "job" / "state" / "000012.sst") == sha(state)
+    assert os.stat(m.path / "job" / "state" / "000012.sst").st_nlink == 1  # its scratch name went
     m.umount()
 
     # A fresh node (empty cache dir): the volume never had the scratch dir.
@@ -204,7 +202,7 @@ def test_scratch_filling_the_cache_disk_fails_with_enospc(make_mount, file_bucke
     assert read_cold(m.path / "000009.sst") == state
 
     shuffle.unlink()
-    wait_for(lambda: m.status()["cache"]["scratch_bytes"] == 0, what="the scratch blocks to be freed")
+    wait_for(lambda: m.status()["cache"]["scratch_bytes"] == 0, what="the scratch file to be freed")
     more = rand(16 * MiB, 6)
     write(m.path / "000010.sst", more)
     assert read_cold(m.path / "000010.sst") == more
@@ -238,10 +236,9 @@ def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, 
     assert (b.path / "job" / "state" / "000012.sst").read_bytes() == state
     write(a.path / "job" / "state" / "copy.sst", shuffle)  # bytes A held as scratch only
     assert (b.path / "job" / "state" / "copy.sst").read_bytes() == shuffle
-    assert a.status()["cache"]["scratch_bytes"] == len(spill)  # the shuffle's are in the bucket now
     assert read_cold(a.path / shuffle_file) == shuffle
     os.unlink(a.path / "job" / "blockmgr-5f1c" / "0d" / "temp_shuffle_2")
-    wait_for(lambda: a.status()["cache"]["scratch_bytes"] == 0, what="the deleted spill's blocks to go")
+    wait_for(lambda: a.status()["cache"]["scratch_bytes"] == len(shuffle), what="the deleted spill's file to go")
     mine = rand(MiB + 7, 3)
     write(b.path / "job" / "blockmgr-b" / "f", mine)
     assert read_cold(b.path / "job" / "blockmgr-b" / "f") == mine
@@ -288,7 +285,7 @@ def test_snapshot_and_restore_leave_scratch_out(tmp_path: Path) -> None:
         assert db.execute("SELECT COUNT(*) FROM entries").fetchone()[0] == 0
         assert db.execute("SELECT COUNT(*) FROM blocks").fetchone()[0] == 0
         assert db.execute("SELECT nlink FROM inodes WHERE id = 1").fetchone()[0] == 3  # as shipped
-        journal.recount_dir_links(db)
+        journal.recount_links(db)
         assert db.execute("SELECT nlink FROM inodes WHERE id = 1").fetchone()[0] == 2
         db.close()
         engine.close()
@@ -298,3 +295,75 @@ def test_snapshot_and_restore_leave_scratch_out(tmp_path: Path) -> None:
         engine.close()
 
     trio.run(body)
+
+
+def test_a_scratch_file_linked_into_the_volume_is_promoted(make_mount, file_bucket: Bucket) -> None:
+    """A RocksDB working dir kept as scratch: its SSTs stay on the node until a commit links
+    one into the checkpoint, which uploads it then. Promoted files read back the same under
+    both names, keep taking writes, and are part of the volume on a fresh node; what was
+    never linked out never reaches the bucket."""
+    m: Mount = make_mount(file_bucket, extra=SCRATCH).mount()
+    work = m.path / "blockmgr-w" / "workingDir"
+    committed, compacted_away = rand(9 * MiB + 11, 7), rand(5 * MiB, 8)
+    write(work / "000012.sst", committed)
+    write(work / "000011.sst", compacted_away)
+    write(work / "CURRENT.tmp", b"MANIFEST-000005\n")
+    (m.path / "ckpt").mkdir()
+    os.link(work / "000012.sst", m.path / "ckpt" / "000012.sst")
+    os.rename(work / "CURRENT.tmp", m.path / "ckpt" / "CURRENT")  # a rename out promotes too
+    os.unlink(work / "000011.sst")
+    st = settle(m)
+    assert (st["cache"]["promoted_files"], st["cache"]["promoted_bytes"]) == (2, len(committed) + 16)
+    assert st["cache"]["scratch_files"] == 0
+    assert file_bucket.block_objects() == block_keys(committed) | block_keys(b"MANIFEST-000005\n")
+    assert os.stat(work / "000012.sst").st_nlink == 2
+    assert read_cold(m.path / "ckpt" / "000012.sst") == committed
+    with open(work / "000012.sst", "ab") as f:  # still the same file under its scratch name
+        f.write(b"tail")
+    assert read_cold(m.path / "ckpt" / "000012.sst") == committed + b"tail"
+    m.umount()
+
+    m.wipe_cache()  # a fresh node
+    m.mount()
+    assert sorted(os.listdir(m.path)) == ["ckpt"]
+    assert read_cold(m.path / "ckpt" / "000012.sst") == committed + b"tail"
+    assert (m.path / "ckpt" / "CURRENT").read_bytes() == b"MANIFEST-000005\n"
+    assert os.stat(m.path / "ckpt" / "000012.sst").st_nlink == 1
+    os.unlink(m.path / "ckpt" / "000012.sst")
+    m.umount()
+    fsck = fusestate("fsck", file_bucket.url, check=False)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    assert not block_keys(compacted_away) & file_bucket.block_objects()
+
+
+def test_promotion_and_loads_on_a_shared_volume(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    """Node A links an SST out of its scratch working dir into the checkpoint: node B reads
+    it at once, and loads it by linking it into its own scratch dir. Each scratch name goes
+    with its node's session; the file lives while any name is left."""
+    opts = [*SCRATCH, "--meta", pg_url, "--metrics-addr", "off", "--session-timeout", "3"]
+    a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=opts).mount()
+    b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=opts).mount()
+    sst = rand(6 * MiB + 5, 9)
+    write(a.path / "blockmgr-a" / "000020.sst", sst)
+    (a.path / "ckpt").mkdir()
+    os.link(a.path / "blockmgr-a" / "000020.sst", a.path / "ckpt" / "000020.sst")
+    assert block_keys(sst) <= file_bucket.block_objects()  # uploaded before the link returned
+    assert read_cold(b.path / "ckpt" / "000020.sst") == sst
+    (b.path / "blockmgr-b").mkdir()
+    os.link(b.path / "ckpt" / "000020.sst", b.path / "blockmgr-b" / "000020.sst")
+    assert read_cold(b.path / "blockmgr-b" / "000020.sst") == sst
+    with pytest.raises(OSError) as exc:  # not into another node's scratch
+        os.link(b.path / "ckpt" / "000020.sst", b.path / "blockmgr-a" / "x.sst")
+    assert exc.value.errno == errno.EXDEV
+
+    a.umount()
+    wait_for(lambda: "blockmgr-a" not in os.listdir(b.path), what="node A's scratch dir to go with its session")
+    wait_for(lambda: os.stat(b.path / "ckpt" / "000020.sst").st_nlink == 2, what="A's scratch name to go")
+    os.unlink(b.path / "ckpt" / "000020.sst")
+    assert read_cold(b.path / "blockmgr-b" / "000020.sst") == sst  # its last name is B's
+    b.umount()
+    a.mount()
+    assert sorted(os.listdir(a.path)) == ["ckpt"] and not os.listdir(a.path / "ckpt")
+    a.umount()
+    fsck = fusestate("fsck", file_bucket.url, "--meta", pg_url, check=False)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr

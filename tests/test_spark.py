@@ -22,7 +22,7 @@ pyspark = pytest.importorskip("pyspark")
 if shutil.which("java") is None:
     pytest.skip("no java on this machine", allow_module_level=True)
 
-from fusestate.spark.config import shim_jar  # noqa: E402
+from fusestate.spark.config import scratch_options, shim_jar  # noqa: E402
 from fusestate.spark.pipeline import final_view, read_output, stop_session  # noqa: E402
 
 # Small state: 2,000 keys x 256 bytes, 5 micro-batches of ~1,100 events.
@@ -186,7 +186,7 @@ def _run_until_batches(cmd: list[str], k: int, timeout: float = 240) -> list[int
 
 @pytest.mark.slow  # the default selection resumes on a fresh node in test_shim_commit_survives_node_loss_at_once
 def test_kill_spark_and_node_then_resume_on_fresh_node(make_mount, file_bucket: Bucket, baseline, tmp_path: Path):
-    m = make_mount(file_bucket, extra=["--scratch", "blockmgr-*"]).mount()  # as deployed
+    m = make_mount(file_bucket, extra=scratch_options()).mount()  # as deployed
     out = tmp_path / "out"
     cmd = pipeline_cmd(m.path / "job", out, "--input", str(baseline["input"]), *SMALL)
     done = _run_until_batches(cmd, 2)
@@ -200,8 +200,9 @@ def test_kill_spark_and_node_then_resume_on_fresh_node(make_mount, file_bucket: 
     m.wipe_cache()
     assert not m.cache_dir.exists()
     m.mount("--takeover", "--prefetch", "recent")  # warming, as on an object store by default
-    # The shuffle files stayed on the lost node (scratch); the state store's dirs came along.
-    assert not list(local_dir.glob("blockmgr-*")) and list(local_dir.glob("spark-*"))
+    # The shuffle files and the state stores' working dirs stayed on the lost node (scratch):
+    # the state comes from the checkpoint.
+    assert not list(local_dir.glob("blockmgr-*")) and not list(local_dir.glob("spark-*"))
     report = pipeline(m.path / "job", out, baseline["input"], *SMALL)
     resumed = [b["batch"] for b in report["batches"]]
     assert resumed and resumed[0] >= 2, f"the query started over instead of resuming: {resumed}"

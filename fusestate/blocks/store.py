@@ -36,7 +36,6 @@ from fusestate.blocks.keys import BlockData, key_matches, object_name, seal_dige
 from fusestate.blocks.read_costs import ReadCosts
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.uploader import Uploader
-from fusestate.config import format_size
 from fusestate.meta.engine import MetaEngine
 from fusestate.remote.store import RemoteError, RemoteStore
 
@@ -100,8 +99,6 @@ class BlockStore:
         # Shared engines: how many seals on this node wait to commit each uploaded block.
         self._awaiting_commit: collections.Counter[str] = collections.Counter()
         self._waiting_for_room = 0  # staging writes waiting for a full cache disk to make room
-        # Blocks of scratch files (key -> size): in staging for good, never queued for upload.
-        self._scratch: dict[str, int] = {}
         # Blocks refused because the cache disk was full and nothing could make room.
         self.disk_full_failures = 0
         # Sealed blocks whose bytes the volume already had: neither staged nor uploaded.
@@ -162,16 +159,15 @@ class BlockStore:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 # A full cache disk: free read cache and wait for uploads while either
-                # can make room. Scratch files' blocks leave only when they are deleted,
-                # so a disk full of them fails the write instead of waiting forever.
+                # can make room; when neither can (scratch files or other programs fill
+                # the disk), fail the write instead of waiting forever.
                 freed = await trio.to_thread.run_sync(self.disk.evict, 16 * self.block_size)
                 # Other blocks being staged right now hold part of the disk; once staged they
                 # are uploaded and become evictable, unless they too wait for room like this one.
                 others_staging = len(self._staging_inflight) - 1 - self._waiting_for_room
                 if not freed and not self.uploader.staged_blocks and others_staging <= 0:
                     self.disk_full_failures += 1
-                    raise OSError(errno.ENOSPC, f"cache disk full: {format_size(self.scratch_bytes)} of "
-                                                "scratch files, no read cache to evict, nothing to upload") from exc
+                    raise OSError(errno.ENOSPC, "cache disk full: no read cache to evict, nothing to upload") from exc
                 log.warning("cache disk full while staging a block; evicting and waiting for uploads")
                 self.uploader.expedite_all()
                 self._waiting_for_room += 1
@@ -192,12 +188,23 @@ class BlockStore:
     async def upload_before_commit(self, key: str, size: int) -> None:
         """A shared engine commits a block only once it is in the bucket: queue it, wait.
         Then ``committed`` or ``abandon`` the key."""
+        self.expect_commit(key)
+        await self.upload_expected([(key, size)])
+
+    def expect_commit(self, key: str) -> None:
+        """A sealed key that a commit will reference (shared engines): from now on it is
+        this node's until ``committed`` or ``abandon``. Call it right after ``seal``."""
         self._awaiting_commit[key] += 1
+
+    async def upload_expected(self, blocks: list[tuple[str, int]]) -> None:
+        """Upload blocks held by ``expect_commit``, all at once; on failure they are let go."""
         try:
-            self.uploader.add(key, size)
-            await self.uploader.wait_uploaded([key])
+            for key, size in blocks:
+                self.uploader.add(key, size)
+            await self.uploader.wait_uploaded([key for key, _ in blocks])
         except BaseException:
-            await self._stop_awaiting(key)
+            for key, _ in blocks:
+                await self._stop_awaiting(key)
             raise
 
     async def _stop_awaiting(self, key: str) -> None:
@@ -209,19 +216,10 @@ class BlockStore:
             with trio.CancelScope(shield=True):
                 await self.meta.end_upload(key)
 
-    async def committed(self, key: Optional[str], size: int, upload: bool = True) -> None:
-        """A sealed key is now referenced by the metadata: queue it if it is new.
-
-        ``upload=False`` for a scratch file's block: it stays in staging, outside the
-        write-back queue and its dirty bound, until the file is deleted (or a normal
-        file references the same bytes, which queues it then)."""
+    async def committed(self, key: Optional[str], size: int) -> None:
+        """A sealed key is now referenced by the metadata: queue it if it is new."""
         if key is None:
             return
-        if self.meta.shared and not upload:
-            self._scratch[key] = size  # committed without an upload: recorded as not in the bucket
-            return
-        if upload:
-            self._scratch.pop(key, None)  # these bytes now go to the bucket: a block like any other
         if self.meta.shared:
             self._awaiting_commit[key] -= 1  # committed: the engine ended its upload registration
             if self._awaiting_commit[key] <= 0:
@@ -229,23 +227,11 @@ class BlockStore:
             return
         info = await self.meta.object_info(key)
         if info is not None and not info.uploaded:
-            if upload:
-                self.uploader.add(key, size)
-            else:
-                self._scratch[key] = size
-
-    @property
-    def scratch_blocks(self) -> int:
-        return len(self._scratch)
-
-    @property
-    def scratch_bytes(self) -> int:
-        """Cache disk taken by scratch files, on top of the read cache and --max-dirty."""
-        return sum(self._scratch.values())
+            self.uploader.add(key, size)
 
     def _staged(self, key: str) -> bool:
         """Whether the block's bytes are in staging (so, maybe nowhere else)."""
-        return self.uploader.is_pending(key) or key in self._scratch
+        return self.uploader.is_pending(key)
 
     def _maybe_local(self, key: str) -> bool:
         """Whether the block may be on this node (staged, or perhaps in the disk cache);
@@ -255,13 +241,12 @@ class BlockStore:
         self.disk.stats.misses += 1
         return False
 
-    async def abandon(self, key: Optional[str], scratch: bool = False) -> None:
-        """A sealed key that will not be referenced after all: drop its staging file.
-        ``scratch``: sealed for a scratch file (on a shared volume, never uploaded)."""
-        if key and self.meta.shared and not scratch:
+    async def abandon(self, key: Optional[str]) -> None:
+        """A sealed key that will not be referenced after all: drop its staging file."""
+        if key and self.meta.shared:
             await self._stop_awaiting(key)  # uploaded already: the collector deletes it in time
             return
-        if not key or key in self._scratch or key in self._staging_inflight or self.uploader.is_pending(key):
+        if not key or key in self._staging_inflight or self.uploader.is_pending(key):
             return  # these bytes are staged for something else too
         if self.meta.shared or await self.meta.object_info(key) is None:
             self.staging.remove(key)
@@ -269,10 +254,8 @@ class BlockStore:
     async def release(self, keys: list[str]) -> None:
         """Objects whose refcount fell to zero: drop them if they never left staging."""
         if self.meta.shared:
-            # Only scratch blocks are this node's to drop; the rest are in the bucket, where
-            # the collector deletes them once no node needs them.
-            keys = [key for key in keys if key in self._scratch]
-        unqueued: list[str] = []  # a scratch block, or one left by a crash before recovery
+            return  # in the bucket: the collector deletes them once no node needs them
+        unqueued: list[str] = []  # left by a crash before recovery
         for key in keys:
             info = await self.meta.object_info(key)
             if info is None or info.refcount > 0 or info.uploaded:
@@ -287,7 +270,6 @@ class BlockStore:
         if unqueued:
             await self.meta.forget_objects(unqueued)  # one transaction: a mount's purge frees many
             for key in unqueued:
-                self._scratch.pop(key, None)
                 self.staging.remove(key)
 
     # --- read side ---------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Sequence
 import trio
 
 from fusestate.blocks.caches import DiskCache, MemoryCache
+from fusestate.blocks.scratch_files import ScratchFiles
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.store import BlockStore
 from fusestate.blocks.uploader import Uploader
@@ -65,7 +66,7 @@ class Components:
         return await self.uploader.recover()
 
     def close(self) -> None:
-        for close in (self.blocks.close, self.disk.close, self.meta.close):
+        for close in (self.blocks.close, self.disk.close, self.meta.close, self.fs.scratch.close):
             with contextlib.suppress(Exception):
                 close()
 
@@ -82,5 +83,6 @@ def build(meta: MetaEngine, remote: RemoteStore, layout: CacheLayout, settings: 
                         local_io=local_io, whole_blocks=s.whole_blocks)
     warmer = CacheWarmer(blocks, meta, mode=s.prefetch, disk_cache_bytes=s.read_cache_size)
     fs = FileSystem(meta, blocks, uploader, block_size=s.block_size, durability=s.durability,
-                    readahead_blocks=s.readahead_blocks, read_only=s.read_only, scratch_dirs=s.scratch_dirs)
+                    readahead_blocks=s.readahead_blocks, read_only=s.read_only, scratch_dirs=s.scratch_dirs,
+                    scratch_files=ScratchFiles(layout.scratch, reserve=s.staging_reserve))
     return Components(meta, remote, memory, disk, staging, uploader, blocks, warmer, fs)

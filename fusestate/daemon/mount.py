@@ -226,7 +226,7 @@ class Daemon:
         """Never let the cache fill its disk: the metadata (SQLite) must always be able to
         write, or a full disk would fail writes instead of making them wait for uploads."""
         reserve = self.disk_reserve
-        owned = _tree_bytes(self.layout.read_cache) + _tree_bytes(self.layout.staging)
+        owned = sum(_tree_bytes(d) for d in (self.layout.read_cache, self.layout.staging, self.layout.scratch))
         room = free + owned - reserve
         if room < self.cfg.cache_size:
             log.warning("--cache-size %s does not fit on the cache dir's disk (%s free, %s kept free for "

@@ -25,6 +25,10 @@ class CacheLayout:
         return os.path.join(self.root, "staging")
 
     @property
+    def scratch(self) -> str:
+        return os.path.join(self.root, "scratch")
+
+    @property
     def read_cache(self) -> str:
         return os.path.join(self.root, "blocks")
 

@@ -182,6 +182,12 @@ class MetaEngine(Protocol):
         """Point block indexes at objects (key, size), or at holes (None), and set the size
         and mtime, in one transaction. ENOENT if the inode is gone."""
         ...
+    async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
+                      size: int, mtime_ns: int) -> Freed:
+        """Make this node's scratch file a file of the volume with this block map (every
+        block uploaded first on a shared engine), in one transaction. EXDEV if it is no
+        scratch file of this node, ENOENT if it is gone."""
+        ...
     async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
         """Set the size and drop the blocks wholly past it (the caller rewrites a partial
         last block through ``commit_blocks``)."""

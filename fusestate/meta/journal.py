@@ -42,12 +42,14 @@ _ENTRY_IMAGE = "json_array(NEW.id, NEW.parent, hex(NEW.name), NEW.inode)"
 _BLOCK_IMAGE = "json_array(NEW.inode, NEW.idx, NEW.key, NEW.size)"
 
 # Scratch inodes (node-local, see Inode.scratch) never enter the journal: their inode and
-# block rows are skipped, and a name that points at one is journaled as deleted (a rename
-# can move a scratch dir onto a name that was shipped). Replaying the delete of a row that
+# block rows are skipped, and a name that points at one, or is in one (a file of the volume
+# linked into a scratch dir), is journaled as deleted (a rename can move a scratch dir onto
+# a name that was shipped). Replaying the delete of a row that
 # never shipped deletes nothing.
 _NOT_SCRATCH = "(SELECT scratch FROM inodes WHERE id = {}) IS NOT 1"
-_ENTRY_CHANGE = (f"VALUES ('entries', CASE WHEN {_NOT_SCRATCH.format('NEW.inode')} THEN 'put' ELSE 'del' END,"
-                 f" NEW.id, CASE WHEN {_NOT_SCRATCH.format('NEW.inode')} THEN {_ENTRY_IMAGE} END)")
+_SHIPPED_ENTRY = f"{_NOT_SCRATCH.format('NEW.inode')} AND {_NOT_SCRATCH.format('NEW.parent')}"
+_ENTRY_CHANGE = (f"VALUES ('entries', CASE WHEN {_SHIPPED_ENTRY} THEN 'put' ELSE 'del' END,"
+                 f" NEW.id, CASE WHEN {_SHIPPED_ENTRY} THEN {_ENTRY_IMAGE} END)")
 
 _TRIGGERS = [
     ("j_inodes_ins", "AFTER INSERT ON inodes", "NEW.scratch = 0",
@@ -258,12 +260,17 @@ def apply_changes(db: sqlite3.Connection, changes: Iterable[Change]) -> None:
                 db.execute("DELETE FROM blocks WHERE inode=? AND idx=?", (inode, idx))
 
 
-def recount_dir_links(db: sqlite3.Connection) -> None:
-    """Directory link counts from the names restored: a scratch dir counted in its parent's
-    nlink on the node that made it, and that nlink was shipped, but the dir was not."""
+def recount_links(db: sqlite3.Connection) -> None:
+    """Link counts from the names restored. Scratch names are never shipped but were
+    counted on the node that made them, and that count was: a scratch dir in its parent's
+    nlink, a file of the volume also named in a scratch dir (a state store's working dir
+    links its checkpoint's files) in its own. A file left with no name is an orphan the
+    next mount drops."""
     is_dir = f"& {0o170000}) = {stat.S_IFDIR}"  # (st_mode & S_IFMT) = S_IFDIR
     db.execute("UPDATE inodes SET nlink = 2 + (SELECT COUNT(*) FROM entries e JOIN inodes c ON c.id = e.inode"
                f" WHERE e.parent = inodes.id AND (c.mode {is_dir}) WHERE (mode {is_dir} AND nlink > 0")
+    db.execute("UPDATE inodes SET nlink = (SELECT COUNT(*) FROM entries e WHERE e.inode = inodes.id)"
+               f" WHERE NOT (mode {is_dir} AND nlink > 0")
 
 
 def rebuild_objects(db: sqlite3.Connection) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import stat
+from collections import Counter
 from typing import Callable, Iterable, Optional, Protocol
 
 from fusestate.errors import FsError
@@ -144,12 +145,19 @@ def _has_entries(tx: Tx, ino: int) -> bool:
     return tx.one("SELECT 1 FROM entries WHERE parent=? LIMIT 1", (ino,)) is not None
 
 
-def _check_scratch_move(node: Inode, new_parent: Inode) -> None:
-    """Nothing crosses between scratch and the volume, or between two nodes' scratch (EXDEV,
-    as between two file systems: mv then copies), except a whole scratch dir moved into the
-    volume, which stays scratch."""
-    if node.scratch != new_parent.scratch and not (node.scratch and node.is_dir and not new_parent.scratch):
-        raise FsError(errno.EXDEV, "scratch and the rest of the volume are separate")
+def _check_scratch_move(tx: Tx, node: Inode, new_parent: Inode) -> None:
+    """A scratch file gets no name outside its scratch (EXDEV, as between two file systems:
+    mv then copies, and a link promotes the file first, see ``promote``), nor in another
+    node's, except a whole scratch dir moved into the volume, which stays scratch. A file of
+    the volume may get names in this node's scratch dirs (a state store loaded into its
+    node-local working dir links its checkpoint's files there); they go with the dir."""
+    if node.scratch == new_parent.scratch:
+        return
+    if node.scratch and node.is_dir and not new_parent.scratch:
+        return
+    if not node.scratch and not node.is_dir and new_parent.scratch == tx.scratch_owner:
+        return
+    raise FsError(errno.EXDEV, "scratch and the rest of the volume are separate")
 
 
 # --- namespace -----------------------------------------------------------------------
@@ -233,7 +241,7 @@ def link(tx: Tx, ino: int, parent_id: int, name: bytes) -> Inode:
     parent = _directory(tx, parent_id)
     if parent.nlink == 0:
         raise FsError(errno.ENOENT)
-    _check_scratch_move(node, parent)
+    _check_scratch_move(tx, node, parent)
     if existing is not None:
         raise FsError(errno.EEXIST)
     tx.exec("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent_id, name, ino))
@@ -326,14 +334,14 @@ def rename(tx: Tx, src_parent: int, src_name: bytes, dst_parent: int, dst_name: 
     src_dir = _directory(tx, src_parent)
     dst_dir = src_dir if dst_parent == src_parent else _directory(tx, dst_parent)
     node = get(tx, ino)
-    _check_scratch_move(node, dst_dir)
+    _check_scratch_move(tx, node, dst_dir)
     if flags & RENAME_NOREPLACE and target is not None:
         raise FsError(errno.EEXIST)
     if flags & RENAME_EXCHANGE:
         if target is None:
             raise FsError(errno.ENOENT)
         other = get(tx, target)
-        _check_scratch_move(other, src_dir)
+        _check_scratch_move(tx, other, src_dir)
         _exchange(tx, src_dir, src_name, node, dst_dir, dst_name, other)
         return Freed()
     if target == ino:
@@ -477,6 +485,19 @@ def commit_blocks(tx: Tx, ino: int, blocks: dict[int, Optional[tuple[str, int]]]
     return freed
 
 
+def promote(tx: Tx, ino: int, blocks: dict[int, Optional[tuple[str, int]]], size: int, mtime_ns: int) -> Freed:
+    """A scratch file of this node becomes a file of the volume, with the blocks its bytes
+    were sealed into (uploaded already on a shared volume): one transaction, so no other
+    node ever sees it without its data."""
+    tx.lock([ino])
+    node = get(tx, ino)
+    if node.scratch != tx.scratch_owner or not node.is_reg:
+        raise FsError(errno.EXDEV, "not a scratch file of this node")
+    tx.exec("UPDATE inodes SET scratch=0 WHERE id=?", (ino,))
+    tx.changed(ino)
+    return commit_blocks(tx, ino, blocks, size, mtime_ns)
+
+
 def truncate(tx: Tx, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
     tx.lock([ino])
     node = get(tx, ino)
@@ -525,6 +546,17 @@ def purge_scratch(tx: Tx, owner: int) -> Freed:
     """Remove the scratch inodes of one owner and their names: they belonged to the
     processes of a mount that ended (this node's last one, or a node that was lost)."""
     freed = Freed()
+    # Names that files of the volume have in those dirs go with the dirs: such a file stays
+    # while it has other names, or while a node holds it open.
+    named = tx.all("DELETE FROM entries WHERE parent IN (SELECT id FROM inodes WHERE scratch = ?)"
+                   " AND (SELECT scratch FROM inodes WHERE id = entries.inode) = 0 RETURNING inode", (owner,))
+    for ino, names in sorted(Counter(ino for (ino,) in named).items()):
+        tx.lock([ino])
+        node = get(tx, ino)
+        node.nlink = max(0, node.nlink - names)
+        _save(tx, node)
+        if node.nlink == 0 and not tx.holds.held(tx, ino):
+            _delete_inode(tx, ino, freed)
     # Scratch roots (scratch dirs named in a normal dir) are counted in their parent's nlink.
     for parent, subdirs in tx.all(
             "SELECT e.parent, COUNT(*) FROM entries e JOIN inodes c ON c.id = e.inode"

@@ -349,13 +349,21 @@ class PostgresEngine:
 
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                             size: int, mtime_ns: int) -> Freed:
+        return await self._write(ops.commit_blocks, ino, blocks, size, mtime_ns, after=self._uploads_done(blocks))
+
+    async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
+                      size: int, mtime_ns: int) -> Freed:
+        return await self._write(ops.promote, ino, blocks, size, mtime_ns, after=self._uploads_done(blocks))
+
+    def _uploads_done(self, blocks: dict[int, Optional[tuple[str, int]]]) -> Callable[[ops.Tx], None]:
+        """What a commit of these blocks runs last: their upload registrations end with it."""
         keys = [b[0] for b in blocks.values() if b is not None]
 
         def done_uploading(tx: ops.Tx) -> None:
             if keys:
                 tx.exec("DELETE FROM uploads WHERE session_id=? AND key = ANY(?)", (self.session_id, keys))
 
-        return await self._write(ops.commit_blocks, ino, blocks, size, mtime_ns, after=done_uploading)
+        return done_uploading
 
     async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
         return await self._write(ops.truncate, ino, size, mtime_ns)

@@ -68,7 +68,7 @@ def restore_metadata(remote: RemoteStore, path: str, epochs: dict[int, int],
             seq = seg.last
             if check_each is not None:
                 check_each(db, seq)
-        journal.recount_dir_links(db)
+        journal.recount_links(db)
         journal.rebuild_objects(db)
         db.execute("DELETE FROM journal")
         db.execute("DELETE FROM sqlite_sequence WHERE name='journal'")

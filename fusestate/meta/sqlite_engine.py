@@ -63,6 +63,12 @@ _S_IFMT = 0o170000  # the file type bits of st_mode
 
 def _drop_scratch(db: sqlite3.Connection) -> None:
     """Remove scratch inodes, their names and block maps from a copy shipped to the bucket."""
+    # Volume files named in scratch dirs lose those names (one left with none is an orphan
+    # the next mount drops).
+    for ino, names in db.execute("SELECT inode, COUNT(*) FROM entries WHERE parent IN"
+                                 " (SELECT id FROM inodes WHERE scratch = 1) GROUP BY inode").fetchall():
+        db.execute("UPDATE inodes SET nlink = MAX(0, nlink - ?) WHERE id = ? AND scratch = 0", (names, ino))
+    db.execute("DELETE FROM entries WHERE parent IN (SELECT id FROM inodes WHERE scratch = 1)")
     for table, column in (("entries", "inode"), ("blocks", "inode"), ("inodes", "id")):
         db.execute(f"DELETE FROM {table} WHERE {column} IN (SELECT id FROM inodes WHERE scratch = 1)")
 
@@ -346,6 +352,10 @@ class SQLiteEngine:
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                             size: int, mtime_ns: int) -> Freed:
         return self._run(ops.commit_blocks, ino, blocks, size, mtime_ns)
+
+    async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
+                      size: int, mtime_ns: int) -> Freed:
+        return self._run(ops.promote, ino, blocks, size, mtime_ns)
 
     async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
         return self._run(ops.truncate, ino, size, mtime_ns)

@@ -9,8 +9,10 @@ others see. Each node has its own loopback address (127.0.0.2, 127.0.0.3, ...), 
 sees separate hosts, and its own ``SPARK_LOCAL_DIRS`` inside the volume
 (``<mountpoint>/nodes/<node>/spark-local``): a state store's working files are on the
 volume, so the shim links them into the checkpoint and back. Every daemon mounts with
-``--scratch 'blockmgr-*'``: a node's shuffle files stay on it, as on a local disk (other
-executors fetch them from its block manager, never through the file system).
+``--scratch 'blockmgr-*' --scratch 'spark-*-*-*-*-*'``: a node's shuffle files stay on it,
+as on a local disk (other executors fetch them from its block manager, never through the
+file system), and so do its state stores' working files until a commit links them into
+the checkpoint (``fusestate.spark.config.LOCAL_DIR_SCRATCH``).
 
 Losing a node (:meth:`Node.kill`) kills its namespace's first process: every process of
 the node dies at once, its daemon too, and :meth:`Node.wipe_cache` removes what it had
@@ -42,7 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from fusestate.errors import UserError
 from fusestate.spark.arguments import DEFAULT_MOUNTPOINT
-from fusestate.spark.config import SHUFFLE_SCRATCH
+from fusestate.spark.config import scratch_options
 from fusestate.spark.pipeline import (REPORT_NAME, BatchLines, aligned, changelog_note, file_rows, run_rows,
                                       write_report)
 
@@ -215,7 +217,7 @@ class Cluster:
         self.meta_url = meta_url
         self.mountpoint = mountpoint
         self.mount_options = ["--meta", meta_url or "", "--session-timeout", str(session_timeout),
-                              "--scratch", SHUFFLE_SCRATCH, *mount_options]
+                              *scratch_options(), *mount_options]
         self.worker_cores = worker_cores
         self.worker_memory = worker_memory
         self.master: Optional[subprocess.Popen] = None

@@ -44,17 +44,29 @@ ROCKSDB_PREFIX = "spark.sql.streaming.stateStore.rocksdb."
 # What Spark names the dirs it makes in spark.local.dir (Utils.createTempDir, DiskBlockManager).
 SHUFFLE_PREFIX = "blockmgr-"
 SPARK_LOCAL_PREFIXES = ("spark-", SHUFFLE_PREFIX)
-# The mount option that keeps Spark's shuffle dirs on the node (never uploaded). The state
-# store's working dirs are under spark-*: they must stay part of the volume, since the
-# shim's checkpoint links share their SSTs.
+# The mount options that keep Spark's local dirs on the node (--scratch): its shuffle dirs
+# (blockmgr-<uuid>) and the dirs of its temporary files (spark-<uuid>), which hold the state
+# stores' RocksDB working dirs. A working dir's SSTs reach the volume when the shim's commit
+# links them into the checkpoint (the link uploads them); the ones compaction deletes before
+# a commit never leave the node. The checkpoint's files linked back into a working dir on
+# load stay files of the volume.
 SHUFFLE_SCRATCH = SHUFFLE_PREFIX + "*"
+WORKING_DIR_SCRATCH = "spark-*-*-*-*-*"  # spark- and a UUID: no name a user picks by chance
+LOCAL_DIR_SCRATCH = (SHUFFLE_SCRATCH, WORKING_DIR_SCRATCH)
 
 
-def shuffle_is_scratch(scratch_dirs: list[str]) -> bool:
-    """Whether a mount's ``--scratch`` patterns cover the shuffle dirs Spark makes
-    (``blockmgr-<uuid>``)."""
-    name = SHUFFLE_PREFIX + str(uuid.UUID(int=0))
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in scratch_dirs)
+def missing_scratch(scratch_dirs: list[str]) -> list[str]:
+    """The patterns of :data:`LOCAL_DIR_SCRATCH` whose dirs a mount's ``--scratch`` patterns
+    leave in the volume."""
+    names = {SHUFFLE_SCRATCH: SHUFFLE_PREFIX + str(uuid.UUID(int=0)), WORKING_DIR_SCRATCH: f"spark-{uuid.UUID(int=0)}"}
+    return [pattern for pattern, name in names.items()
+            if not any(fnmatch.fnmatchcase(name, p) for p in scratch_dirs)]
+
+
+def scratch_options() -> list[str]:
+    """``--scratch`` options for a mount that holds Spark's local dirs."""
+    return [option for pattern in LOCAL_DIR_SCRATCH for option in ("--scratch", pattern)]
+
 
 # RocksDB opens every SST with POSIX_FADV_RANDOM, which turns off the kernel's readahead: a scan
 # (the deduplication store's eviction pass, a compaction) then reaches the daemon as one FUSE

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from fusestate.errors import UserError
-from fusestate.spark.config import ROCKSDB_PREFIX, SHUFFLE_SCRATCH, shuffle_is_scratch, state_conf
+from fusestate.spark.config import ROCKSDB_PREFIX, missing_scratch, state_conf
 from fusestate.spark.preflight import check_executors, check_shared_checkpoint
 
 EPOCH_MS = 1_700_000_000_000          # event time of the first event
@@ -519,9 +519,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     on_cluster = args.master.startswith("spark://")
     if on_cluster and not args.local:
         check_shared_checkpoint(layout, status_before)
-    if status_before is not None and not shuffle_is_scratch(status_before.get("scratch_dirs", [])):
-        print(f"note: {mount} was mounted without --scratch '{SHUFFLE_SCRATCH}': Spark's shuffle files will "
-              "be uploaded with the state, and every fsync waits for them", file=sys.stderr, flush=True)
+    missing = missing_scratch(status_before.get("scratch_dirs", [])) if status_before is not None else []
+    if missing:
+        options = " ".join(f"--scratch '{pattern}'" for pattern in missing)
+        print(f"note: {mount} was mounted without {options}: Spark's local files (shuffle, RocksDB's working "
+              "files) will be uploaded as they are written, not only what the checkpoint links",
+              file=sys.stderr, flush=True)
     t_status = time.time()
     if not args.json:
         print(f"starting Spark ({args.master}); its log goes to {spark_log}", flush=True)

@@ -24,6 +24,7 @@ from typing import Awaitable, Callable, Optional, Sequence
 import trio
 
 from fusestate.blocks.keys import BlockData
+from fusestate.blocks.scratch_files import ScratchFiles
 from fusestate.blocks.store import BlockReadError, BlockStore
 from fusestate.blocks.uploader import UploadFailed, Uploader
 from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, AttrChange, DirEntry, Freed, Inode,
@@ -82,7 +83,8 @@ class StatFs:
 class FileSystem:
     def __init__(self, meta: MetaEngine, blocks: BlockStore, uploader: Uploader, *,
                  block_size: int, durability: str = "remote", readahead_blocks: int = 2,
-                 read_only: bool = False, scratch_dirs: Sequence[str] = ()) -> None:
+                 read_only: bool = False, scratch_dirs: Sequence[str] = (),
+                 scratch_files: ScratchFiles) -> None:
         self.meta = meta
         self.blocks = blocks
         self.uploader = uploader
@@ -92,6 +94,10 @@ class FileSystem:
         self.read_only = read_only
         # Name patterns of directories made scratch when created (see Inode.scratch).
         self.scratch_dirs = tuple(scratch_dirs)
+        # This node's scratch files' bytes, one plain file each (never in blocks).
+        self.scratch = scratch_files
+        self.promoted_files = 0  # scratch files linked into the volume (see link)
+        self.promoted_bytes = 0
         self._files: dict[int, OpenFile] = {}
         # Shared engines: the content (size and block map) this node's page cache holds of
         # each file it has had open, so an open that finds the same content keeps the cache.
@@ -115,6 +121,8 @@ class FileSystem:
         """Start background sealing; release what the engine dropped from the last mount
         (scratch files, files unlinked while open when the node went down)."""
         self._nursery = nursery
+        if not self.read_only:
+            self.scratch.clear()  # the engine's start forgets the scratch files they belonged to
         await self.blocks.release((await self.meta.start()).keys)
         nursery.start_soon(self._expire_dirty_loop)
 
@@ -176,6 +184,7 @@ class FileSystem:
             f = self._files.get(freed.deleted_inode)
             if f is not None:
                 self._drop_file_state(f)
+            self.scratch.remove(freed.deleted_inode)
         await self.blocks.release(freed.keys)
 
     def _drop_file_state(self, f: OpenFile) -> None:
@@ -228,7 +237,15 @@ class FileSystem:
         return node.symlink_target
 
     async def link(self, ino: int, new_parent: int, new_name: bytes) -> Inode:
+        """A scratch file of this node linked into the volume is promoted first (its bytes
+        sealed and, on a shared volume, uploaded): how a state store's commit links the
+        SSTs RocksDB wrote in its node-local working dir into the checkpoint."""
         self._check_writable()
+        try:
+            return self._adopt(await self.meta.link(ino, new_parent, new_name))
+        except FsError as exc:
+            if exc.errno != errno.EXDEV or not await self._promote(ino):
+                raise
         return self._adopt(await self.meta.link(ino, new_parent, new_name))
 
     async def unlink(self, parent: int, name: bytes) -> None:
@@ -243,7 +260,16 @@ class FileSystem:
                      flags: int = 0) -> None:
         """Atomic rename: one metadata operation, no data moved."""
         self._check_writable()
-        await self._settle(await self.meta.rename(old_parent, old_name, new_parent, new_name, flags))
+        try:
+            freed = await self.meta.rename(old_parent, old_name, new_parent, new_name, flags)
+        except FsError as exc:
+            # A scratch file renamed into the volume: promoted, as a link out would be.
+            if exc.errno != errno.EXDEV or flags & RENAME_EXCHANGE:
+                raise
+            if not await self._promote((await self.meta.lookup(old_parent, old_name)).id):
+                raise
+            freed = await self.meta.rename(old_parent, old_name, new_parent, new_name, flags)
+        await self._settle(freed)
 
     async def opendir(self, ino: int) -> int:
         await self._check_dir(ino)
@@ -324,7 +350,7 @@ class FileSystem:
             async with f.lock:
                 old_size = f.node.size
                 await self._truncate_locked(f, size)  # lowers f.node.size already
-                if size % self.block_size and size < old_size:
+                if size % self.block_size and size < old_size and not f.node.scratch:
                     index = size // self.block_size
                     buf = await self._dirty_block(f, index)
                     buf.resize(size % self.block_size)
@@ -338,6 +364,11 @@ class FileSystem:
                 self._files.pop(node.id, None)
 
     async def _truncate_locked(self, f: OpenFile, size: int) -> None:
+        if f.node.scratch:
+            try:
+                self.scratch.truncate(f.inode, size)
+            except OSError as exc:
+                raise FsError(exc.errno or errno.EIO, exc.strerror or "") from exc
         first_removed = -(-size // self.block_size)
         for index in [i for i in f.dirty if i >= first_removed]:
             f.take_dirty(index)
@@ -363,6 +394,66 @@ class FileSystem:
             if f is None:
                 f = self._files[node.id] = OpenFile(node=node, keys=keys)
         return f
+
+    async def _promote(self, ino: int) -> bool:
+        """Make this node's scratch file a file of the volume: its bytes sealed into blocks
+        (on a shared volume uploaded before the commit) and the block map committed with
+        the change. False if it is no scratch file of this node: the EXDEV stands."""
+        node = await self._node(ino)
+        if not node.is_reg or not node.scratch or node.scratch != self.meta.scratch_owner:
+            return False
+        f = await self._file(node)
+        f.users += 1
+        try:
+            async with f.lock:
+                if f.node.scratch:
+                    await self._promote_locked(f)
+        finally:
+            f.users -= 1
+            if not f.busy and self._files.get(ino) is f:
+                self._files.pop(ino, None)
+        return True
+
+    async def _promote_locked(self, f: OpenFile) -> None:
+        size, bs = f.node.size, self.block_size
+        blocks: dict[int, Optional[tuple[str, int]]] = {}
+        sealed: list[tuple[str, int]] = []  # on a shared volume: held for the commit
+        try:
+            for index in range(-(-size // bs)):
+                nbytes = min(bs, size - index * bs)
+                key = await self.blocks.seal(self.scratch.read(f.inode, index * bs, nbytes, direct=True))
+                blocks[index] = (key, nbytes) if key is not None else None
+                if key is not None and self.meta.shared:
+                    self.blocks.expect_commit(key)
+                    sealed.append((key, nbytes))
+            if sealed:
+                try:
+                    await self.blocks.upload_expected(sealed)
+                except BaseException:
+                    sealed = []  # let go by upload_expected
+                    raise
+            freed = await self.meta.promote(f.inode, blocks, size, f.node.mtime_ns)
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                for key, _ in sealed:
+                    with contextlib.suppress(Exception):
+                        await self.blocks.abandon(key)
+            if isinstance(exc, UploadFailed):
+                raise FsError(errno.EIO, str(exc)) from exc
+            if isinstance(exc, OSError):
+                raise FsError(exc.errno or errno.EIO, exc.strerror or "") from exc
+            raise
+        sealed = [b for b in blocks.values() if b is not None]
+        f.node.scratch = 0
+        f.keys = {index: b[0] for index, b in blocks.items() if b is not None}
+        f.attrs_dirty = False
+        self.scratch.remove(f.inode)
+        self._remember_content(f)  # the kernel's pages hold these bytes
+        for key, nbytes in sealed:
+            await self.blocks.committed(key, nbytes)
+        await self.blocks.release(freed.keys)
+        self.promoted_files += 1
+        self.promoted_bytes += size
 
     async def _held_file(self, ino: int) -> OpenFile:
         """A file this node holds open: on the first open, fresh attributes and block map
@@ -397,7 +488,7 @@ class FileSystem:
         volume of one node (every write passes through this mount); on a shared volume
         when the file's content is what it was when this node last had it open."""
         h = self._handle(fh)
-        return not self.meta.shared or h.file.page_cache_valid
+        return not self.meta.shared or h.file.page_cache_valid or bool(h.file.node.scratch)
 
     def _remember_content(self, f: OpenFile) -> None:
         self.remember_page_cache(f.inode, f.node.size, f.keys)
@@ -466,6 +557,8 @@ class FileSystem:
         end = min(offset + size, f.node.size)
         if offset >= end:
             return b""
+        if f.node.scratch:
+            return self.scratch.read(f.inode, offset, end - offset)
         bs = self.block_size
         parts: list[bytes] = []
         pos = offset
@@ -513,6 +606,10 @@ class FileSystem:
             raise FsError(errno.EBADF)
         self._check_writable()
         f = h.file
+        if f.node.scratch:
+            written = await self._write_scratch(f, offset, data)
+            if written is not None:
+                return written
         if f.out_of_space:
             # A block of this file found the cache disk full: fail as a full disk does until
             # there is room again, rather than pile more data up in memory.
@@ -543,6 +640,28 @@ class FileSystem:
             f.attrs_dirty = True
         return len(data)
 
+    async def _write_scratch(self, f: OpenFile, offset: int, data: bytes) -> Optional[int]:
+        """A write to this node's scratch file: into its backing file. None: the file was
+        promoted to the volume while this write waited, and is written as any other."""
+        async with f.lock:  # not while a promotion reads the file
+            if f.node.nlink == 0 and f.handles == 0:
+                raise FsError(errno.EBADF)
+            if not f.node.scratch:
+                return None
+            try:
+                self.scratch.write(f.inode, offset, data)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not f.out_of_space:
+                    log.warning("scratch file inode %d: cache disk full, its writes fail: %s", f.inode, exc.strerror)
+                f.out_of_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                raise FsError(exc.errno or errno.EIO, exc.strerror or "") from exc
+            f.out_of_space = False
+            if offset + len(data) > f.node.size:
+                f.node.size = offset + len(data)
+            f.node.mtime_ns = f.node.ctime_ns = time.time_ns()
+            f.attrs_dirty = True
+        return len(data)
+
     async def _dirty_block(self, f: OpenFile, index: int) -> BlockBuffer:
         """The writable buffer of a block, loaded with its current content."""
         buf = f.dirty.get(index)
@@ -565,7 +684,7 @@ class FileSystem:
 
     async def _wait_for_sealing(self, nbytes: int) -> None:
         """Backpressure on sealing: its blocks count against no other bound until they are
-        staged (scratch blocks never are), and a full cache disk fails them only once hashed."""
+        staged, and a full cache disk fails them only once hashed."""
         limit = SEALING_LIMIT_BLOCKS * self.block_size
         while self._sealing_bytes and self._sealing_bytes + nbytes > limit:
             await self._sealed.wait()
@@ -591,7 +710,7 @@ class FileSystem:
         try:
             try:
                 key = await self.blocks.seal(data) if data else None
-                if key is not None and self.meta.shared and not f.node.scratch:
+                if key is not None and self.meta.shared:
                     await self.blocks.upload_before_commit(key, len(data))
                     awaiting_commit = True
                 # One commit of this file at a time, so the generation checked is still the
@@ -599,7 +718,7 @@ class FileSystem:
                 async with f.commit_lock:
                     if not f.is_current(index, generation) or self._files.get(f.inode) is not f:
                         awaiting_commit = False  # superseded by a newer write or truncate
-                        await self.blocks.abandon(key, scratch=bool(f.node.scratch))
+                        await self.blocks.abandon(key)
                         return
                     try:
                         size_mtime = (f.node.size, f.node.mtime_ns)
@@ -612,7 +731,7 @@ class FileSystem:
                         if exc.errno != errno.ENOENT:
                             raise
                         awaiting_commit = False
-                        await self.blocks.abandon(key, scratch=bool(f.node.scratch))  # the file is gone
+                        await self.blocks.abandon(key)  # the file is gone
                         return
             except Exception as exc:  # noqa: BLE001 - never take the daemon down; fsync reports it
                 if awaiting_commit:
@@ -631,7 +750,7 @@ class FileSystem:
             if f.is_current(index, generation):
                 # A newer seal of this block, started while this one committed, keeps its own.
                 f.sealing.pop(index, None)
-            await self.blocks.committed(key, len(data), upload=not f.node.scratch)
+            await self.blocks.committed(key, len(data))
             await self.blocks.release(freed.keys)
         finally:
             f.seal_finished()

@@ -1,0 +1,155 @@
+"""Scratch files (``--scratch``) kept as plain files on the cache disk, one per inode.
+
+A scratch file never leaves its node, so nothing needs its bytes in blocks: no hashing, no
+block buffers, no staging, no block map in the metadata. Its writes go straight to a
+backing file and its reads come back from it; the metadata keeps only its name, size and
+times. This is most of what Spark writes (shuffle files, and the RocksDB working dirs
+whose files reach the volume only when a commit links them out). A scratch file linked
+out of its scratch dir is *promoted*: its bytes are read back, sealed into blocks and
+uploaded, and it becomes a file of the volume (``FileSystem.link``).
+
+The page-aligned part of a write (all of it but a file's last partial page: the kernel's
+writeback sends whole pages) goes to disk with ``O_DIRECT`` from a reused aligned buffer.
+The mounted file's own pages already hold these bytes; a second copy in page-cache memory
+would cost the daemon more CPU than everything else it does for the write (see
+:mod:`fusestate.localio`). Every call is a short system call made on the event loop: a
+direct write of a MiB takes under a millisecond, less than handing it to a thread costs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections import OrderedDict
+from typing import NamedTuple, Optional
+
+from fusestate import localio
+
+OPEN_FILES = 256  # backing files kept open (Spark's shuffle has many files open at once)
+ALIGN = localio.ALIGN
+
+
+class _Fds(NamedTuple):
+    buffered: int
+    direct: Optional[int]  # None where the filesystem has no O_DIRECT
+
+
+class ScratchFiles:
+    def __init__(self, directory: str, reserve: int = 0) -> None:
+        self.directory = directory
+        # Free space on the cache disk that scratch files never take (the metadata must
+        # always be able to write): reaching it is a full disk, as for staging.
+        self.reserve = reserve
+        self._fds: OrderedDict[int, _Fds] = OrderedDict()
+        self._sizes: dict[int, int] = {}  # inode -> bytes its backing file may hold
+        self.disk_full_failures = 0
+
+    def clear(self) -> None:
+        """Drop every backing file: the engine forgets the scratch files of the last mount."""
+        self.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        os.makedirs(self.directory, exist_ok=True)
+        self._sizes.clear()
+
+    def close(self) -> None:
+        for fds in self._fds.values():
+            _close(fds)
+        self._fds.clear()
+
+    def _path(self, ino: int) -> str:
+        return os.path.join(self.directory, str(ino))
+
+    def _open(self, ino: int, create: bool) -> Optional[_Fds]:
+        fds = self._fds.get(ino)
+        if fds is not None:
+            self._fds.move_to_end(ino)
+            return fds
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(self._path(ino), flags | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            if create:
+                raise
+            return None
+        try:
+            fds = _Fds(fd, localio.open_direct(self._path(ino), os.O_RDWR))
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fds[ino] = fds
+        if len(self._fds) > OPEN_FILES:
+            _close(self._fds.popitem(last=False)[1])
+        return fds
+
+    def write(self, ino: int, offset: int, data: bytes | memoryview) -> None:
+        end = offset + len(data)
+        if self.reserve and end > self._sizes.get(ino, 0):
+            free = os.statvfs(self.directory)
+            if free.f_bavail * free.f_frsize - len(data) < self.reserve:
+                self.disk_full_failures += 1
+                raise OSError(errno.ENOSPC, "cache disk full (the space kept free for the metadata reached)")
+        fds = self._open(ino, create=True)
+        assert fds is not None
+        view = memoryview(data)
+        start, stop = -(-offset // ALIGN) * ALIGN, end // ALIGN * ALIGN  # the whole pages
+        if fds.direct is not None and stop > start:
+            _pwrite_all(fds.buffered, view[:start - offset], offset)
+            localio.pwrite_aligned(fds.direct, view[start - offset:stop - offset], start)
+            _pwrite_all(fds.buffered, view[stop - offset:], stop)
+        else:
+            _pwrite_all(fds.buffered, view, offset)
+        if end > self._sizes.get(ino, 0):
+            self._sizes[ino] = end
+
+    def read(self, ino: int, offset: int, size: int, direct: bool = False) -> bytes | memoryview:
+        """``size`` bytes from ``offset``: a hole, or a range past what was written (the file
+        was extended by a truncate), reads as zeros. ``direct``: a read no one repeats (a
+        promotion's) from a page-aligned offset, with ``O_DIRECT`` (never in the page
+        cache) into a new aligned buffer."""
+        fds = self._open(ino, create=False)
+        if fds is None:
+            return bytes(size)
+        if direct and fds.direct is not None and offset % ALIGN == 0:
+            data: bytes | memoryview = localio.pread_aligned(fds.direct, offset, size)
+        else:
+            data = os.pread(fds.buffered, size, offset)
+        return data if len(data) == size else bytes(data) + bytes(size - len(data))
+
+    def truncate(self, ino: int, size: int) -> None:
+        fds = self._open(ino, create=size > 0)
+        if fds is not None:
+            os.ftruncate(fds.buffered, size)
+            self._sizes[ino] = size
+
+    def remove(self, ino: int) -> None:
+        """The file is deleted, or promoted to the volume: its backing file goes."""
+        fds = self._fds.pop(ino, None)
+        if fds is not None:
+            _close(fds)
+        if self._sizes.pop(ino, None) is not None or fds is not None:
+            try:
+                os.unlink(self._path(ino))
+            except FileNotFoundError:
+                pass
+
+    @property
+    def files(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def bytes(self) -> int:
+        """Apparent size of the backing files (holes count): an upper bound of their disk use."""
+        return sum(self._sizes.values())
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _close(fds: _Fds) -> None:
+    os.close(fds.buffered)
+    if fds.direct is not None:
+        os.close(fds.direct)
