@@ -190,7 +190,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
             f"local dir on local disk, the checkpoint in a plain directory all nodes share (a favourable stand-in for "
             f"HDFS or an object store connector); *fusestate*: one shared volume (`file://` bucket, PostgreSQL on "
             f"127.0.0.1) holding every node's local dir and the `fusestate://` checkpoint, a daemon per node "
-            f"(its shuffle dirs `--scratch 'blockmgr-*'`). Once "
+            f"(Spark's shuffle and working dirs node-local: `--scratch 'blockmgr-*' --scratch 'spark-*-*-*-*-*'`). "
+            f"Once "
             f"the state is built, the second worker node is killed (its JVMs and daemon at once) and its cache wiped. "
             + medians_note(doc))
     return "\n\n".join([text, ratio_table(doc["summary"], doc["systems"])])
