@@ -276,11 +276,15 @@ def test_readdir_pages_in_id_order(new_engine) -> None:
     drive(new_engine, body)
 
 
+async def scratch_tree(m: MetaEngine, name: bytes) -> tuple[Inode, Inode, Inode]:
+    """A scratch dir with a file ``name`` in it, and a plain file next to the dir."""
+    s = await m.create(ROOT_INODE, b"blockmgr-1", NewNode(DIR.mode, 0, 0, scratch_name=True))
+    return s, await m.create(s.id, name, FILE), await m.create(ROOT_INODE, b"plain", FILE)
+
+
 def test_scratch_directories_stay_apart(new_engine) -> None:
     async def body(m: MetaEngine) -> None:
-        s = await m.create(ROOT_INODE, b"blockmgr-1", NewNode(DIR.mode, 0, 0, scratch_name=True))
-        inner = await m.create(s.id, b"f", FILE)
-        plain = await m.create(ROOT_INODE, b"plain", FILE)
+        s, inner, plain = await scratch_tree(m, b"f")
         assert s.scratch and inner.scratch and not plain.scratch
         await raises(errno.EXDEV, m.link(inner.id, ROOT_INODE, b"g"))  # the vfs promotes it first
         await raises(errno.EXDEV, m.rename(s.id, b"f", ROOT_INODE, b"f"))
@@ -295,9 +299,7 @@ def test_scratch_directories_stay_apart(new_engine) -> None:
 
 def test_a_promoted_scratch_file_joins_the_volume(new_engine) -> None:
     async def body(m: MetaEngine) -> None:
-        s = await m.create(ROOT_INODE, b"blockmgr-1", NewNode(DIR.mode, 0, 0, scratch_name=True))
-        f = await m.create(s.id, b"000012.sst", FILE)
-        plain = await m.create(ROOT_INODE, b"plain", FILE)
+        _, f, plain = await scratch_tree(m, b"000012.sst")
         await m.commit_blocks(f.id, {}, BS + 100, 5)  # a scratch file's size, no blocks
         assert not (await m.promote(f.id, {0: (key(1), BS), 1: (key(2), 100)}, BS + 100, 7)).keys
         node = await m.getattr(f.id)
