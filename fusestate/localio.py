@@ -227,11 +227,11 @@ def aligned_bytes(size: int) -> memoryview:
     return memoryview(raw)[offset:offset + size]
 
 
-def _read_into(fd: int, view: memoryview, size: int) -> int:
-    """Read a file's first ``size`` bytes into ``view``; how many there were."""
+def _read_into(fd: int, view: memoryview, size: int, offset: int = 0) -> int:
+    """Read ``size`` bytes of a file from ``offset`` into ``view``; how many there were."""
     got = 0
     while got < size:
-        n = os.preadv(fd, [view[got:]], got)
+        n = os.preadv(fd, [view[got:]], offset + got)
         if n == 0:
             break
         got += n
@@ -296,6 +296,14 @@ def open_direct(path: str, flags: int) -> Optional[int]:
         raise
 
 
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """``pwrite`` all of ``data`` at ``offset`` (a write may take less than it is given)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
 def pwrite_aligned(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
     """Write ``data`` (a whole number of pages, at a page-aligned offset) through an
     ``O_DIRECT`` descriptor, from a copy in this thread's reused aligned buffer: the disk
@@ -303,27 +311,17 @@ def pwrite_aligned(fd: int, data: bytes | bytearray | memoryview, offset: int) -
     n = len(data)
     buf = _aligned_buffer(min(n, 4 << 20))
     with memoryview(buf) as view:
-        done = 0
-        while done < n:
+        for done in range(0, n, len(buf)):
             piece = min(n - done, len(buf))
             view[:piece] = data[done:done + piece]
-            wrote = 0
-            while wrote < piece:
-                wrote += os.pwrite(fd, view[wrote:piece], offset + done + wrote)
-            done += piece
+            pwrite_all(fd, view[:piece], offset + done)
 
 
 def pread_aligned(fd: int, offset: int, size: int) -> memoryview:
     """Up to ``size`` bytes from a page-aligned ``offset`` through an ``O_DIRECT``
     descriptor, into a new aligned buffer (shorter at the end of the file)."""
     view = aligned_bytes(_aligned(size))
-    got = 0
-    while got < size:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return view[:min(got, size)]
+    return view[:_read_into(fd, view, size, offset)]
 
 
 def read_whole(fd: int) -> bytes | memoryview:

@@ -12,8 +12,10 @@ The page-aligned part of a write (all of it but a file's last partial page: the 
 writeback sends whole pages) goes to disk with ``O_DIRECT`` from a reused aligned buffer.
 The mounted file's own pages already hold these bytes; a second copy in page-cache memory
 would cost the daemon more CPU than everything else it does for the write (see
-:mod:`fusestate.localio`). Every call is a short system call made on the event loop: a
-direct write of a MiB takes under a millisecond, less than handing it to a thread costs.
+:mod:`fusestate.localio`). Writes, FUSE reads and truncates are short system calls made on
+the event loop (a direct write of a MiB takes under a millisecond, less than handing it
+to a thread costs); a promotion reads its blocks back in worker threads
+(:meth:`ScratchFiles.read_block`).
 """
 
 from __future__ import annotations
@@ -94,27 +96,33 @@ class ScratchFiles:
         view = memoryview(data)
         start, stop = -(-offset // ALIGN) * ALIGN, end // ALIGN * ALIGN  # the whole pages
         if fds.direct is not None and stop > start:
-            _pwrite_all(fds.buffered, view[:start - offset], offset)
+            localio.pwrite_all(fds.buffered, view[:start - offset], offset)
             localio.pwrite_aligned(fds.direct, view[start - offset:stop - offset], start)
-            _pwrite_all(fds.buffered, view[stop - offset:], stop)
+            localio.pwrite_all(fds.buffered, view[stop - offset:], stop)
         else:
-            _pwrite_all(fds.buffered, view, offset)
+            localio.pwrite_all(fds.buffered, view, offset)
         if end > self._sizes.get(ino, 0):
             self._sizes[ino] = end
 
-    def read(self, ino: int, offset: int, size: int, direct: bool = False) -> bytes | memoryview:
+    def read(self, ino: int, offset: int, size: int) -> bytes:
         """``size`` bytes from ``offset``: a hole, or a range past what was written (the file
-        was extended by a truncate), reads as zeros. ``direct``: a read no one repeats (a
-        promotion's) from a page-aligned offset, with ``O_DIRECT`` (never in the page
-        cache) into a new aligned buffer."""
+        was extended by a truncate), reads as zeros."""
         fds = self._open(ino, create=False)
-        if fds is None:
-            return bytes(size)
-        if direct and fds.direct is not None and offset % ALIGN == 0:
-            data: bytes | memoryview = localio.pread_aligned(fds.direct, offset, size)
-        else:
-            data = os.pread(fds.buffered, size, offset)
-        return data if len(data) == size else bytes(data) + bytes(size - len(data))
+        return _padded(os.pread(fds.buffered, size, offset) if fds is not None else b"", size)
+
+    def read_block(self, ino: int, offset: int, size: int) -> bytes | memoryview:
+        """``read`` for a worker thread, of a range no one reads again (a promotion's block,
+        at a page-aligned offset): through a descriptor of its own, with ``O_DIRECT`` where
+        the filesystem allows it, so it neither waits on the event loop nor fills page-cache
+        memory. The file must not change meanwhile (the caller holds the file's lock)."""
+        direct = localio.open_direct(self._path(ino), os.O_RDONLY)
+        if direct is None:
+            with open(self._path(ino), "rb", buffering=0) as f:
+                return _padded(os.pread(f.fileno(), size, offset), size)
+        try:
+            return _padded(localio.pread_aligned(direct, offset, size), size)
+        finally:
+            os.close(direct)
 
     def truncate(self, ino: int, size: int) -> None:
         fds = self._open(ino, create=size > 0)
@@ -143,10 +151,8 @@ class ScratchFiles:
         return sum(self._sizes.values())
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+def _padded(data: bytes | memoryview, size: int) -> bytes | memoryview:
+    return data if len(data) == size else bytes(data) + bytes(size - len(data))
 
 
 def _close(fds: _Fds) -> None:

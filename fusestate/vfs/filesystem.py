@@ -421,7 +421,8 @@ class FileSystem:
         try:
             for index in range(-(-size // bs)):
                 nbytes = min(bs, size - index * bs)
-                key = await self.blocks.seal(self.scratch.read(f.inode, index * bs, nbytes, direct=True))
+                data = await trio.to_thread.run_sync(self.scratch.read_block, f.inode, index * bs, nbytes)
+                key = await self.blocks.seal(data)
                 blocks[index] = (key, nbytes) if key is not None else None
                 if key is not None and self.meta.shared:
                     self.blocks.expect_commit(key)
@@ -440,7 +441,7 @@ class FileSystem:
                         await self.blocks.abandon(key)
             if isinstance(exc, UploadFailed):
                 raise FsError(errno.EIO, str(exc)) from exc
-            if isinstance(exc, OSError):
+            if isinstance(exc, OSError) and not isinstance(exc, FsError):  # the cache disk's
                 raise FsError(exc.errno or errno.EIO, exc.strerror or "") from exc
             raise
         sealed = [b for b in blocks.values() if b is not None]
