@@ -13,7 +13,6 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Iterator
 
 from fusestate.blocks.keys import BlockData
 from fusestate.localio import read_file, read_range, write_file
@@ -27,46 +26,41 @@ class Staging:
         # Free space on the disk that staging never takes: the metadata (SQLite) must always
         # be able to write, so reaching it counts as a full disk.
         self.reserve = reserve
-        # Bytes of writes under way: the disk does not show them yet, so concurrent writers
-        # that each saw room would together overshoot the reserve by a block each.
-        self._claimed = 0
-        self._claim_lock = threading.Lock()
+        # Held from a writer's check for room until its block's room is allocated on disk.
+        self._room_lock = threading.Lock()
         os.makedirs(directory, exist_ok=True)
 
     def has_room(self, nbytes: int) -> bool:
-        return shutil.disk_usage(self.directory).free - self._claimed - nbytes >= self.reserve
+        return shutil.disk_usage(self.directory).free - nbytes >= self.reserve
 
-    @contextlib.contextmanager
-    def _room(self, nbytes: int) -> Iterator[None]:
-        """Claim ``nbytes`` above the reserve for one write, or refuse with ENOSPC."""
-        if not self.reserve:
-            yield
+    def _take_room(self, fd: int, nbytes: int) -> None:
+        """Allocate a block's room in its file before writing it, or refuse with ENOSPC.
+
+        The check and the allocation happen under one lock, and the disk shows an allocation
+        at once: concurrent writers can neither all see the same room (and overshoot the
+        reserve) nor count a finished write twice (and refuse a write that fits)."""
+        if not self.reserve or not nbytes:
             return
-        with self._claim_lock:
+        with self._room_lock:
             if not self.has_room(nbytes):
                 raise OSError(errno.ENOSPC, "cache disk full (the space kept free for the metadata reached)")
-            self._claimed += nbytes
-        try:
-            yield
-        finally:
-            with self._claim_lock:
-                self._claimed -= nbytes
+            os.posix_fallocate(fd, 0, nbytes)
 
     def path(self, key: str) -> str:
         return os.path.join(self.directory, key)
 
     def write(self, key: str, data: BlockData, fsync: bool = False) -> None:
-        with self._room(len(data)):
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    # Not kept in the page cache: the upload reads it once, from disk.
-                    write_file(f, data, fsync=fsync, keep_cached=False, direct=True)
-                os.replace(tmp, self.path(key))
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                self._take_room(f.fileno(), len(data))
+                # Not kept in the page cache: the upload reads it once, from disk.
+                write_file(f, data, fsync=fsync, keep_cached=False, direct=True)
+            os.replace(tmp, self.path(key))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def read(self, key: str) -> BlockData | None:
         try:
