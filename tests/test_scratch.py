@@ -237,8 +237,10 @@ def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, 
     write(a.path / "job" / "state" / "copy.sst", shuffle)  # bytes A held as scratch only
     assert (b.path / "job" / "state" / "copy.sst").read_bytes() == shuffle
     assert read_cold(a.path / shuffle_file) == shuffle
-    os.unlink(a.path / "job" / "blockmgr-5f1c" / "0d" / "temp_shuffle_2")
-    wait_for(lambda: a.status()["cache"]["scratch_bytes"] == len(shuffle), what="the deleted spill's file to go")
+    os.unlink(b.path / "job" / "blockmgr-5f1c" / "0d" / "temp_shuffle_2")  # another node may delete it
+    wait_for(lambda: a.status()["cache"]["scratch_bytes"] == len(shuffle), timeout=60,
+             what="the bytes of the spill B deleted to go from A")
+    assert sorted(os.listdir(a.cache_dir / "scratch")) == [str(os.stat(a.path / shuffle_file).st_ino)]
     mine = rand(MiB + 7, 3)
     write(b.path / "job" / "blockmgr-b" / "f", mine)
     assert read_cold(b.path / "job" / "blockmgr-b" / "f") == mine

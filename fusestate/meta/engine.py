@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import stat
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     import trio
@@ -168,6 +168,10 @@ class MetaEngine(Protocol):
         """Entries with id greater than ``after_id``, in id order, with their attributes."""
         ...
     async def parent_of(self, ino: int) -> int: ...
+    async def existing(self, inodes: Sequence[int]) -> set[int]:
+        """Which of these inodes exist: a node's check of the scratch files whose bytes it
+        keeps, which another node may have deleted."""
+        ...
 
     # --- file data ------------------------------------------------------------
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:

@@ -29,7 +29,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import trio
 from psycopg import sql
@@ -335,6 +335,9 @@ class PostgresEngine:
 
     async def parent_of(self, ino: int) -> int:
         return await self._read(ops.parent_of, ino)
+
+    async def existing(self, inodes: Sequence[int]) -> set[int]:
+        return await self._read(ops.existing, inodes)
 
     # --- file data ------------------------------------------------------------------
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:

@@ -17,7 +17,7 @@ import os
 import sqlite3
 import stat
 import time
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import trio
 
@@ -335,6 +335,9 @@ class SQLiteEngine:
 
     async def parent_of(self, ino: int) -> int:
         return self._read(ops.parent_of, ino)
+
+    async def existing(self, inodes: Sequence[int]) -> set[int]:
+        return self._read(ops.existing, inodes)
 
     # --- file data ------------------------------------------------------------
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
