@@ -30,7 +30,7 @@ from fusestate.blocks.uploader import UploadFailed, Uploader
 from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, AttrChange, DirEntry, Freed, Inode,
                                    MetaEngine, NewNode)
 from fusestate.vfs.block_buffer import BlockBuffer
-from fusestate.vfs.errors import FsError
+from fusestate.vfs.errors import FsError, from_os_error
 from fusestate.vfs.open_file import OpenFile, Sealing
 
 log = logging.getLogger(__name__)
@@ -372,7 +372,7 @@ class FileSystem:
             try:
                 self.scratch.truncate(f.inode, size)
             except OSError as exc:
-                raise FsError(exc.errno or errno.EIO, exc.strerror or "") from exc
+                raise from_os_error(exc) from exc
         first_removed = -(-size // self.block_size)
         for index in [i for i in f.dirty if i >= first_removed]:
             f.take_dirty(index)
@@ -446,7 +446,7 @@ class FileSystem:
             if isinstance(exc, UploadFailed):
                 raise FsError(errno.EIO, str(exc)) from exc
             if isinstance(exc, OSError) and not isinstance(exc, FsError):  # the cache disk's
-                raise FsError(exc.errno or errno.EIO, exc.strerror or "") from exc
+                raise from_os_error(exc) from exc
             raise
         sealed = [b for b in blocks.values() if b is not None]
         f.node.scratch = 0
@@ -659,7 +659,7 @@ class FileSystem:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not f.out_of_space:
                     log.warning("scratch file inode %d: cache disk full, its writes fail: %s", f.inode, exc.strerror)
                 f.out_of_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                raise FsError(exc.errno or errno.EIO, exc.strerror or "") from exc
+                raise from_os_error(exc) from exc
             f.out_of_space = False
             if offset + len(data) > f.node.size:
                 f.node.size = offset + len(data)
