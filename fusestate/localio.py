@@ -30,6 +30,7 @@ import errno
 import fcntl
 import mmap
 import os
+import shutil
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -284,6 +285,18 @@ def _write_buffer_direct(fd: int, buf: mmap.mmap | bytearray | memoryview, n: in
     if padded != n:
         os.ftruncate(fd, n)
     return True
+
+
+def has_room(directory: str, nbytes: int, reserve: int) -> bool:
+    """Whether ``nbytes`` more fit on ``directory``'s disk with ``reserve`` bytes left free."""
+    return shutil.disk_usage(directory).free - nbytes >= reserve
+
+
+def require_room(directory: str, nbytes: int, reserve: int) -> None:
+    """ENOSPC unless ``has_room``: the space the metadata must always be able to write in
+    counts as full."""
+    if not has_room(directory, nbytes, reserve):
+        raise OSError(errno.ENOSPC, "cache disk full (the space kept free for the metadata reached)")
 
 
 def open_direct(path: str, flags: int) -> Optional[int]:

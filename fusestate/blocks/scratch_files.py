@@ -20,7 +20,6 @@ to a thread costs); a promotion reads its blocks back in worker threads
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 from collections import OrderedDict
@@ -87,10 +86,11 @@ class ScratchFiles:
     def write(self, ino: int, offset: int, data: bytes | memoryview) -> None:
         end = offset + len(data)
         if self.reserve and end > self._sizes.get(ino, 0):
-            free = os.statvfs(self.directory)
-            if free.f_bavail * free.f_frsize - len(data) < self.reserve:
+            try:
+                localio.require_room(self.directory, len(data), self.reserve)
+            except OSError:
                 self.disk_full_failures += 1
-                raise OSError(errno.ENOSPC, "cache disk full (the space kept free for the metadata reached)")
+                raise
         fds = self._open(ino, create=True)
         assert fds is not None
         view = memoryview(data)

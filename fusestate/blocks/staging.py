@@ -8,14 +8,12 @@ are uploaded by the next mount.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import shutil
 import tempfile
 import threading
 
 from fusestate.blocks.keys import BlockData
-from fusestate.localio import read_file, read_range, write_file
+from fusestate.localio import has_room, read_file, read_range, require_room, write_file
 
 
 class Staging:
@@ -31,7 +29,7 @@ class Staging:
         os.makedirs(directory, exist_ok=True)
 
     def has_room(self, nbytes: int) -> bool:
-        return shutil.disk_usage(self.directory).free - nbytes >= self.reserve
+        return has_room(self.directory, nbytes, self.reserve)
 
     def _take_room(self, fd: int, nbytes: int) -> None:
         """Allocate a block's room in its file before writing it, or refuse with ENOSPC.
@@ -42,8 +40,7 @@ class Staging:
         if not self.reserve or not nbytes:
             return
         with self._room_lock:
-            if not self.has_room(nbytes):
-                raise OSError(errno.ENOSPC, "cache disk full (the space kept free for the metadata reached)")
+            require_room(self.directory, nbytes, self.reserve)
             os.posix_fallocate(fd, 0, nbytes)
 
     def path(self, key: str) -> str:
