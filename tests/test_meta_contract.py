@@ -180,6 +180,21 @@ def test_link_and_unlink_count_names(new_engine) -> None:
     drive(new_engine, body)
 
 
+def test_a_freed_inode_number_is_not_handed_out_again(new_engine) -> None:
+    """The kernel may still hold a dead inode under its number (FUSE's generation is 0)."""
+    async def body(m: MetaEngine) -> None:
+        seen: set[int] = set()
+        for _ in range(3):
+            d = await m.create(ROOT_INODE, b"d", DIR)
+            s = await m.create(ROOT_INODE, b"s", NewNode(stat.S_IFLNK | 0o777, 0, 0, symlink_target=b"t"))
+            assert not {d.id, s.id} & seen
+            seen |= {d.id, s.id}
+            await m.unlink(ROOT_INODE, b"s")
+            await m.rmdir(ROOT_INODE, b"d")
+
+    drive(new_engine, body)
+
+
 def test_existing_names_the_inodes_left(new_engine) -> None:
     async def body(m: MetaEngine) -> None:
         files = [await m.create(ROOT_INODE, f"f{n}".encode(), FILE) for n in range(70)]  # two batches

@@ -425,6 +425,64 @@ def test_mkdir_rmdir(mnt: Mount) -> None:
     assert os.listdir(mnt.path) == []
 
 
+def _free_and_make_again(base: str, tag: str, rounds: int, errors: "multiprocessing.Queue") -> None:
+    """Free a name's inode (a directory renamed onto it, a symlink unlinked) and make a
+    directory under that name at once, ``rounds`` times; put every error on ``errors``.
+    Every other round holds the freed inode open, as a process with its cwd or an open
+    descriptor there does: the kernel then surely still has it."""
+    os.makedirs(base, exist_ok=True)
+    a, b, s = (os.path.join(base, x + tag) for x in ("a", "b", "s"))
+    failed: list[str] = []
+
+    def step(what: str, fn: Callable, *args) -> None:
+        try:
+            fn(*args)
+        except OSError as e:
+            failed.append(f"{what}: {errno.errorcode.get(e.errno, e.errno)}")
+
+    for i in range(rounds):
+        held: list[int] = []
+        step("mkdir a", os.mkdir, a)
+        step("mkdir b", os.mkdir, b)
+        if i % 2:  # the kernel keeps the inode that the rename replaces
+            held.append(os.open(b, os.O_RDONLY | os.O_DIRECTORY))
+        step("rename a b", os.rename, a, b)
+        step("mkdir a", os.mkdir, a)
+        step("mkdir a/x", os.mkdir, os.path.join(a, "x"))
+        step("rmdir a/x", os.rmdir, os.path.join(a, "x"))
+        step("symlink s", os.symlink, "target", s)
+        if i % 2:
+            held.append(os.open(s, os.O_PATH | os.O_NOFOLLOW))
+        step("unlink s", os.unlink, s)
+        step("mkdir s", os.mkdir, s)
+        step("mkdir s/x", os.mkdir, os.path.join(s, "x"))
+        step("rmdir s/x", os.rmdir, os.path.join(s, "x"))
+        for fd in held:
+            os.close(fd)
+        for name in (s, a, b):
+            step("rmdir", os.rmdir, name)
+    errors.put(failed)
+
+
+def test_freed_inode_numbers_are_not_reused(mnt: Mount) -> None:
+    """Two processes in one directory and a third elsewhere free names and make them again
+    at once: a new inode must never get a number the kernel still holds for a dead one
+    (it would take the new directory for the dead one: EEXIST, ESTALE, ENOENT)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    errors = ctx.Queue()
+    workers = [ctx.Process(target=_free_and_make_again, args=(str(mnt.path / d), tag, 300, errors))
+               for d, tag in (("shared", "1"), ("shared", "2"), ("other", "3"))]
+    for w in workers:
+        w.start()
+    failed = [e for _ in workers for e in errors.get(timeout=300)]
+    for w in workers:
+        w.join()
+    assert failed == [], f"{len(failed)} failed steps, first: {failed[:5]}"
+    assert sorted(os.listdir(mnt.path)) == ["other", "shared"]
+
+
 def test_unlink_directory_is_eisdir(mnt: Mount) -> None:
     d = mnt.path / "d"
     d.mkdir()

@@ -27,6 +27,8 @@ INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, 
 INODE_ROW = f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?"  # one inode's row, unlocked
 _JOINED_INODE_COLUMNS = ", ".join("i." + c for c in INODE_COLUMNS.split(", "))  # inodes aliased as i
 _S_IFMT = 0o170000  # the file type bits of st_mode
+_NEW_INODE_COLUMNS = "mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
+_NEW_INODE_VALUES = ", ".join("?" * len(_NEW_INODE_COLUMNS.split(", ")))
 
 
 class Restart(Exception):
@@ -80,6 +82,11 @@ class Tx(Protocol):
         directory is not moved under itself walks ancestors it does not lock, so two such
         moves at once could otherwise make a cycle (Linux's VFS keeps one rename lock for
         the same reason). Taken before any inode lock."""
+        ...
+    def new_inode_id(self) -> Optional[int]:
+        """The number for a new inode, or None to let the database choose one. Never a
+        number the kernel may still remember for another file (FUSE's generation stays 0),
+        so never one freed earlier in this mount."""
         ...
     def unreferenced_mark(self) -> int:
         """The engine's position in its history when a block loses its last reference
@@ -226,9 +233,13 @@ def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False
     size = len(new.symlink_target) if new.symlink_target is not None else 0
     nlink = 2 if is_dir else 1
     now = tx.now_ns
-    row = tx.one("INSERT INTO inodes (mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev,"
-                 " symlink_target, scratch) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                 (mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, scratch))
+    columns = (mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, scratch)
+    chosen = tx.new_inode_id()
+    if chosen is None:
+        row = tx.one(f"INSERT INTO inodes ({_NEW_INODE_COLUMNS}) VALUES ({_NEW_INODE_VALUES}) RETURNING id", columns)
+    else:
+        row = tx.one(f"INSERT INTO inodes (id, {_NEW_INODE_COLUMNS}) VALUES (?, {_NEW_INODE_VALUES}) RETURNING id",
+                     (chosen, *columns))
     assert row is not None
     node = Inode(row[0], mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, scratch)
     tx.exec("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent_id, name, node.id))

@@ -162,6 +162,9 @@ class _PgTx:
         self._locked: dict[int, tuple] = {}  # rows this transaction locked, until it changes them
         self._lock_slots: list[Slot] = []  # locks queued, their rows not taken in yet
 
+    def new_inode_id(self) -> None:
+        return None  # BIGSERIAL: a sequence never hands a number out twice
+
     def one(self, sql: str, args: tuple = ()) -> Optional[tuple]:
         rows = self._pipe.query(sql, args)
         return rows[0] if rows else None

@@ -120,6 +120,9 @@ class _SQLiteTx:
     def lock(self, inodes: Iterable[int]) -> None:
         pass
 
+    def new_inode_id(self) -> int:
+        return self._engine.allocate_inode_id()
+
     def inode_row(self, ino: int) -> Optional[tuple]:
         return self.one(ops.INODE_ROW, (ino,))
 
@@ -163,10 +166,20 @@ class SQLiteEngine:
                 " VALUES (?, ?, 0, 0, 0, 2, ?, ?, ?)",
                 (ROOT_INODE, stat.S_IFDIR | 0o755, now, now, now),
             )
+        # SQLite's rowid would hand out the highest freed number again at once, while the
+        # kernel may still hold the dead inode under it: numbers go up for the whole mount.
+        # (A new mount starts a new FUSE connection, so the kernel remembers none of them.)
+        self._next_inode: int = self._db.execute("SELECT MAX(id) FROM inodes").fetchone()[0] + 1
         # statfs and every metrics scrape read these: keep them as counters, not table scans.
         self._inodes: int = self._db.execute("SELECT COUNT(*) FROM inodes").fetchone()[0]
         self._used: int = self._db.execute(
             "SELECT COALESCE(SUM(size), 0) FROM objects WHERE refcount > 0").fetchone()[0]
+
+    def allocate_inode_id(self) -> int:
+        """A number no inode of this mount has had (see ``_next_inode``)."""
+        ino = self._next_inode
+        self._next_inode += 1
+        return ino
 
     def _migrate(self) -> None:
         """Bring a database written by an older release up to this schema."""
