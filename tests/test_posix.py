@@ -583,6 +583,23 @@ def test_unlink_while_open(mnt: Mount, synced: bool) -> None:
     assert read(p) == b"new"
 
 
+def test_unmount_after_deletes_is_clean(mnt: Mount) -> None:
+    """The kernel's writeback cache sends a deleted file's mtime after the unlink: the
+    daemon answers it, so the unmount's syncfs finds no write-back error to report."""
+    for n in range(3):
+        write(mnt.path / f"f{n}", b"x" * 100)
+    os.unlink(mnt.path / "f0")
+    write(mnt.path / "new", b"y")
+    os.rename(mnt.path / "new", mnt.path / "f1")  # replaces f1: its inode goes
+    with open(mnt.path / "open", "wb") as f:
+        f.write(b"z")
+        os.unlink(mnt.path / "open")
+        f.write(b"z")
+    mnt.umount()
+    log = (mnt.cache_dir / "fusestate.log").read_text()
+    assert "syncfs" not in log, log[-2000:]
+
+
 def test_unlinked_file_space_released(mnt: Mount) -> None:
     p = mnt.path / "f"
     write(p, rnd(2 * BS, 13))

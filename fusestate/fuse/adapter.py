@@ -202,6 +202,9 @@ class FuseOperations(pyfuse3.Operations):
     async def flush(self, fh: int) -> None:
         await self.fs.flush(fh)
 
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        self.fs.forget([ino for ino, _ in inode_list])
+
     @_translate_errors
     async def release(self, fh: int) -> None:
         await self.fs.release(fh)

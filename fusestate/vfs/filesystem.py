@@ -17,7 +17,7 @@ import logging
 import os
 import stat
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, Sequence
 
@@ -65,6 +65,7 @@ class Handle:
 
 
 CACHED_CONTENT_MAX = 100_000  # files whose cached content a shared mount remembers
+DELETED_REMEMBERED_MAX = 10_000  # deleted files whose last attributes answer the kernel's late SETATTR
 
 
 def _content_version(size: int, keys: dict[int, str]) -> int:
@@ -110,6 +111,9 @@ class FileSystem:
         # removed while open: fstat and readdir on their handles still answer.
         self._open_dirs: dict[int, int] = {}
         self._removed_dirs: dict[int, Inode] = {}
+        # The last attributes of files deleted here, until the kernel forgets them: its
+        # writeback cache still sends their mtime (SETATTR) after the unlink.
+        self._deleted: OrderedDict[int, Inode] = OrderedDict()
         self._nursery: Optional[trio.Nursery] = None
         # Blocks being sealed hold their bytes in memory until staged: writers wait past a bound.
         self._sealing_bytes = 0
@@ -186,10 +190,24 @@ class FileSystem:
                 self._removed_dirs[freed.unlinked.id] = freed.unlinked
         if freed.deleted_inode is not None:
             f = self._files.get(freed.deleted_inode)
+            if freed.unlinked is not None and freed.unlinked.id == freed.deleted_inode:
+                self._remember_deleted(freed.unlinked)
+            elif f is not None:
+                self._remember_deleted(f.node)
             if f is not None:
                 self._drop_file_state(f)
             self.scratch.remove(freed.deleted_inode)
         await self.blocks.release(freed.keys)
+
+    def _remember_deleted(self, node: Inode) -> None:
+        self._deleted[node.id] = node
+        while len(self._deleted) > DELETED_REMEMBERED_MAX:
+            self._deleted.popitem(last=False)
+
+    def forget(self, inodes: Sequence[int]) -> None:
+        """The kernel let go of these inodes: nothing will ask for a deleted one again."""
+        for ino in inodes:
+            self._deleted.pop(ino, None)
 
     def _drop_file_state(self, f: OpenFile) -> None:
         """Forget unsealed data of a deleted file: it never reaches staging or the bucket."""
@@ -340,6 +358,10 @@ class FileSystem:
                 f.node.mtime_ns, f.node.ctime_ns = mtime_ns, max(f.node.ctime_ns, time.time_ns())
                 f.attrs_dirty = True
             return f.node
+        dead = self._deleted.get(ino)
+        if dead is not None:  # deleted here since: nothing left to store it in
+            dead.mtime_ns = mtime_ns
+            return dead
         node = await self._node(ino)
         return node if node.mtime_ns == mtime_ns else None
 
