@@ -70,11 +70,19 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-log=$(mktemp)
-if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[test,bench]'; } >"$log" 2>&1; then
-    cat "$log" >&2
-    echo "setup: pip install failed" >&2
-    exit 1
+# pip reinstalls the package on every call (for a moment the venv has no fusestate, under the
+# feet of anything running from it): install only when pyproject.toml changed since the last
+# install into this venv. Remove the stamp to force a reinstall.
+stamp=.venv/.fusestate-installed
+wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
+    log=$(mktemp)
+    if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[test,bench]'; } >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "setup: pip install failed" >&2
+        exit 1
+    fi
+    rm -f "$log"
+    echo "$wanted" >"$stamp"
 fi
-rm -f "$log"
 echo "fusestate is installed in $(pwd)/.venv"
