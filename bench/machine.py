@@ -12,9 +12,10 @@ import platform
 import shutil
 import subprocess
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import ROOT
+from bench.common import ROOT, juicefs_binary
 
 
 def _first_line(cmd: list[str]) -> Optional[str]:
@@ -62,6 +63,12 @@ def _git(*args: str) -> Optional[str]:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
+def _postgres_version() -> Optional[str]:
+    """The PostgreSQL server the shared-volume systems run (the newest Debian installs)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
+    return _first_line([str(found[-1]), "--version"]) if found else None
+
+
 def _os_release() -> Optional[str]:
     try:
         with open("/etc/os-release") as f:
@@ -105,6 +112,8 @@ def describe() -> dict[str, Any]:
             "s3fs_fuse": _first_line(["s3fs", "--version"]),
             "fuse": _first_line(["fusermount3", "-V"]),
             "java": _first_line(["java", "-version"]),
+            "juicefs": _first_line([juicefs_binary() or "juicefs", "version"]),
+            "postgresql": _postgres_version(),
         },
     }
 

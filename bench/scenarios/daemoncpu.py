@@ -5,7 +5,9 @@ job does not get, so the daemon's cost is measured per byte rather than as throu
 Files of distinct blocks are written through the mount in 1 MiB writes with an ``fsync``
 per file, read back from the node's disk cache, then read again on a fresh node (the
 volume remounted on an empty cache dir: every block from the bucket). The daemon's user
-and system seconds for each phase come from ``/proc/<pid>/stat``. The kernel's page cache
+and system seconds for each phase come from ``/proc/<pid>/stat`` (JuiceFS: its mount
+process's), and on a shared volume PostgreSQL's own work per GiB (:mod:`bench.pgwork`)
+beside it: ``fusestate-pg`` against ``juicefs-pg`` on the same server. The kernel's page cache
 is dropped before every phase (as root), so every read reaches the daemon, and so runs stay
 comparable on an ext4 without a journal, where creating files slows down while the inode
 table blocks of recently deleted files stay cached.
@@ -19,20 +21,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.common import Context, Metric, error_text, log, record, repetitions, summarize
-from bench.render import variant_table
-from bench.systems import FusestateSystem, drop_all_caches, open_systems
+from bench.pgwork import FLUSH_WAIT, Meter, cpu_seconds
+from bench.render import goal_row, ratio_between, variant_table
+from bench.systems import System, drop_all_caches, open_systems
 
 NAME = "daemon-cpu"
 TITLE = "Daemon CPU per GiB"
 SUMMARY = "the daemon's user and system CPU seconds per GiB: writing, reading back, reading on a fresh node"
 BUDGET = {"tiny": None, "quick": 120.0, "full": None}
-SYSTEMS = ["fusestate-file"]
+SYSTEMS = ["fusestate-file", "fusestate-pg", "juicefs-pg"]
+PEER = "juicefs-pg"  # the ratios: each system against JuiceFS on the same PostgreSQL server
 MIB = 1 << 20
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# pg_wait: how long after a phase PostgreSQL's counters are read (tiny does not report them).
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {"files": 2, "file_mib": 32},
-    "quick": {"files": 1, "file_mib": 1024},
-    "full": {"files": 3, "file_mib": 1024},
+    "tiny": {"files": 2, "file_mib": 32, "pg_wait": None},
+    "quick": {"files": 1, "file_mib": 1024, "pg_wait": FLUSH_WAIT},
+    "full": {"files": 3, "file_mib": 1024, "pg_wait": FLUSH_WAIT},
 }
 PHASES = ["write", "read back", "read on a fresh node"]
 METRICS = [
@@ -40,25 +44,28 @@ METRICS = [
     Metric("user_s_per_gib", "s/GiB", higher_is_better=False, label="of which user"),
     Metric("sys_s_per_gib", "s/GiB", higher_is_better=False, label="of which system"),
     Metric("mib_per_s", "MiB/s", label="throughput"),
+    Metric("pg_xacts", "/GiB", higher_is_better=False, label="PostgreSQL transactions"),
+    Metric("pg_rows", "/GiB", higher_is_better=False, label="rows changed"),
+    Metric("pg_wal_records", "/GiB", higher_is_better=False, label="WAL records"),
+    Metric("pg_wal_bytes", "B", higher_is_better=False, label="WAL bytes per GiB"),
 ]
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """User and system seconds of the whole process, threads that have exited included."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
-
-
-def measured(s: FusestateSystem, gib: float, work: Callable[[], None]) -> dict[str, float]:
-    """Run ``work()`` and return the daemon's CPU per GiB and the throughput it reached."""
+def measured(s: System, gib: float, work: Callable[[], None], meter: Meter, phase: str) -> dict[str, float]:
+    """Run ``work()`` and return the daemon's CPU per GiB, the throughput it reached and, on a
+    shared volume, PostgreSQL's work per GiB."""
     drop_all_caches()
-    pid = int(s.status()["pid"])
-    (user0, sys0), t = cpu_seconds(pid), time.monotonic()
-    work()
-    (user1, sys1), wall = cpu_seconds(pid), time.monotonic() - t
+    pid = s.daemon_pid()
+    assert pid is not None
+    with meter.phase(phase) as ph:
+        (user0, sys0), t = cpu_seconds(pid), time.monotonic()
+        work()
+        (user1, sys1), wall = cpu_seconds(pid), time.monotonic() - t
+        ph.ops = gib
     user, system = (user1 - user0) / gib, (sys1 - sys0) / gib
+    pg = {k: v for k, v in meter.costs[phase].items() if k.startswith("pg_")}
     return {"cpu_s_per_gib": user + system, "user_s_per_gib": user, "sys_s_per_gib": system,
-            "mib_per_s": gib * 1024 / wall}
+            "mib_per_s": gib * 1024 / wall, **pg}
 
 
 def write_files(paths: list[Path], file_mib: int, seed: bytes) -> None:
@@ -76,17 +83,18 @@ def read_files(paths: list[Path]) -> None:
                 pass
 
 
-def one_run(s: FusestateSystem, repeat: int, p: dict[str, Any]) -> list[dict[str, Any]]:
+def one_run(s: System, repeat: int, p: dict[str, Any]) -> list[dict[str, Any]]:
     """The three phases on one system; the files are removed afterwards. A new seed per run: the
     volume keeps the blocks of earlier runs until garbage collection, and must not find them again."""
     paths = [s.path / f"cpu-r{repeat}-{n}" for n in range(p["files"])]
     seed = os.urandom(MIB)
     gib = p["files"] * p["file_mib"] / 1024
+    meter = Meter([], s.database() if p["pg_wait"] is not None else None, p["pg_wait"] or 0.0)
     try:
-        out = {"write": measured(s, gib, lambda: write_files(paths, p["file_mib"], seed)),
-               "read back": measured(s, gib, lambda: read_files(paths))}
+        out = {"write": measured(s, gib, lambda: write_files(paths, p["file_mib"], seed), meter, "write"),
+               "read back": measured(s, gib, lambda: read_files(paths), meter, "read back")}
         s.make_cold(paths)  # a fresh node: unmount, empty cache dir, mount again
-        out["read on a fresh node"] = measured(s, gib, lambda: read_files(paths))
+        out["read on a fresh node"] = measured(s, gib, lambda: read_files(paths), meter, "read on a fresh node")
     except Exception as exc:  # noqa: BLE001 - a failed run is a result
         log(f"  {NAME} r{repeat + 1} {s.name}: ERROR {error_text(exc)}")
         return [record(s.name, repeat, phase, error=error_text(exc)) for phase in PHASES]
@@ -104,11 +112,12 @@ def run(ctx: Context) -> dict[str, Any]:
     with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:
         for repeat in ctx.repetitions():
             for s in systems.values():
-                if isinstance(s, FusestateSystem) and not s.error:
+                if not s.error and s.daemon_pid() is not None:
                     runs += one_run(s, repeat, p)
                 else:
-                    runs += [record(s.name, repeat, phase, error=s.error or "not a fusestate mount") for phase in PHASES]
-    return {"params": p, "systems": names, "summary": summarize(runs, METRICS, names, PHASES), "runs": runs}
+                    runs += [record(s.name, repeat, phase, error=s.error or "no daemon") for phase in PHASES]
+    return {"params": p, "systems": names, "summary": summarize(runs, METRICS, names, PHASES, baseline=PEER),
+            "runs": runs}
 
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: ARG001 - no plot
@@ -116,10 +125,18 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
     text = (f"{p['files']} file(s) of {p['file_mib']:,} MiB of distinct blocks written through a `file://` mount in "
             f"1 MiB writes with an `fsync` per file, read back from the node's disk cache, then read on a fresh node "
             f"(remounted on an empty cache dir); the kernel's page cache dropped before each phase. The daemon's CPU "
-            f"seconds per GiB from `/proc/<pid>/stat` (local disk has no daemon: no ratio). Median of "
-            f"{repetitions(doc)} repetition(s).")
+            f"seconds per GiB from `/proc/<pid>/stat` (JuiceFS: its mount process's); on a shared volume, "
+            f"PostgreSQL's own work per GiB (transactions and rows changed in the volume's database, the server's "
+            f"WAL records and bytes), read once every backend has published its counters. Median of "
+            f"{repetitions(doc)} repetition(s); ratio against {PEER} in brackets.")
     return "\n\n".join([text, variant_table(doc["summary"], doc["systems"], [m.name for m in METRICS], "phase")])
 
 
-def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:  # noqa: ARG001 - a yardstick, not a goal
-    return []
+def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 46: the shared volume's daemon spends at most JuiceFS's CPU per GiB written."""
+    row = next((r for r in doc["summary"] if r["variant"] == "write" and r["metric"] == "cpu_s_per_gib"), None)
+    if row is None or not {"fusestate-pg", PEER} <= set(row["systems"]):
+        return []
+    r = ratio_between(row, "fusestate-pg", PEER)
+    return [goal_row(f"daemon CPU per GiB written, fusestate-pg / {PEER} ≤ 1",
+                     f"{r:.2f}" if r is not None else "no number", r is not None and r <= 1.0)]

@@ -7,7 +7,13 @@ warm), then once more sequentially after the system's caches are made cold. The
 small-file phase creates, stats, lists, renames and unlinks many 4 KiB files (each phase
 bounded in time, so a slow peer costs seconds, not the run): the metadata rate, where
 ``fusestate-pg`` (the shared PostgreSQL engine) and ``fusestate-file`` (the embedded SQLite
-engine) differ most.
+engine) differ most. Then the commit pattern of a state store (write 4 KiB, fsync, rename,
+fsync the directory) and, where a volume takes a second mount (``fusestate-pg`` and
+``juicefs-pg``: another node's mountpoint and cache dir, the same metadata), how long a file
+closed on one mount takes to be read whole on the other, new and overwritten.
+
+For every phase of those, the daemons' CPU per operation and, on a shared volume,
+PostgreSQL's own work per operation (:mod:`bench.pgwork`).
 """
 
 from __future__ import annotations
@@ -15,24 +21,34 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
-from bench.render import bars_from_rows, goal_row, medians_note, percentile_lines, ratio_table
-from bench.systems import ALL, System, open_systems
+from bench.common import (BASELINE, Context, Metric, RunError, error_text, fold_rows, log, record, run_cmd,
+                          summarize, text_grid, text_table)
+from bench.pgwork import FLUSH_WAIT, Meter
+from bench.render import bars_from_rows, goal_row, md_table, medians_note, percentile_lines, ratio_between, \
+    ratio_table, table_cell
+from bench.systems import ALL, DEFAULT, PG_BACKED, System, open_systems
 
 NAME = "files"
 TITLE = "Files (fio, small files)"
 SUMMARY = ("fio sequential write/read 1 MiB, random read 4 KiB, cold sequential read; "
            "small-file create/stat/readdir/rename/unlink")
 BUDGET = {"tiny": None, "quick": 130.0, "full": None}
+# pg_wait: how long after a phase PostgreSQL's counters are read (bench.pgwork); tiny, which
+# tests the harness, does not wait and does not report them.
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {"file_mib": 16, "randread_seconds": 1, "small_files": 100, "phase_seconds": 5, "timeout": 60},
-    "quick": {"file_mib": 256, "randread_seconds": 3, "small_files": 300, "phase_seconds": 4, "timeout": 120},
-    "full": {"file_mib": 512, "randread_seconds": 10, "small_files": 1000, "phase_seconds": 10, "timeout": 600},
+    "tiny": {"file_mib": 16, "randread_seconds": 1, "small_files": 100, "phase_seconds": 5, "timeout": 60,
+             "commits": 20, "visibility_files": 10, "pg_wait": None},
+    "quick": {"file_mib": 256, "randread_seconds": 3, "small_files": 300, "phase_seconds": 4, "timeout": 120,
+              "commits": 100, "visibility_files": 50, "pg_wait": FLUSH_WAIT},
+    "full": {"file_mib": 512, "randread_seconds": 10, "small_files": 1000, "phase_seconds": 10, "timeout": 600,
+             "commits": 300, "visibility_files": 200, "pg_wait": FLUSH_WAIT},
 }
+SEEN_TIMEOUT = 10.0  # s a change may take to show on the other mount before the run fails
 METRICS = [
     Metric("seqwrite", "MiB/s", label="sequential write 1 MiB (+fsync)"),
     Metric("seqread", "MiB/s", label="sequential read 1 MiB"),
@@ -43,7 +59,22 @@ METRICS = [
     Metric("readdir", "entries/s", label="readdir (names and attributes)"),
     Metric("rename", "files/s", label="rename in the directory"),
     Metric("unlink", "files/s", label="unlink"),
+    Metric("commit_p50", "ms", higher_is_better=False, label="commit: write 4 KiB, fsync, rename, fsync dir (median)"),
+    Metric("commit_p90", "ms", higher_is_better=False, label="commit: write 4 KiB, fsync, rename, fsync dir (p90)"),
+    Metric("seen_new", "ms", higher_is_better=False, label="new 4 KiB file written on A, read whole on B (median)"),
+    Metric("seen_overwrite", "ms", higher_is_better=False,
+           label="4 KiB overwritten on A, read whole on B (median)"),
 ]
+# The cost of each operation: the daemons' CPU and, on a shared volume, PostgreSQL's work.
+OPS = ["create", "stat", "readdir", "rename", "unlink", "commit", "new file seen on B", "overwrite seen on B"]
+COSTS = [
+    Metric("cpu_ms", "ms", higher_is_better=False, label="daemon CPU"),
+    Metric("pg_xacts", "/op", higher_is_better=False, label="transactions"),
+    Metric("pg_rows", "/op", higher_is_better=False, label="rows changed"),
+    Metric("pg_wal_records", "/op", higher_is_better=False, label="WAL records"),
+    Metric("pg_wal_bytes", "B", higher_is_better=False, label="WAL bytes"),
+]
+PEERS = ("fusestate-pg", "juicefs-pg")  # the shared-volume comparison: ours, theirs
 PCTS = ("50.000000", "90.000000", "99.000000", "99.900000", "99.990000")
 
 
@@ -78,32 +109,142 @@ def _timed(paths: list[Path], op: Callable[[Path], object], limit: float) -> tup
     return done, done / (time.monotonic() - t)
 
 
-def small_files(d: Path, n: int, limit: float) -> dict[str, float]:
+def small_files(d: Path, n: int, limit: float, meter: Meter) -> dict[str, float]:
     """create/stat/readdir/rename/unlink rates over up to ``n`` files, each phase cut off after
-    ``limit`` seconds (readdir: whole listings with attributes, as ``ls -l`` makes them)."""
+    ``limit`` seconds (readdir: whole listings with attributes, as ``ls -l`` makes them). Every
+    file has bytes of its own, as state files do (the same bytes would be stored once by a
+    content-addressed store)."""
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    payload = os.urandom(4096)
     names = [d / f"f{i:06d}" for i in range(n)]
 
     def create(p: Path) -> None:
         with open(p, "wb") as f:
-            f.write(payload)
+            f.write(os.urandom(4096))
 
     rates: dict[str, float] = {}
-    done, rates["create"] = _timed(names, create, limit)
+    with meter.phase("create") as ph:
+        done, rates["create"] = _timed(names, create, limit)
+        ph.ops = done
     created = names[:done]
-    _, rates["stat"] = _timed(created, os.stat, limit)
-    t, listed = time.monotonic(), 0
-    while not listed or (time.monotonic() - t < limit / 4 and listed < 20 * len(created)):
-        with os.scandir(d) as it:
-            listed += sum(1 for e in it if e.stat(follow_symlinks=False))
-    rates["readdir"] = listed / (time.monotonic() - t)
-    done, rates["rename"] = _timed(created, lambda p: os.rename(p, p.with_suffix(".r")), limit)
+    with meter.phase("stat") as ph:
+        ph.ops, rates["stat"] = _timed(created, os.stat, limit)
+    with meter.phase("readdir") as ph:
+        t, listed = time.monotonic(), 0
+        while not listed or (time.monotonic() - t < limit / 4 and listed < 20 * len(created)):
+            with os.scandir(d) as it:
+                listed += sum(1 for e in it if e.stat(follow_symlinks=False))
+        rates["readdir"] = listed / (time.monotonic() - t)
+        ph.ops = listed
+    with meter.phase("rename") as ph:
+        done, rates["rename"] = _timed(created, lambda p: os.rename(p, p.with_suffix(".r")), limit)
+        ph.ops = done
     created = [p.with_suffix(".r") for p in created[:done]] + created[done:]
-    _, rates["unlink"] = _timed(created, os.unlink, limit)
+    with meter.phase("unlink") as ph:
+        ph.ops, rates["unlink"] = _timed(created, os.unlink, limit)
     rates["files"] = len(created)
     return rates
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+
+
+def commit_pattern(d: Path, n: int, limit: float, meter: Meter) -> list[float]:
+    """A state store's commit, ``n`` times (or until ``limit`` seconds): a new file of 4 KiB
+    written and fsynced, renamed to its final name, the directory fsynced (its descriptor
+    kept open, as RocksDB keeps its directories'). Seconds per commit."""
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    latencies: list[float] = []
+    try:
+        with meter.phase("commit") as ph:
+            start = time.monotonic()
+            for i in range(n):
+                data = os.urandom(4096)
+                t = time.perf_counter()
+                tmp = d / f".c{i:06d}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, d / f"c{i:06d}")
+                os.fsync(dfd)
+                latencies.append(time.perf_counter() - t)
+                if time.monotonic() - start > limit:
+                    break
+            ph.ops = len(latencies)
+    finally:
+        os.close(dfd)
+    return latencies
+
+
+def read_until(path: Path, expected: bytes, timeout: float = SEEN_TIMEOUT) -> int:
+    """Open and read ``path`` whole until it holds ``expected`` (another mount's change); the
+    number of tries. Each try is a fresh open, as a reader on another node would make it."""
+    deadline = time.monotonic() + timeout
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            with open(path, "rb") as f:
+                if f.read() == expected:
+                    return tries
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise RunError(f"{path.name} not seen whole on the other mount after {timeout:.0f} s ({tries} tries)")
+        time.sleep(0.001)
+
+
+def visibility(a: Path, b: Path, n: int, limit: float, meter: Meter) -> dict[str, list[float]]:
+    """Cross-node visibility on two mounts of one volume: a new file of 4 KiB written and
+    closed on ``a``, then opened and read whole on ``b`` (retried every millisecond until it
+    is all there); then each file overwritten in place on ``a`` with new bytes of the same
+    size, after ``b`` has read the old ones, until ``b`` reads the new. Seconds from the
+    open on ``a`` to the whole read on ``b``, and to the close on ``a``."""
+    da, db = a / "seen", b / "seen"
+    shutil.rmtree(da, ignore_errors=True)
+    da.mkdir(parents=True)
+    deadline = time.monotonic() + SEEN_TIMEOUT
+    while not db.is_dir():
+        if time.monotonic() > deadline:
+            raise RunError("a directory made on one mount not seen on the other after "
+                           f"{SEEN_TIMEOUT:.0f} s")
+        time.sleep(0.01)
+    out: dict[str, list[float]] = {"new": [], "new_closed": [], "overwrite": [], "overwrite_closed": [],
+                                   "tries": []}
+
+    def change(name: str, data: bytes, mode: str, kind: str) -> None:
+        t = time.perf_counter()
+        with open(da / name, mode) as f:
+            f.write(data)
+        out[f"{kind}_closed"].append(time.perf_counter() - t)
+        out["tries"].append(read_until(db / name, data))
+        out[kind].append(time.perf_counter() - t)
+
+    names: list[str] = []
+    with meter.phase("new file seen on B") as ph:
+        start = time.monotonic()
+        for i in range(n):
+            names.append(f"v{i:05d}")
+            change(names[-1], os.urandom(4096), "wb", "new")
+            if time.monotonic() - start > limit:
+                break
+        ph.ops = len(names)
+    with meter.phase("overwrite seen on B") as ph:
+        start = time.monotonic()
+        for name in names:
+            change(name, os.urandom(4096), "r+b", "overwrite")
+            ph.ops += 1
+            if time.monotonic() - start > limit:
+                break
+    return out
 
 
 def one(s: System, repeat: int, p: dict[str, Any], failed: dict[str, str]) -> dict[str, Any]:
@@ -111,7 +252,8 @@ def one(s: System, repeat: int, p: dict[str, Any], failed: dict[str, str]) -> di
         return record(s.name, repeat, error=s.error or f"skipped: {failed[s.name]}")
     f = s.path / "fio.dat"
     metrics: dict[str, float] = {}
-    extra: dict[str, Any] = {}
+    costs: dict[str, dict[str, float]] = {}
+    extra: dict[str, Any] = {"costs": costs}
     errors: list[str] = []
     size, timeout = p["file_mib"], p["timeout"]
 
@@ -145,10 +287,45 @@ def one(s: System, repeat: int, p: dict[str, Any], failed: dict[str, str]) -> di
         s.make_cold([f])
         metrics["seqread_cold"] = _io(fio("seqread_cold", f, "read", "1M", size, timeout), "read")["bw_mib_s"]
 
+    def meter(*pids: Optional[int]) -> Meter:
+        db = s.database() if p["pg_wait"] is not None else None
+        return Meter(pids, db, p["pg_wait"] or 0.0)
+
     def small() -> None:
-        rates = small_files(s.path / "small", p["small_files"], p["phase_seconds"])
+        m = meter(s.daemon_pid())
+        rates = small_files(s.path / "small", p["small_files"], p["phase_seconds"], m)
         extra["small_files"] = rates.pop("files")
         metrics.update(rates)
+        costs.update(m.costs)
+
+    def commit() -> None:
+        m = meter(s.daemon_pid())
+        lat = commit_pattern(s.path / "commit", p["commits"], p["phase_seconds"], m)
+        metrics["commit_p50"], metrics["commit_p90"] = 1000 * percentile(lat, 0.5), 1000 * percentile(lat, 0.9)
+        extra["commits"] = len(lat)
+        costs.update(m.costs)
+
+    def seen() -> None:
+        other = s.twin()
+        if other is None:
+            return
+        try:
+            other.start()
+            m = meter(s.daemon_pid(), other.daemon_pid())
+            out = visibility(s.path, other.path, p["visibility_files"], p["phase_seconds"], m)
+        finally:
+            try:
+                other.stop()
+            finally:
+                other.close()
+        metrics["seen_new"] = 1000 * statistics.median(out["new"])
+        metrics["seen_overwrite"] = 1000 * statistics.median(out["overwrite"])
+        extra["visibility_ms"] = {k: {"median": round(1000 * statistics.median(v), 3),
+                                      "p90": round(1000 * percentile(v, 0.9), 3), "n": len(v)}
+                                  for k, v in out.items() if v and k != "tries"}
+        extra["visibility_tries"] = {"median": statistics.median(out["tries"]), "max": max(out["tries"])}
+        costs.update(m.costs)
+        shutil.rmtree(s.path / "seen", ignore_errors=True)
 
     step("seqwrite", seqwrite)
     if "seqwrite" in metrics:
@@ -156,12 +333,15 @@ def one(s: System, repeat: int, p: dict[str, Any], failed: dict[str, str]) -> di
         step("randread", randread)
         step("seqread_cold", seqread_cold)
     step("small files", small)
+    step("commit", commit)
+    step("visibility", seen)
     if errors:
         extra["diagnosis"] = s.diagnosis()
         if not s.usable():
             step("remount", s.revive)
     with_fs_unlink(f)
-    shutil.rmtree(s.path / "small", ignore_errors=True)
+    for d in ("small", "commit", "seen"):
+        shutil.rmtree(s.path / d, ignore_errors=True)
     try:
         s.settle()
     except Exception as exc:  # noqa: BLE001
@@ -169,7 +349,7 @@ def one(s: System, repeat: int, p: dict[str, Any], failed: dict[str, str]) -> di
     if not metrics and errors:
         failed[s.name] = errors[0]
     error = "; ".join(errors) or None
-    log(f"  files r{repeat + 1} {s.name:<15} " + " ".join(f"{k}={v:,.0f}" for k, v in metrics.items())
+    log(f"  files r{repeat + 1} {s.name:<15} " + " ".join(f"{k}={v:,.1f}" for k, v in metrics.items())
         + (f"  ERROR {error}" if error else ""))
     return record(s.name, repeat, metrics=metrics, error=error, **extra)
 
@@ -183,7 +363,7 @@ def with_fs_unlink(path: Path) -> None:
 
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    names = ctx.wanted(ALL)
+    names = ctx.wanted(DEFAULT, ALL)
     runs: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
     with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:
@@ -198,7 +378,28 @@ def run(ctx: Context) -> dict[str, Any]:
         if mine:
             lat[name] = {k: sorted(x[k] for x in mine)[len(mine) // 2] for k in mine[0]}
     return {"params": p, "systems": names, "system_info": info, "summary": rows, "randread_latency_us": lat,
-            "runs": runs}
+            "costs": cost_rows(runs, names), "runs": runs}
+
+
+def cost_rows(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Median cost per operation and system; ratios against JuiceFS where it ran (ours / theirs)."""
+    per_op = [record(r["system"], r["repeat"], op, {k: v for k, v in c.items() if k != "ops"})
+              for r in runs for op, c in (r.get("costs") or {}).items() if c.get("ops")]
+    return summarize(per_op, COSTS, names, OPS, baseline=PEERS[1])
+
+
+def cost_systems(doc: dict[str, Any]) -> list[str]:
+    """The shared volumes whose costs were measured (the comparison with JuiceFS)."""
+    return [n for n in doc["systems"] if n in PG_BACKED and any(n in r["systems"] for r in doc.get("costs", []))]
+
+
+def terminal(doc: dict[str, Any]) -> str:
+    text = text_table(doc["summary"], doc["systems"])
+    names = cost_systems(doc)
+    if names:
+        head, body = fold_rows(doc["costs"], names, [m.name for m in COSTS], "per operation")
+        text += f"\n\nCost per operation, {' / '.join(names)} (ratio against {PEERS[1]}):\n" + text_grid(head, body)
+    return text
 
 
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
@@ -207,8 +408,23 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"`--end_fsync=1`, a sequential read, {p['randread_seconds']} s of random 4 KiB reads with `--direct=1` "
              f"(the page cache would answer them all otherwise), and a sequential read after the caches are made "
              f"cold. Small files: up to {p['small_files']:,} files of 4 KiB created, stat'ed, listed, renamed and "
-             f"unlinked ({p['phase_seconds']} s per phase at most). " + medians_note(doc),
+             f"unlinked ({p['phase_seconds']} s per phase at most), each with bytes of its own. *Commit*: up to "
+             f"{p.get('commits', 0):,} times, a new 4 KiB file written and fsynced, renamed, its directory fsynced. "
+             f"*Read on B*: where a volume takes a second mount (another node's mountpoint and cache dir, the same "
+             f"bucket and metadata), up to {p.get('visibility_files', 0):,} files of 4 KiB written and closed on "
+             f"mount A, then opened and read whole on mount B (retried every millisecond until the bytes are all "
+             f"there), timed from the open on A; then each overwritten in place on A with new bytes after B read "
+             f"the old. " + medians_note(doc),
              ratio_table(rows, names, show_variant=False)]
+    peers = cost_systems(doc)
+    if peers:
+        parts.append(f"Cost per operation on the shared volumes (median per run; ratio against {PEERS[1]} in "
+                     f"brackets): the daemons' CPU (both mounts' in the rows read on B), and PostgreSQL's own work: "
+                     f"transactions and rows changed (`xact_commit + xact_rollback`, `tup_inserted + tup_updated + "
+                     f"tup_deleted` of the volume's database in `pg_stat_database`), WAL records and bytes (the "
+                     f"server's `pg_stat_wal`), read {p.get('pg_wait') or 0:g} s after each phase, once every "
+                     f"backend has published its counters. readdir counts per entry listed.")
+        parts.append(md_table(*fold_rows(doc["costs"], peers, [m.name for m in COSTS], "operation", table_cell)))
     by, images = {r["metric"]: r for r in rows}, []
     tput = [by[m] for m in ("seqwrite", "seqread", "seqread_cold") if m in by]
     if tput:
@@ -242,4 +458,36 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
             shown = ", ".join(f"{n} {v:,.0f}" if v is not None else f"{n} failed" for n, v in peers.items())
             out.append(goal_row(f"fio {row['label']}: fusestate-s3 beats rclone and s3fs on the same endpoint",
                                 f"fusestate-s3 {fs3:,.0f} MiB/s; {shown}", beaten))
+    return out + peer_goals(doc)
+
+
+def peer_goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The shared volume against JuiceFS on the same PostgreSQL server (issue 46): each a ratio of
+    medians of one run, ours / theirs."""
+    ours, theirs = PEERS
+    if not set(PEERS) <= set(doc["systems"]):
+        return []
+    by = {r["metric"]: r for r in doc["summary"]}
+    out = []
+
+    def ratio(row: Optional[dict[str, Any]]) -> Optional[float]:
+        return ratio_between(row, ours, theirs) if row else None
+
+    def add(goal: str, r: Optional[float], met: Callable[[float], bool]) -> None:
+        out.append(goal_row(f"{goal}, {ours} / {theirs}", f"{r:.2f}" if r is not None else "no number",
+                            met(r) if r is not None else False))
+
+    for metric in ("create", "stat", "readdir", "rename", "unlink"):
+        add(f"{metric} ≥ 1.5", ratio(by.get(metric)), lambda r: r >= 1.5)
+    for metric in ("commit_p50", "seen_new", "seen_overwrite"):
+        row = by.get(metric)
+        add(f"{row['label'] if row else metric} ≤ 1", ratio(row), lambda r: r <= 1.0)
+    add("fio sequential write 1 MiB (+fsync) ≥ 1", ratio(by.get("seqwrite")), lambda r: r >= 1.0)
+    costs = {(r["variant"], r["metric"]): r for r in doc.get("costs", [])}
+    cpu = {op: ratio(costs.get((op, "cpu_ms"))) for op in OPS}
+    shown = ", ".join(f"{op} {r:.2f}" for op, r in cpu.items() if r is not None)
+    out.append(goal_row(f"daemon CPU per operation, {ours} / {theirs} ≤ 1 on every operation", shown or "no number",
+                        bool(shown) and all(r is None or r <= 1.0 for r in cpu.values())))
+    for metric, label in (("pg_xacts", "transactions"), ("pg_wal_records", "WAL records")):
+        add(f"PostgreSQL {label} per create ≤ 1", ratio(costs.get(("create", metric))), lambda r: r <= 1.0)
     return out

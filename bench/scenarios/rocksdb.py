@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
 from bench.render import bars_from_rows, goal_row, medians_note, percentile_lines, ratio_between, ratio_table
-from bench.systems import ALL, System, open_systems
+from bench.systems import ALL, DEFAULT, System, open_systems
 
 NAME = "rocksdb"
 TITLE = "RocksDB (db_bench)"
@@ -99,7 +99,7 @@ def cold_run(s: System, db: Path, wal_off: bool, p: dict[str, Any]) -> dict[str,
 
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    names = ctx.wanted(ALL)
+    names = ctx.wanted(DEFAULT, ALL)
     runs: list[dict[str, Any]] = []
     failed: dict[tuple[str, str], str] = {}
     with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:
