@@ -85,8 +85,17 @@ def serve(host: str, port: int, shape: Shape) -> None:
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import run_simple
 
+    class OneContinue(MotoRequestHandler):
+        """Answers ``Expect: 100-continue`` once, as S3 does. werkzeug writes its ``100 Continue``
+        in ``run_wsgi``, and http.server's request parsing had written one already: the AWS SDK
+        for Java's async client (S3A's uploads of whole files) took the second one for the final
+        answer and failed every such upload with "Status Code: 100"."""
+
+        def handle_expect_100(self) -> bool:
+            return True
+
     app = DomainDispatcherApplication(create_backend_app)
-    run_simple(host, port, shaped(app, shape), threaded=True, request_handler=MotoRequestHandler)
+    run_simple(host, port, shaped(app, shape), threaded=True, request_handler=OneContinue)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

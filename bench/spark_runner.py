@@ -12,13 +12,17 @@ or mount dies with its process group. Three setups run the same pipeline
   ``fusestate+shim@s3``, the same on a bucket of that endpoint, and the honest baseline for an
   object store, ``local+download`` (``-parallel``): state on local disk, its checkpoint in a
   bucket of the endpoint, downloaded by the fresh node before the query restarts, file by file
-  as Spark's state store copies them (or all at once, a generous bound).
+  as Spark's state store copies them (or all at once, a generous bound); and ``s3a``, what most
+  jobs run today: state on local disk, the checkpoint at ``s3a://`` in a bucket of the endpoint
+  through Hadoop's S3A connector (bench/s3a.py fetches it), so Spark itself uploads every commit
+  and downloads what a restarted query loads.
 
 For each: records/s and state commit latency over ``--batches`` micro-batches. Then the restart:
 for fusestate the daemon is killed and its cache dir wiped (a fresh node, mounted with
 ``--takeover``), and the query restarts from its checkpoint for one more micro-batch: the time
 from the restart to the end of that batch, the state store load and the bytes the fresh node
-fetched. Local disk restarts from its local checkpoint (no network at all: a lower bound).
+fetched. Local disk restarts from its local checkpoint (no network at all: a lower bound);
+``s3a`` restarts with its local state dir removed (a fresh node) and loads through S3A.
 Before every restart the page cache is dropped (as root), since a fresh node starts with none.
 """
 
@@ -43,6 +47,7 @@ from fusestate.spark.config import scratch_options
 from fusestate.spark.pipeline import SPARK_LOG_NAME, root_cause
 
 SHAPED_SUFFIX = "@s3"  # a fusestate setup on --s3-endpoint's bucket instead of a file:// one
+S3A = "s3a"           # local disk, the checkpoint on --s3-endpoint through Hadoop's S3A connector
 
 
 def fs(*args: str) -> str:
@@ -172,13 +177,21 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
     d = work / name
     d.mkdir()
     out = d / "out"
-    extra = [] if not name.startswith("local") else ["--local"]
+    local_state = name.startswith("local") or name == S3A  # the state on local disk, no mount
+    extra = ["--local"] if local_state else []
+    remote = None
+    if name == S3A:
+        from bench.s3a import connector_jars, jars_argument
+
+        remote = f"{new_bucket(args, 'checkpoint')}/pipeline"
+        extra += ["--checkpoint", f"s3a://{remote}", "--s3a-endpoint", args.s3_endpoint,
+                  "--s3a-jars", jars_argument(connector_jars())]
     if name.startswith("fusestate+shim"):
         extra.append("--use-shim")
-    if args.no_changelog and not name.startswith("local"):
+    if args.no_changelog and not local_state:
         extra.append("--no-changelog")
     mnt = cache = None
-    if not name.startswith("local"):
+    if not local_state:
         mnt, cache = d / "mnt", d / "cache"
         if name.endswith(SHAPED_SUFFIX):
             url = f"s3://{new_bucket(args, 'fusestate')}/volume"
@@ -193,7 +206,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
         result = {"first_run": {"wall_s": first["wall_s"], **steady(first),
                                 "state_rows": first["summary"]["state_rows_last"]}}
         ckpt = (mnt or d / "state") / ("job" if mnt else "") / "checkpoints" / "pipeline"
-        result["checkpoint_bytes"] = du(ckpt)
+        result["checkpoint_bytes"] = s3(args).du(remote) if remote else du(ckpt)
         page_cache_dropped = drop_all_caches()
         if mnt:
             st = status(mnt)
@@ -205,6 +218,9 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             mount(url, mnt, cache, args, "--takeover")
             result["fresh_mount_s"] = round(time.time() - t, 2)
         download_s = 0.0
+        if name == S3A:
+            # A fresh node: nothing of the state on its disk; Spark's state store loads from S3A.
+            shutil.rmtree(state)
         if name.startswith("local+download"):
             # The checkpoint was in an object store all along (its upload is not timed); the
             # fresh node has nothing of the state, and fetches the checkpoint before Spark starts.
@@ -254,8 +270,8 @@ def main() -> int:
     p.add_argument("--cache-size", default="20G")
     p.add_argument("--setups", default="local,fusestate,fusestate+shim",
                    help="comma-separated: local, fusestate, fusestate+shim; with --s3-endpoint also "
-                        "fusestate+shim@s3 and the object-store baselines local+download and "
-                        "local+download-parallel")
+                        "fusestate+shim@s3 and the object-store baselines s3a (the checkpoint through Hadoop's "
+                        "S3A connector), local+download and local+download-parallel")
     p.add_argument("--s3-endpoint", default=None, metavar="URL",
                    help="an S3 endpoint (the shaped one) for the @s3 and +download setups")
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")
@@ -278,7 +294,8 @@ def main() -> int:
                    help="keep each setup's state, bucket and cache under --work (default: removed once measured)")
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/spark-<time>.json)")
     args = p.parse_args()
-    needs_s3 = [s for s in args.setups.split(",") if s.endswith(SHAPED_SUFFIX) or s.startswith("local+download")]
+    needs_s3 = [s for s in args.setups.split(",")
+                if s.endswith(SHAPED_SUFFIX) or s.startswith("local+download") or s == S3A]
     if needs_s3 and not args.s3_endpoint:
         p.error(f"setups {', '.join(needs_s3)} need --s3-endpoint")
     if args.s3_endpoint:

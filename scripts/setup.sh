@@ -65,6 +65,13 @@ if ! command -v javac >/dev/null 2>&1; then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends openjdk-17-jdk-headless >/dev/null
 fi
+# Maven, which fetches Hadoop's S3A connector (hadoop-aws and the AWS SDK bundle, into
+# ~/.cache/fusestate-bench) for the Spark baseline with its checkpoint on S3 (bench/s3a.py).
+if ! command -v mvn >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends maven >/dev/null
+fi
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -17,7 +17,8 @@ def pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True,
                    help="directory of the per-batch output (batch-<id>/part-*.csv), the report and Spark's log")
     p.add_argument("--checkpoint", default=None,
-                   help="checkpoint directory: a path, file:// or fusestate:// (default <state-dir>/checkpoints/<query>)")
+                   help="checkpoint directory: a path, file:// or fusestate:// (default <state-dir>/checkpoints/<query>); "
+                        "with --local also s3a://bucket/prefix, through Hadoop's S3A connector")
     p.add_argument("--input", default=None, help="input files (default <output>.input); generated when missing")
     p.add_argument("--batches", type=int, default=8, help="input files, one per micro-batch (default %(default)s)")
     p.add_argument("--keys", type=int, default=10_000, help="distinct keys in the aggregation state (default %(default)s)")
@@ -32,6 +33,16 @@ def pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help="RocksDB block size of the state store (default: 64 on a fusestate mount, Spark's 4 otherwise)")
     p.add_argument("--partitions", type=int, default=4, help="shuffle partitions = state stores per operator (default %(default)s)")
     p.add_argument("--local", action="store_true", help="baseline: state on local disk, no fusestate mount required")
+    p.add_argument("--s3a-endpoint", default=None, metavar="URL",
+                   help="with --local and an s3a:// --checkpoint: the S3-compatible endpoint (default: AWS); "
+                        "credentials from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    p.add_argument("--s3a-region", default=None, help="with an s3a:// checkpoint: the endpoint's region")
+    p.add_argument("--s3a-jars", default=None, metavar="JAR[,JAR...]",
+                   help="with an s3a:// checkpoint: the S3A connector's jars on this machine (hadoop-aws, the AWS "
+                        "SDK bundle; default: Spark fetches hadoop-aws matching its Hadoop from Maven Central)")
+    p.add_argument("--print-conf", action="store_true",
+                   help="print the Spark settings this command would use, as spark-defaults.conf lines, and exit "
+                        "(nothing is created and Spark does not start)")
     p.add_argument("--use-shim", action="store_true", help="checkpoint via the fusestate:// Hadoop file system (hard-link commits)")
     p.add_argument("--shim-jar", default=None,
                    help="the fusestate:// shim's jar, if built elsewhere (default: the one installed with fusestate)")

@@ -9,14 +9,17 @@ baseline) into the settings a Structured Streaming query needs:
   (commits and loads become hard links inside the mount), ``file:///...`` otherwise (commits
   copy the SST files, and content addressing keeps the copy from uploading anything new);
 - the RocksDB state store provider and changelog checkpointing;
+- for the local-disk baseline of an object store (``local=True`` and an ``s3a://`` checkpoint),
+  Hadoop's S3A connector and its endpoint (:mod:`fusestate.spark.s3a`);
 - on a fusestate mount, 64 KiB RocksDB blocks instead of Spark's 4 KiB (see
   :data:`MOUNT_BLOCK_SIZE_KB`).
 
 Settings that cannot work are refused with :class:`SparkSetupError` before the session starts
 (:func:`check_state_conf` does the same for settings a job builds itself): a directory on no
 mount or on a mount whose daemon has died, a missing shim jar, a checkpoint scheme other than
-``file://`` and ``fusestate://``, a ``fusestate://`` checkpoint without the shim registered, or
-the shim's checkpoint on another mount than ``spark.local.dir``.
+``file://`` and ``fusestate://`` (``s3a://`` only for the local-disk baseline, with the
+connector), a ``fusestate://`` checkpoint without the shim registered, or the shim's checkpoint
+on another mount than ``spark.local.dir``.
 
 A checkpoint location must be visible to the driver and to every executor that may run the
 query's tasks. With one fusestate volume per node that means a single-node query (local mode,
@@ -32,11 +35,11 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
 from fusestate.errors import UserError
-from fusestate.spark import shim
+from fusestate.spark import s3a, shim
 
 SHIM_SCHEME, SHIM_FS_CLASS, SHIM_AFS_CLASS = shim.SCHEME, shim.FS_CLASS, shim.AFS_CLASS
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
@@ -153,6 +156,12 @@ def check_state_conf(conf: Mapping[str, str], *, on_mount: bool = True) -> None:
     """
     location = conf.get("spark.sql.streaming.checkpointLocation")
     local_dir = conf.get("spark.local.dir")
+    if not on_mount and s3a.is_s3a(location):
+        # The object-store baseline: the state on local disk, the checkpoint through S3A.
+        problem = s3a.missing_connector(dict(conf))
+        if problem:
+            raise SparkSetupError(f"checkpoint location {location}: {problem}")
+        return
     scheme, ckpt = checkpoint_path(location) if location else ("file", None)
     if scheme == SHIM_SCHEME:
         if conf.get(f"spark.hadoop.fs.{SHIM_SCHEME}.impl") != SHIM_FS_CLASS:
@@ -191,7 +200,7 @@ class StateLayout:
 
     state_dir: Path
     local_dir: Path
-    checkpoint_dir: Path
+    checkpoint_dir: Optional[Path]  # None: in an object store (s3a://), not a local path
     checkpoint_uri: str
     mount: Optional[str] = None  # the fusestate mount holding state_dir (None: local disk)
     conf: dict[str, str] = field(default_factory=dict)
@@ -214,13 +223,22 @@ class StateLayout:
                 removed.append(entry)
         return removed
 
+    def spark_defaults(self) -> str:
+        """The settings as ``spark-defaults.conf`` lines, the checkpoint location among them, for a
+        job that starts its own session (spark-submit's ``--conf KEY=VALUE`` take the same)."""
+        width = max(map(len, self.conf), default=0)
+        return "\n".join(f"{key:<{width}}  {value}" for key, value in self.conf.items())
+
 
 def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: bool = False,
                checkpoint: Optional[str | os.PathLike] = None, local: bool = False,
                shim_jar_path: Optional[str | os.PathLike] = None,
                changelog: bool = True, min_deltas_for_snapshot: int = 10,
                maintenance_interval: str = "30s", shuffle_partitions: int = 4,
-               compression: Optional[str] = None, block_size_kb: Optional[int] = None) -> StateLayout:
+               compression: Optional[str] = None, block_size_kb: Optional[int] = None,
+               s3a_endpoint: Optional[str] = None, s3a_region: Optional[str] = None,
+               s3a_credentials: Optional[tuple[str, str]] = None, s3a_jars: Sequence[str | os.PathLike] = (),
+               create: bool = True) -> StateLayout:
     """Spark settings that keep a streaming query's state under ``state_dir``, on a live
     fusestate mount (``local=True``: on local disk, for a baseline).
 
@@ -228,7 +246,12 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
     a path, ``file://`` or ``fusestate://``. ``use_shim`` registers the ``fusestate://`` Hadoop
     file system (the jar installed with fusestate; ``shim_jar_path`` for another copy) and names the
     checkpoint with that scheme; it needs the checkpoint and ``spark.local.dir`` on one mount.
-    Settings that cannot work raise :class:`SparkSetupError` before anything is created.
+    With ``local=True`` the checkpoint may be ``s3a://bucket/prefix``, what most jobs run today:
+    ``s3a_endpoint`` (an S3-compatible endpoint's URL), ``s3a_region``, ``s3a_credentials``
+    (access key, secret key) and ``s3a_jars`` (the connector's jars; default: Spark fetches
+    them) set up Hadoop's S3A connector (:func:`fusestate.spark.s3a.s3a_conf`).
+    Settings that cannot work raise :class:`SparkSetupError` before anything is created;
+    ``create=False`` creates nothing at all (to print the settings).
     """
     state_dir = Path(state_dir).resolve()
     local_dir = state_dir / "spark-local"
@@ -240,11 +263,18 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
     if not local and mountpoint is None:
         raise SparkSetupError(f"{state_dir} is not on a fusestate mount: mount the volume first "
                               f"(fusestate mount URL MOUNTPOINT), or use local disk for a baseline (--local)")
-    scheme, checkpoint_dir = (checkpoint_path(checkpoint) if checkpoint
-                              else ("file", state_dir / "checkpoints" / query))
-    if scheme == SHIM_SCHEME and not use_shim:
-        raise SparkSetupError(f"checkpoint location {checkpoint} needs the shim: use_shim=True (--use-shim)")
-    uri = f"{SHIM_SCHEME if use_shim else 'file'}://{checkpoint_dir}"
+    on_s3a = local and s3a.is_s3a(checkpoint)
+    if on_s3a:
+        checkpoint_dir, uri = None, os.fspath(checkpoint).rstrip("/")  # type: ignore[arg-type]
+    else:
+        if s3a_endpoint or s3a_jars or s3a_credentials:
+            raise SparkSetupError("the S3A settings are for an s3a:// checkpoint of the local-disk baseline "
+                                  "(--local --checkpoint s3a://bucket/prefix)")
+        scheme, checkpoint_dir = (checkpoint_path(checkpoint) if checkpoint
+                                  else ("file", state_dir / "checkpoints" / query))
+        if scheme == SHIM_SCHEME and not use_shim:
+            raise SparkSetupError(f"checkpoint location {checkpoint} needs the shim: use_shim=True (--use-shim)")
+        uri = f"{SHIM_SCHEME if use_shim else 'file'}://{checkpoint_dir}"
     conf = {
         "spark.local.dir": str(local_dir),
         "spark.sql.streaming.checkpointLocation": uri,
@@ -262,6 +292,10 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
         if block_size_kb <= 0:
             raise ValueError(f"block_size_kb must be positive, not {block_size_kb}")
         conf[ROCKSDB_PREFIX + "blockSizeKB"] = str(block_size_kb)
+    if on_s3a:
+        key, secret = s3a_credentials or (None, None)
+        conf.update(s3a.s3a_conf(s3a_endpoint, region=s3a_region, access_key=key, secret_key=secret,
+                                 jars=s3a_jars))
     jars: list[str] = []
     if use_shim:
         jar = str(Path(shim_jar_path).resolve()) if shim_jar_path else str(shim_jar())
@@ -276,7 +310,9 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
             f"spark.hadoop.fs.{SHIM_SCHEME}.impl.disable.cache": "false",
         })
     check_state_conf(conf, on_mount=not local)
-    for d in (local_dir, checkpoint_dir.parent):
+    for d in (local_dir, checkpoint_dir.parent if checkpoint_dir else None) if create else ():
+        if d is None:
+            continue
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -498,12 +498,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         local=args.local, shim_jar_path=args.shim_jar,
                         changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
                         shuffle_partitions=args.partitions, compression=args.state_compression,
-                        block_size_kb=args.block_size_kb)
+                        block_size_kb=args.block_size_kb, s3a_endpoint=args.s3a_endpoint,
+                        s3a_region=args.s3a_region,
+                        s3a_jars=[j for j in (args.s3a_jars or "").split(",") if j], create=not args.print_conf)
     for item in args.conf:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--conf {item}: expected KEY=VALUE")
         layout.conf[key.strip()] = value
+    if args.print_conf:
+        print(layout.spark_defaults(), flush=True)
+        return {"event": "conf", "conf": layout.conf}
     mount = layout.mount
     output = Path(args.output).resolve()
     report_path = Path(args.report).resolve() if args.report else output / REPORT_NAME
