@@ -17,6 +17,7 @@ from fusestate.errors import UserError
 from fusestate.spark.arguments import cluster_arguments, pipeline_arguments
 
 READY_FD_ENV = "FUSESTATE_READY_FD"
+STATUS_SESSION_LOST = 1  # `status` exit code of a mount that can publish nothing more: remount it
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,9 +298,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     status = _fetch_status(args.mountpoint)
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True))
-        return 0
-    _print_status(status)
-    return 0
+    else:
+        _print_status(status)
+    return STATUS_SESSION_LOST if _session_state(status) == "lost" else 0
+
+
+def _session_state(status: dict) -> Optional[str]:
+    """live, lost or read-only on a shared volume; None on the embedded engine."""
+    return status.get("session", {}).get("state")
 
 
 def _print_warm(args: argparse.Namespace) -> int:
@@ -336,8 +342,19 @@ def _print_warm(args: argparse.Namespace) -> int:
 
 def _print_status(status: dict) -> None:
     cache, wb, remote = status["cache"], status["writeback"], status["remote"]
+    session = status.get("session")
+    if session and session["state"] == "lost":
+        print(f"SESSION LOST: the other nodes cleaned up this mount's metadata session {session['id']} (no "
+              f"heartbeat within {session['timeout_seconds']:g} s); it publishes nothing more and its opens and "
+              f"writes fail with EIO. Unmount it (fusestate umount {status['mountpoint']}) and mount it again.")
     rows = [
         ("volume", f"{status['url']} on {status['mountpoint']} (pid {status['pid']})"),
+    ]
+    if session:
+        live = sum(1 for s in status.get("sessions", []) if "id" in s)
+        mine = "none (read-only)" if session["state"] == "read-only" else f"{session['id']}, {session['state']}"
+        rows.append(("session", f"{mine}; {live} live sessions on the volume"))
+    rows += [
         ("files / used", f"{status['files']} / {format_size(status['used_bytes'])}"),
         ("memory cache", f"{format_size(cache['memory_bytes'])} of {format_size(cache['memory_limit'])}, "
                          f"{cache['memory_hits']} hits, {cache['memory_misses']} misses"),

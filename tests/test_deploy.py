@@ -552,6 +552,11 @@ def test_daemonset_contract(rendered):
         assert mount_path in container[probe]["exec"]["command"]
         assert "fusestate status" in " ".join(container[probe]["exec"]["command"])
     assert "mountpoint -q" in " ".join(container["readinessProbe"]["exec"]["command"])
+    # Liveness is `fusestate status` itself, its exit code unchanged: 1 once a shared volume's
+    # session was lost (test_shared.py), so the kubelet restarts the daemon, which mounts anew.
+    liveness = container["livenessProbe"]
+    assert liveness["exec"]["command"] == ["fusestate", "status", mount_path]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] <= 300
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
 
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
@@ -654,6 +659,14 @@ def test_chart_refuses_bad_values():
     assert "Secret" not in objects
 
 
+def _assert_replaced_with_the_mount(container: dict, bound: str) -> None:
+    """A Spark container whose volume is bound to the mount as it was at its start ends
+    when that mount is gone (the node's daemon restarted): its liveness probe stats it."""
+    probe = container["livenessProbe"]
+    assert probe["exec"]["command"] == ["stat", bound]
+    assert probe["failureThreshold"] >= 2 and probe["timeoutSeconds"] >= 5
+
+
 def test_spark_pod_template():
     """The Spark pod template is a valid Pod, mounts the chart's host directory with
     HostToContainer, and gives Spark a local dir on the volume the chart mounts."""
@@ -674,6 +687,7 @@ def test_spark_pod_template():
     script = init["command"][-1]
     assert volume_path in script and "fuse.fusestate" in script
     assert volumes["spark-local-dir-1"]["hostPath"]["path"] in script  # created once the volume is mounted
+    _assert_replaced_with_the_mount(main, mounts["spark-local-dir-1"]["mountPath"])
     assert f"file://{volume_path}/checkpoints/" in SPARK_TEMPLATE.read_text()
     kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (pip), which bundles the Kubernetes schemas")
     for version in (KUBE_FLOOR, kv.latest_version()):
@@ -693,6 +707,7 @@ def test_spark_cluster_pod_template():
     mounts = {m["name"]: m for m in main["volumeMounts"]}
     local = mounts["spark-local-dir-1"]
     assert local["mountPropagation"] == "HostToContainer" and "subPath" not in local
+    _assert_replaced_with_the_mount(main, local["mountPath"])
     text = SPARK_CLUSTER_TEMPLATE.read_text()
     assert f"fusestate://{local['mountPath']}/checkpoints/" in text
     from fusestate.spark.shim import FS_CLASS, AFS_CLASS, JAR_NAME

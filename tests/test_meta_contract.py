@@ -618,6 +618,29 @@ def test_a_dead_session_is_cleaned_and_cannot_publish_again(new_engine) -> None:
 
 
 @shared_only
+def test_a_cleaned_up_node_registers_no_upload_that_outlives_it(new_engine) -> None:
+    """A node whose session was cleaned up may register an upload before it learns so: the
+    other nodes release that registration, so the block is collected like any upload whose
+    commit will not come. Once the node knows, it registers nothing more."""
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        await trio.sleep(1.5)  # a stops beating
+        await b.heartbeat()
+        await b.clean_dead_sessions()
+        assert await a.begin_upload(key(7), BS) is False  # a has not noticed yet
+        assert await b.claim_garbage(time.time() + 1, FAR_FUTURE) == []  # registered: left alone
+        await b.clean_dead_sessions()
+        info = await b.object_info(key(7))
+        assert info is not None and info.refcount == 0 and not info.uploaded
+        assert await b.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(7)]
+        await raises(errno.EIO, a.heartbeat())
+        assert a.lost
+        await raises(errno.EIO, a.begin_upload(key(8), BS))
+        assert await b.object_info(key(8)) is None
+
+    drive(new_engine, body, nodes=2, session_ttl=1.0)
+
+
+@shared_only
 def test_an_fsync_does_not_wait_for_the_nodes_writes_in_flight(new_engine, pg_url: str) -> None:
     """Every write transaction locks its session's row against the clean-up, and every
     fsync commits a heartbeat to that row: the two must not wait for each other (RocksDB

@@ -4,12 +4,17 @@ read-write at once with their metadata on a real PostgreSQL server."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -400,3 +405,123 @@ def test_each_session_is_kept_for_its_own_timeout(make_mount, file_bucket: Bucke
     assert (b.path / "f").read_bytes() == b"still a live session"
     assert "cleaned up" not in (b.cache_dir / "fusestate.log").read_text()
     assert len(b.status()["sessions"]) == 2
+
+
+# Holds a file open on a node while that node's daemon is paused: written, not closed, as a
+# Spark executor holds its state store's files. Its own process, because a close of any
+# descriptor on the paused node's mount (the test's own subprocesses close inherited ones
+# as they start) waits for that daemon. Each line on stdin: "fsync" writes more through
+# the handle and fsyncs, "close" closes it; it answers "ok" or the errno.
+HOLDER = """
+import os, sys
+f = open(sys.argv[1], "wb")
+f.write(b"written under the old session" * 1000)
+print("written", flush=True)
+for command in sys.stdin:
+    try:
+        if command.strip() == "fsync":
+            f.write(b"more")
+            f.flush()
+            os.fsync(f.fileno())
+        else:
+            f.close()
+        print("ok", flush=True)
+    except OSError as exc:
+        print(exc.errno, flush=True)
+"""
+
+
+def status_of(m: Mount, *flags: str) -> subprocess.CompletedProcess:
+    """``fusestate status`` of a mount, its exit code not checked."""
+    return fusestate("status", str(m.path), *flags, check=False)
+
+
+def session_lost_metric(addr: str) -> float:
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    (value,) = [float(line.split()[1]) for line in text.splitlines() if line.startswith("fusestate_session_lost ")]
+    return value
+
+
+def test_a_node_whose_session_was_cleaned_up_says_so_and_a_restart_serves_the_volume(make_mount, file_bucket: Bucket,
+                                                                                      pg_url: str) -> None:
+    """Node A is paused past its --session-timeout while a process holds a file written on
+    it but not closed; B cleans A's session up and writes a newer version of that file.
+    Resumed, A publishes nothing: `fusestate status` puts the lost session first and exits
+    1 (the Helm chart's liveness probe runs exactly that), status --json and the metric say
+    so, writes and the old handle's fsync fail with EIO. Then what the kubelet does when the
+    probe fails: the preStop `fusestate umount` is refused (the file is still open), SIGTERM
+    makes the daemon drop what it cannot publish, detach the mount and exit. Mounted again,
+    A serves the volume with every file B wrote and nothing of its unpublished data; the
+    old handle fails still."""
+    opts = ["--meta", pg_url, "--session-timeout", str(SESSION_TIMEOUT)]
+    a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=[*opts, "--metrics-addr", "127.0.0.1:0"]).mount()
+    b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=[*opts, "--metrics-addr", "off"]).mount()
+    files = {"from-a": os.urandom(300_000), "from-b": os.urandom(200_000)}
+    write_synced(a.path / "from-a", files["from-a"])
+    write_synced(b.path / "from-b", files["from-b"])
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(a.path / "held")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+
+    def through_old_handle(command: str) -> str:
+        holder.stdin.write(command + "\n")
+        holder.stdin.flush()
+        return holder.stdout.readline().strip()
+
+    try:
+        assert holder.stdout.readline() == "written\n"
+        before = json.loads(status_of(a, "--json").stdout)
+        assert before["session"]["state"] == "live" and before["session"]["lost"] == 0
+        assert session_lost_metric(before["metrics_addr"]) == 0
+        assert status_of(a).returncode == 0
+
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: len(b.status()["sessions"]) == 1, timeout=10 * SESSION_TIMEOUT,
+                     what="B to clean up the paused node's session")
+            files["held"] = os.urandom(100_000)  # newer than what A still holds for this file
+            write_synced(b.path / "held", files["held"])
+            files["from-b-meanwhile"] = os.urandom(50_000)
+            write_synced(b.path / "from-b-meanwhile", files["from-b-meanwhile"])
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+
+        wait_for(lambda: status_of(a).returncode != 0, timeout=10 * SESSION_TIMEOUT, what="A to learn it was cleaned up")
+        text = status_of(a)
+        assert text.returncode == 1, text
+        assert text.stdout.splitlines()[0].startswith("SESSION LOST:") and "fusestate umount" in text.stdout
+        assert re.search(r"^session +\d+, lost;", text.stdout, re.M), text.stdout
+        js = status_of(a, "--json")
+        assert js.returncode == 1
+        lost = json.loads(js.stdout)
+        assert lost["session"]["state"] == "lost" and lost["session"]["lost"] == 1
+        assert session_lost_metric(lost["metrics_addr"]) == 1
+        log = (a.cache_dir / "fusestate.log").read_text()
+        assert "was cleaned up by the other nodes" in log and f"fusestate umount {a.path}" in log
+
+        with pytest.raises(OSError) as refused:
+            (a.path / "late").write_bytes(b"never published")
+        assert refused.value.errno == errno.EIO
+        assert through_old_handle("fsync") == str(errno.EIO)
+
+        # The liveness probe failed: the kubelet runs preStop, then sends SIGTERM.
+        assert_one_line_error(fusestate("umount", str(a.path), check=False), "busy")
+        pid = a.pid
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), timeout=60, what="the daemon to exit")
+        assert not os.path.ismount(a.path)
+        assert "dropped" in (a.cache_dir / "fusestate.log").read_text()
+        assert through_old_handle("close") == str(errno.ENOTCONN)  # a handle of the old mount stays dead
+    finally:
+        holder.kill()
+        holder.wait()
+
+    a.mount()  # the same cache dir, a new session
+    assert status_of(a).returncode == 0 and a.status()["session"]["state"] == "live"
+    assert len(b.status()["sessions"]) == 2
+    for m in (a, b):
+        assert sorted(os.listdir(m.path)) == sorted(files), m
+        for name, data in files.items():
+            assert (m.path / name).read_bytes() == data, (m, name)
+    write_synced(a.path / "after", b"the node is back")
+    assert (b.path / "after").read_bytes() == b"the node is back"
+    assert shared_fsck(file_bucket, pg_url) == []

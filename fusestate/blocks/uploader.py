@@ -144,11 +144,14 @@ class Uploader:
         p = self._pending.get(key)
         if p is None or p.uploading or key in self._pins:
             return  # uploading or pinned: it is uploaded, then left to the garbage collector
-        self.stats.discarded_blocks += 1
         if not self.meta.shared:
             await self.meta.forget_objects([key])
-        # Unlink on the loop (one short syscall) so a re-seal of the same bytes
-        # cannot race with the removal of the old file.
+        self._drop(key, p)
+
+    def _drop(self, key: str, p: _Pending) -> None:
+        """Forget a block that never reaches the bucket. Unlinked on the loop (one short
+        syscall) so a re-seal of the same bytes cannot race with the removal of the old file."""
+        self.stats.discarded_blocks += 1
         self.staging.remove(key)
         self._finish(key, p)
 
@@ -300,6 +303,9 @@ class Uploader:
     async def _upload_shared(self, key: str, p: _Pending) -> None:
         """Upload for a shared engine: registered with the engine first (the collector leaves
         it alone until its commit), skipped if another node put the same bytes there."""
+        if getattr(self.meta, "lost", False):
+            self._drop(key, p)  # this node's session was cleaned up: no commit of it can come
+            return
         try:
             while (in_bucket := await self.meta.begin_upload(key, p.size)) is None:
                 await trio.sleep(0.2)  # the collector is deleting these bytes: wait, then put them back

@@ -102,6 +102,7 @@ class Daemon:
         self.lease: Optional[Lease] = None
         self.kernel_readahead: Optional[int] = None  # bytes, once mounted (None: unknown)
         self._umount_requests = 0  # control requests still inside unmount()
+        self._dropped_logged = False  # the unpublished data of a lost session was reported
 
     # --- setup (before trio) ------------------------------------------------------
     def prepare(self) -> None:
@@ -314,10 +315,28 @@ class Daemon:
             log.info("kernel read-ahead left as it is (%s): sequential reads arrive in 128 KiB requests", exc)
             return None
 
+    @property
+    def session_lost(self) -> bool:
+        """The other nodes cleaned up this mount's session on a shared volume: whatever it
+        still holds can never be published (see docs/semantics.md)."""
+        return bool(getattr(self.meta, "lost", False))
+
     async def _flush_everything(self) -> None:
+        if self.session_lost:
+            self._drop_unpublished()
+            return
         await self.fs.flush_all()
         await self.uploader.drain()
         await self.fs.sync_metadata()
+
+    def _drop_unpublished(self) -> None:
+        """Unmounting a mount whose session was lost: what it holds stays unpublished. Say how
+        much, once; the next mount starts from the volume as the database has it."""
+        if self._dropped_logged:
+            return
+        self._dropped_logged = True
+        log.error("unmounting without publishing: this mount's metadata session was lost, so the %s written on "
+                  "this node and not committed before that are dropped", format_size(self.uploader.dirty_bytes()))
 
     async def _ship_snapshot(self) -> None:
         """Final journal segment and snapshot, then let the next holder in at once."""
@@ -368,7 +387,7 @@ class Daemon:
 
     async def collect_garbage(self) -> int:
         """Delete uploaded blocks that no kept snapshot or journal can reference any more."""
-        if self.shipper is not None and self.shipper.stopped:
+        if (self.shipper is not None and self.shipper.stopped) or self.session_lost:
             return 0
         covered = self.shipper.oldest_snapshot_seq if self.shipper is not None else 0
         keys = await self.meta.claim_garbage(time.time() - self.cfg.gc_grace, covered)
@@ -519,6 +538,10 @@ class Daemon:
             "holder": self.lease.holder if self.lease else None,
             "state": "read-only" if self.cfg.read_only else ("lost" if self.lease and self.lease.lost else "held"),
         })
+        if "session" in doc:
+            state = "read-only" if self.cfg.read_only else ("lost" if self.session_lost else "live")
+            doc["session"].update({"id": self.meta.session_id, "state": state,  # type: ignore[attr-defined]
+                                   "timeout_seconds": self.cfg.session_timeout})
         doc["remote"]["small_read_ms"] = self.blocks.read_costs.summary()
         doc["warmup"].update({"mode": self.cfg.prefetch, "state": self.warmer.stats.state})
         return doc

@@ -109,6 +109,10 @@ def _lease_held(d: Components) -> int:
     return 1 if lease and lease.record and not lease.lost else 0
 
 
+def _is_shared(d: Components) -> bool:
+    return d.meta.shared  # a shared volume's mounts are sessions in its database
+
+
 def _journal_age(d: Components) -> float:
     assert d.shipper is not None
     age = d.shipper.last_ship_age()
@@ -257,6 +261,9 @@ STATS: list[Stat] = [
     Stat("lease.epoch", "fusestate_lease_epoch", GAUGE, "Epoch of this mount's lease",
          lambda d: d.lease.record.epoch if d.lease and d.lease.record else 0),
     Stat("lease.held", "fusestate_lease_held", GAUGE, "1 while this mount holds the volume's lease", _lease_held),
+    Stat("session.lost", "fusestate_session_lost", GAUGE,
+         "1 once the other nodes cleaned up this mount's session on the shared volume's database: it publishes "
+         "nothing more until mounted again", lambda d: int(d.meta.lost), when=_is_shared),  # type: ignore[attr-defined]
     # --- where the volume's state is warm (refreshed every few minutes and by status --warm)
     Stat("locality.warm_bytes", "fusestate_warm_bytes", GAUGE, "Bytes of a directory's files whose blocks this node holds",
          lambda d: _warm_dirs(d, "warm_bytes"), by=("dir",)),

@@ -118,6 +118,13 @@ class SessionLost(FsError):
         super().__init__(errno.EIO, "this mount's session on the metadata database expired; remount")
 
 
+# What a node whose session was cleaned up logs once: what it means and what to do.
+LOST_MESSAGE = ("metadata session %d was cleaned up by the other nodes (no heartbeat within its "
+                "--session-timeout, %.0f s): this mount publishes nothing more, its opens and writes fail "
+                "with EIO and `fusestate status` exits 1. Unmount it (fusestate umount %s) and mount it "
+                "again, or restart its service or pod")
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     id: int
@@ -231,7 +238,7 @@ class PostgresEngine:
         self.session_ttl = session_ttl
         self.pool = PgPool(url, size=pool_size)
         self.session_id = 0
-        self.lost = False
+        self.lost = False  # the other nodes cleaned up this session: nothing more may be published
         self._holds = _SessionHolds(lambda: self.session_id)
         self._stats = EngineStats(0, 0)
         self.sessions_cleaned = 0
@@ -297,8 +304,7 @@ class PostgresEngine:
                 after(tx)
             if check is not None:
                 if not pipe.rows(check):
-                    self.lost = True
-                    raise SessionLost()
+                    raise self._lose()
             if tx.inodes_delta or tx.used_delta:
                 pipe.queue(_ADD_COUNTERS, (self.session_id, tx.inodes_delta, tx.used_delta))
             pipe.queue("COMMIT")
@@ -385,6 +391,9 @@ class PostgresEngine:
         """Register this session's upload of a block, so gc leaves it alone until its commit.
         True: the block is in the bucket already; False: upload it; None: the collector is
         deleting it right now: ask again shortly."""
+        if self.lost:
+            raise SessionLost()  # its commit could never come
+
         def register(cur: Any) -> Optional[bool]:
             # Against the sweep of objects the database does not know (``sweep_unknown``),
             # which cannot lock a row that is not there.
@@ -512,7 +521,7 @@ class PostgresEngine:
                 await self.clean_dead_sessions()
                 await self._refresh_stats()
             except SessionLost:
-                log.error("this mount's metadata session expired: it publishes nothing more")
+                pass  # logged where it was found; nothing to keep up any more
             except Exception as exc:  # noqa: BLE001 - the database may be restarting: keep beating
                 log.warning("metadata session upkeep failed: %s", exc)
 
@@ -522,15 +531,27 @@ class PostgresEngine:
             return cur.rowcount == 1
 
         if not await self.pool.run(beat):
+            raise self._lose()
+
+    def _lose(self) -> SessionLost:
+        """This session is gone from the database: mark it lost, say so once, and return the
+        error to raise. Reads still answer; everything that would publish fails."""
+        if not self.lost:
             self.lost = True
-            raise SessionLost()
+            log.error(LOST_MESSAGE, self.session_id, self.session_ttl, self.mountpoint)
+        return SessionLost()
 
     async def clean_dead_sessions(self) -> Freed:
         """The files held and the uploads registered by sessions whose heartbeat stopped
         longer than the timeout ago: let go of them, deleting files that have no name left.
-        Each session's own timeout counts (nodes may be mounted with different ones)."""
-        def dead(cur: Any) -> list[tuple[int, float]]:
-            cur.execute(f"SELECT id, timeout FROM sessions WHERE heartbeat < {_NOW} - timeout AND id <> %s",
+        Each session's own timeout counts (nodes may be mounted with different ones).
+        Also ended: upload registrations of sessions no longer there, which a node whose
+        session was cleaned up made before it learnt so (the block then waits for the
+        collector like any upload whose commit will not come)."""
+        def dead(cur: Any) -> list[tuple[int, Optional[float]]]:
+            cur.execute(f"SELECT id, timeout FROM sessions WHERE heartbeat < {_NOW} - timeout AND id <> %s"
+                        " UNION SELECT DISTINCT session_id, NULL::float8 FROM uploads u"
+                        " WHERE NOT EXISTS (SELECT 1 FROM sessions s WHERE s.id = u.session_id)",
                         (self.session_id,))
             return [(r[0], r[1]) for r in cur.fetchall()]
 
@@ -538,6 +559,9 @@ class PostgresEngine:
         for session, timeout in await self.pool.run(dead):
             one = await self._write(_clean_session, session)
             freed.keys += one.keys
+            if timeout is None:
+                log.warning("released the upload registrations of ended metadata session %d", session)
+                continue
             self.sessions_cleaned += 1
             log.warning("cleaned up metadata session %d (no heartbeat for %.0f s): %d blocks freed",
                         session, timeout, len(one.keys))

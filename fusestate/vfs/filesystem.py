@@ -794,7 +794,10 @@ class FileSystem:
                 log.warning("block %d of inode %d stays in memory, its writes fail: %s",
                             index, f.inode, exc.strerror)
             return FsError(errno.ENOSPC, exc.strerror or "")
-        log.error("could not store block %d of inode %d", index, f.inode, exc_info=exc)
+        if isinstance(exc, FsError):  # an answer of the engine (a lost session): no traceback to show
+            log.error("could not store block %d of inode %d: %s", index, f.inode, exc.strerror)
+        else:
+            log.error("could not store block %d of inode %d", index, f.inode, exc_info=exc)
         return FsError(errno.EIO, str(exc))
 
     async def _flush_file(self, f: OpenFile) -> None:
