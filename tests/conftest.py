@@ -118,6 +118,17 @@ def proc_stat(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
+def exited(pid: int) -> bool:
+    """Whether a process has ended. A daemon is reparented to PID 1 when its ``fusestate mount``
+    returns, and an init that reaps late keeps it a zombie (ended, its mount released) for a
+    second or two: counted as ended, not waited for."""
+    try:
+        os.kill(pid, 0)
+        return proc_stat(pid)[0] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+
+
 @dataclass
 class Bucket:
     """One empty volume location on one backend."""
@@ -235,12 +246,10 @@ class Mount:
     def _wait_exit(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while self.pid and time.monotonic() < deadline:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                break
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(self.pid, os.WNOHANG)
+            if exited(self.pid):
+                break
             time.sleep(0.05)
         self.pid = None
 
