@@ -11,8 +11,8 @@ import sys
 from typing import Optional, Sequence
 
 from fusestate import __version__
-from fusestate.config import (DEFAULT_BLOCK_SIZE, PREFETCH_MODES, WHOLE_BLOCK_MODES, MountConfig, format_size,
-                              meta_url_of, parse_size)
+from fusestate.config import (DEFAULT_BLOCK_SIZE, DEFAULT_METRICS_PORT, METRICS_PORTS, PREFETCH_MODES,
+                              WHOLE_BLOCK_MODES, MountConfig, format_size, meta_url_of, parse_size)
 from fusestate.errors import UserError
 from fusestate.spark.arguments import cluster_arguments, pipeline_arguments
 
@@ -121,7 +121,9 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
                         f"0 keeps the kernel's 128K (default {_size_default('kernel_readahead')})")
     m.add_argument("--endpoint-url", default=unset, help="S3-compatible or GCS emulator endpoint")
     m.add_argument("--metrics-addr", default=unset,
-                   help=f"HOST:PORT of the Prometheus exporter, or 'off' (default {_default('metrics_addr')})")
+                   help="HOST:PORT of the Prometheus exporter, or 'off'; a port taken fails the mount (default: "
+                        f"127.0.0.1:{DEFAULT_METRICS_PORT}, or the next free port up to "
+                        f"{DEFAULT_METRICS_PORT + METRICS_PORTS - 1}, so each mount of a node has its own)")
     m.add_argument("--allow-other", action="store_true", default=unset, help="let other users use the mount")
     m.add_argument("--read-only", action="store_true", default=unset)
     m.add_argument("--takeover", action="store_true", default=unset, help="take the volume over from a dead holder")
@@ -375,6 +377,7 @@ def _print_status(status: dict) -> None:
                     f"into the volume ({format_size(cache['promoted_bytes'])})"),
         ("remote", f"{format_size(remote['bytes_in'])} in, {format_size(remote['bytes_out'])} out, "
                    f"{remote['retries']} retries"),
+        ("metrics", f"http://{status['metrics_addr']}/metrics" if status["metrics_addr"] else "off"),
     ]
     small = remote.get("small_read_ms")
     if small and small["bucket"] is not None:

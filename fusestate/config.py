@@ -18,6 +18,7 @@ PREFETCH_MODES = ("auto", "off", "recent", "all")  # cache warming after the mou
 WHOLE_BLOCK_MODES = ("auto", "always", "never")  # cold reads fetch whole blocks (--whole-blocks)
 DEFAULT_CACHE_DIR = "/var/cache/fusestate"
 DEFAULT_METRICS_PORT = 9567
+METRICS_PORTS = 10  # without --metrics-addr: 127.0.0.1 on the first free port of 9567-9576
 
 
 def parse_size(text: str, option: str = "size") -> int:
@@ -54,6 +55,15 @@ def default_prefetch(url: str) -> str:
     return "off" if parse_url(url).scheme in ("file", "memory") else "recent"
 
 
+def parse_metrics_addr(addr: str) -> tuple[str, int]:
+    """--metrics-addr HOST:PORT (HOST defaults to 127.0.0.1) as (host, port)."""
+    host, _, port = addr.rpartition(":")
+    if not port.isdigit() or int(port) > 65535:
+        raise UserError(f"bad --metrics-addr {addr!r}: expected HOST:PORT, such as 0.0.0.0:{DEFAULT_METRICS_PORT}, "
+                        "or off")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 def meta_url_of(meta: Optional[str]) -> Optional[str]:
     """--meta as given: None for the embedded engine, else a PostgreSQL URL (checked)."""
     if meta in (None, "", "sqlite"):
@@ -83,7 +93,7 @@ class MountConfig:
     read_only: bool = False
     takeover: bool = False
     foreground: bool = False
-    metrics_addr: Optional[str] = f"127.0.0.1:{DEFAULT_METRICS_PORT}"  # "off" disables the exporter
+    metrics_addr: Optional[str] = None       # HOST:PORT or "off"; None: the first free port of METRICS_PORTS
     attr_timeout: Optional[float] = None     # default: 10 s, 1 s for a shared engine
     remote_timeout: float = 30.0
     remote_retries: int = 6
@@ -123,6 +133,8 @@ class MountConfig:
         for pattern in self.scratch_dirs:
             if not pattern or "/" in pattern or pattern in ("*", ".", ".."):
                 raise UserError(f"bad --scratch {pattern!r}: expected a directory name pattern such as 'blockmgr-*'")
+        if self.metrics_addr not in (None, "off"):
+            parse_metrics_addr(self.metrics_addr)
         if self.block_size is not None and (self.block_size < 64 * 1024 or self.block_size & (self.block_size - 1)):
             raise UserError("--block-size must be a power of two of at least 64K")
         if self.max_dirty is None:

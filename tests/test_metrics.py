@@ -10,9 +10,11 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -20,7 +22,7 @@ from typing import Callable, Iterator, Optional
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT, Bucket, Mount, free_port, fusestate, stop_process
+from conftest import BIN, ROOT, Bucket, Mount, assert_one_line_error, free_port, fusestate, stop_process
 
 MiB = 1 << 20
 METRICS_DOC = ROOT / "docs" / "metrics.md"
@@ -399,7 +401,9 @@ def test_stats_prints_tables(make_mount, file_bucket: Bucket) -> None:
     # The human status output has its rows too.
     text = fusestate("status", str(m.path)).stdout
     assert [line.split("  ")[0] for line in text.splitlines()] == [
-        "volume", "files / used", "memory cache", "disk cache", "dirty", "staged", "uploaded", "scratch", "remote"]
+        "volume", "files / used", "memory cache", "disk cache", "dirty", "staged", "uploaded", "scratch", "remote",
+        "metrics"]
+    assert f"http://{m.status()['metrics_addr']}/metrics" in text
     m.umount()
 
 
@@ -535,3 +539,108 @@ def test_a_shared_volume_serves_its_metrics(make_mount, file_bucket: Bucket, pg_
     assert {name for name in SHARED_ONLY if got.has(name)} == SHARED_ONLY
     assert got.value("fusestate_session_lost") == 0  # a lost session: tests/test_shared.py
     m.umount()
+
+
+# --- 6. every mount of a node serves its metrics where a scrape finds it ----------------------
+
+DEFAULT_PORTS = range(9567, 9577)  # docs/metrics.md: without --metrics-addr, the first free one
+
+# Holds ports of 127.0.0.1 (listening, as a daemon would) until its stdin closes.
+HOLD_PORTS = """
+import socket, sys
+held = []
+for port in map(int, sys.argv[1:]):
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    held.append(s)
+print("holding", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def network() -> Iterator[list[str]]:
+    """A network namespace of the test's own, its loopback up: the default metrics ports
+    in it are free whatever other daemons on this machine hold. The command prefix that
+    runs a program in it (the mounts stay in the machine's mount namespace)."""
+    name = f"fst-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield ["nsenter", f"--net=/run/netns/{name}"]
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+def mount_in(network: list[str], m: Mount, *more: str) -> subprocess.CompletedProcess:
+    """``fusestate mount`` run in the network namespace: its daemon serves metrics there."""
+    m.path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([*network, str(BIN / "fusestate"), *m.mount_args(*more)], capture_output=True, text=True,
+                          timeout=120)
+    if proc.returncode == 0:
+        m.pid = m.status()["pid"]
+    return proc
+
+
+def scrape_in(network: list[str], addr: str) -> Scrape:
+    fetch = "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+    out = subprocess.run([*network, sys.executable, "-c", fetch, f"http://{addr}/metrics"], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    return parse_exposition(out)
+
+
+def second_volume(tmp_path: Path) -> Bucket:
+    path = tmp_path / "bucket-2"
+    path.mkdir()
+    return Bucket("file", f"file://{path}")
+
+
+def test_two_mounts_on_one_node_each_serve_their_metrics(make_mount, file_bucket: Bucket, tmp_path: Path,
+                                                          network: list[str]) -> None:
+    """Without --metrics-addr the first mount of a node serves 127.0.0.1:9567 and the second
+    the next port; each scrape is its own mount's, and `fusestate status` and the log say
+    where."""
+    a = make_mount(file_bucket, name="a", cache="cache-a")
+    b = make_mount(second_volume(tmp_path), name="b", cache="cache-b")
+    for m in (a, b):
+        proc = mount_in(network, m)
+        assert proc.returncode == 0, proc.stderr
+    addrs = [m.status()["metrics_addr"] for m in (a, b)]
+    assert addrs == [f"127.0.0.1:{DEFAULT_PORTS[0]}", f"127.0.0.1:{DEFAULT_PORTS[1]}"]
+    (a.path / "f").write_bytes(b"x" * 5000)
+    written = [scrape_in(network, addr).value("fusestate_fuse_written_bytes_total") for addr in addrs]
+    assert written[0] >= 5000 and written[1] == 0  # each exporter is its own mount's
+    for m, addr in zip((a, b), addrs):
+        assert re.search(rf"^metrics +http://{re.escape(addr)}/metrics$", fusestate("status", str(m.path)).stdout, re.M)
+        assert f"metrics on http://{addr}/metrics" in (m.cache_dir / "fusestate.log").read_text()
+    assert "the ports before it were taken" in (b.cache_dir / "fusestate.log").read_text()
+
+
+def test_a_taken_metrics_port_fails_a_mount_that_names_it(make_mount, file_bucket: Bucket, tmp_path: Path,
+                                                          network: list[str]) -> None:
+    """A --metrics-addr given and taken fails the mount with one line; with every port of
+    the default range taken, a mount without --metrics-addr serves on a port of the
+    kernel's choosing, says so in its log, and status shows it."""
+    holder = subprocess.Popen([*network, sys.executable, "-c", HOLD_PORTS, *map(str, DEFAULT_PORTS)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        named = make_mount(file_bucket, name="named", cache="cache-named")
+        addr = f"127.0.0.1:{DEFAULT_PORTS[0]}"
+        assert_one_line_error(mount_in(network, named, "--metrics-addr", addr),
+                              f"--metrics-addr {addr}", "Address already in use", "--metrics-addr off")
+        assert not os.path.ismount(named.path)
+        assert_one_line_error(mount_in(network, named, "--metrics-addr", "nowhere"), "bad --metrics-addr 'nowhere'")
+
+        m = make_mount(second_volume(tmp_path), name="past-the-range", cache="cache-past")
+        proc = mount_in(network, m)
+        assert proc.returncode == 0, proc.stderr
+        served = m.status()["metrics_addr"]
+        assert served.startswith("127.0.0.1:") and int(served.rsplit(":", 1)[1]) not in DEFAULT_PORTS
+        assert scrape_in(network, served).has("fusestate_files")
+        log = (m.cache_dir / "fusestate.log").read_text()
+        assert f"metrics on http://{served}/metrics, where no scrape configuration looks" in log
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)

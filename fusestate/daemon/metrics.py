@@ -10,6 +10,7 @@ source, and the volume's directories that hold warm state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Callable, Iterable, Optional
@@ -19,7 +20,9 @@ from prometheus_client import CollectorRegistry, Histogram, disable_created_metr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from fusestate.config import DEFAULT_METRICS_PORT, METRICS_PORTS, parse_metrics_addr
 from fusestate.daemon.stats import COUNTER, STATS, Components
+from fusestate.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +98,51 @@ def families(source: Components) -> list[Metric]:
     return list(found.values())
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host or "127.0.0.1", int(port)
+def listen(addr: Optional[str], registry: CollectorRegistry) -> Optional[tuple[str, int]]:
+    """Serve /metrics from a thread, before the mount: the address served, or None for 'off'.
 
-
-def start_exporter(source: Components, addr: str, registry: CollectorRegistry) -> Optional[tuple[str, int]]:
-    """Serve /metrics from a thread; a busy port costs the metrics, never the mount."""
-    registry.register(StatsCollector(source, trio.lowlevel.current_trio_token()))
-    host, port = parse_addr(addr)
-    try:
-        server, _ = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:
-        log.warning("metrics exporter could not listen on %s: %s; running without metrics", addr, exc)
+    An address given with --metrics-addr must be free, or the mount fails saying so: a node
+    whose metrics vanish goes unnoticed. Without one, see :func:`_listen_by_default`."""
+    if addr == "off":
         return None
+    if addr is None:
+        return _listen_by_default(registry)
+    try:
+        bound = _serve(*parse_metrics_addr(addr), registry)
+    except OSError as exc:
+        raise UserError(f"--metrics-addr {addr} cannot be served: {exc.strerror or exc} (another fusestate "
+                        "mount on this host?); give this mount another HOST:PORT, or --metrics-addr off") from None
+    log.info("metrics on http://%s:%d/metrics", *bound)
+    return bound
+
+
+def _listen_by_default(registry: CollectorRegistry) -> tuple[str, int]:
+    """127.0.0.1 on the first free port of the default range, so that the mounts of one
+    node each have theirs, where a scrape configuration can list them; past the range, a
+    port of the kernel's choosing (logged, and in `fusestate status`)."""
+    ports = range(DEFAULT_METRICS_PORT, DEFAULT_METRICS_PORT + METRICS_PORTS)
+    for port in ports:
+        with contextlib.suppress(OSError):
+            bound = _serve("127.0.0.1", port, registry)
+            log.info("metrics on http://%s:%d/metrics%s", *bound,
+                     " (the ports before it were taken: other fusestate mounts?)" if port != ports[0] else "")
+            return bound
+    try:
+        bound = _serve("127.0.0.1", 0, registry)
+    except OSError as exc:
+        raise UserError(f"cannot serve metrics on 127.0.0.1: {exc.strerror or exc}; give --metrics-addr "
+                        "HOST:PORT, or --metrics-addr off") from None
+    log.warning("metrics on http://%s:%d/metrics, where no scrape configuration looks: ports %d-%d of 127.0.0.1 "
+                "are all taken; give this mount a --metrics-addr of its own", *bound, ports[0], ports[-1])
+    return bound
+
+
+def _serve(host: str, port: int, registry: CollectorRegistry) -> tuple[str, int]:
+    server, _ = start_http_server(port, addr=host, registry=registry)
     bound = server.server_address[:2]
-    log.info("metrics on http://%s:%d/metrics", bound[0], bound[1])
     return bound[0], bound[1]
+
+
+def serve_stats(source: Components, registry: CollectorRegistry) -> None:
+    """From now on a scrape reads the daemon's numbers (on its trio loop)."""
+    registry.register(StatsCollector(source, trio.lowlevel.current_trio_token()))

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from fusestate.config import MountConfig, format_size
 from fusestate.daemon import components, control, volume
 from fusestate.daemon.allocator import keep_block_buffers_mapped
-from fusestate.daemon.metrics import Histograms, start_exporter
+from fusestate.daemon.metrics import Histograms, listen, serve_stats
 from fusestate.daemon.stats import status_numbers
 from fusestate.daemon.lease import (FENCE_GRACE, TAKEOVER_WAIT, Lease, LeaseLost, LeaseRecord, epoch_starts,
                                     read_leases)
@@ -102,6 +102,7 @@ class Daemon:
         self.lease: Optional[Lease] = None
         self.kernel_readahead: Optional[int] = None  # bytes, once mounted (None: unknown)
         self._umount_requests = 0  # control requests still inside unmount()
+        self.metrics_addr: Optional[tuple[str, int]] = None  # served, once prepared (None: off)
         self._dropped_logged = False  # the unpublished data of a lost session was reported
 
     # --- setup (before trio) ------------------------------------------------------
@@ -110,6 +111,9 @@ class Daemon:
         check_mountpoint(cfg.mountpoint)
         self.layout = prepare_cache_dir(cfg.cache_dir)
         self._lock_fd = lock_cache_dir(self.layout)
+        self.registry = CollectorRegistry()
+        # Before the bucket and the lease: a metrics port taken fails the mount with nothing else begun.
+        self.metrics_addr = listen(cfg.metrics_addr, self.registry)
         usage = shutil.disk_usage(cfg.cache_dir)
         self.disk_reserve = metadata_reserve(usage.total)
         self._fit_cache_to_disk(usage.free)
@@ -117,7 +121,6 @@ class Daemon:
         self.location = location
         self.remote = RemoteStore(fs, location.root, retries=cfg.remote_retries,
                                   concurrency=max(16, cfg.upload_concurrency * 2))
-        self.registry = CollectorRegistry()
         histograms = Histograms(self.registry)
         self.remote.stats.observer = Histograms.observer(histograms.remote)  # before the first request
         if cfg.meta_url:
@@ -153,7 +156,6 @@ class Daemon:
                 self.shipper.fence = self.lease
         self.blocks.read_observer = Histograms.observer(histograms.block_read)
         self.ops.op_observer = Histograms.observer(histograms.fuse)
-        self.metrics_addr: Optional[tuple[str, int]] = None
         self.last_locality: Optional[Locality] = None  # refreshed for the metrics
 
     def _open_metadata(self) -> MetaEngine:
@@ -265,8 +267,8 @@ class Daemon:
                 nursery.start_soon(self.warmer.run)
             if self.ops.page_fill is not None:
                 nursery.start_soon(self.ops.page_fill.run)
-            if self.cfg.metrics_addr and self.cfg.metrics_addr != "off":
-                self.metrics_addr = start_exporter(self, self.cfg.metrics_addr, self.registry)
+            if self.metrics_addr is not None:
+                serve_stats(self, self.registry)
                 nursery.start_soon(self._refresh_locality)
             await nursery.start(control.serve, control_socket(self.cfg.mountpoint), self.handle_control)
             try:
