@@ -212,8 +212,9 @@ def s3a_goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         ratio = mine / base
         unit = by[metric]["unit"]
+        digits = 1 if unit == "s" else 0
         out.append(goal_row(f"Spark pipeline, {what}, {mine_name} / s3a {'≤' if lower else '≥'} {limit:g}",
-                            f"{ratio:.2f} ({mine:,.1f} {unit} against {base:,.1f} {unit})",
+                            f"{ratio:.2f} ({mine:,.{digits}f} {unit} against {base:,.{digits}f} {unit})",
                             ratio <= limit if lower else ratio >= limit))
     return out
 
