@@ -347,8 +347,9 @@ def _print_status(status: dict) -> None:
     session = status.get("session")
     if session and session["state"] == "lost":
         print(f"SESSION LOST: the other nodes cleaned up this mount's metadata session {session['id']} (no "
-              f"heartbeat within {session['timeout_seconds']:g} s); it publishes nothing more and its opens and "
-              f"writes fail with EIO. Unmount it (fusestate umount {status['mountpoint']}) and mount it again.")
+              f"heartbeat within {session['timeout_seconds']:g} s); it publishes nothing more: creates, opens, "
+              f"and closes and fsyncs of written files fail with EIO. Unmount it "
+              f"(fusestate umount {status['mountpoint']}) and mount it again.")
     rows = [
         ("volume", f"{status['url']} on {status['mountpoint']} (pid {status['pid']})"),
     ]

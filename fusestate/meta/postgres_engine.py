@@ -120,9 +120,9 @@ class SessionLost(FsError):
 
 # What a node whose session was cleaned up logs once: what it means and what to do.
 LOST_MESSAGE = ("metadata session %d was cleaned up by the other nodes (no heartbeat within its "
-                "--session-timeout, %.0f s): this mount publishes nothing more, its opens and writes fail "
-                "with EIO and `fusestate status` exits 1. Unmount it (fusestate umount %s) and mount it "
-                "again, or restart its service or pod")
+                "--session-timeout, %.0f s): this mount publishes nothing more (creates, opens, and closes "
+                "and fsyncs of written files fail with EIO) and `fusestate status` exits 1. Unmount it "
+                "(fusestate umount %s) and mount it again, or restart its service or pod")
 
 
 @dataclass(frozen=True)
