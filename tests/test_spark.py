@@ -13,10 +13,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from conftest import BIN, ROOT, Bucket, assert_one_line_error, block_key
+from bench.common import wait_port
+from bench.s3a import ConnectorUnavailable, connector_jars, jars_argument
+from bench.systems import free_port
+from conftest import BIN, ROOT, Bucket, assert_one_line_error, block_key, make_s3_bucket, stop_process
 
 pyspark = pytest.importorskip("pyspark")
 if shutil.which("java") is None:
@@ -600,6 +604,96 @@ def test_check_state_conf_refuses_settings_a_job_built_itself(make_mount, file_b
     with pytest.raises(SparkSetupError, match="spark.local.dir .* is not on a fusestate mount"):
         check_state_conf(dict(good, **{"spark.local.dir": str(tmp_path)}))
     check_state_conf(dict(good, **{"spark.local.dir": str(tmp_path)}), on_mount=False)  # a baseline's
+
+
+def test_s3a_baseline_settings_are_printed_and_checked(tmp_path: Path) -> None:
+    """The object-store baseline's settings: what a user copies to reproduce it, and the
+    mistakes refused before a session starts."""
+    from fusestate.spark.config import SparkSetupError, state_conf
+    from fusestate.spark.s3a import hadoop_version
+
+    version = hadoop_version()
+    assert (Path(pyspark.__file__).parent / "jars" / f"hadoop-client-api-{version}.jar").is_file()
+    proc = subprocess.run(pipeline_cmd(tmp_path / "job", tmp_path / "out", "--local", "--checkpoint",
+                                       "s3a://bucket/checkpoints/q", "--s3a-endpoint", "http://127.0.0.1:9000",
+                                       "--print-conf"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    printed = dict(line.split(None, 1) for line in proc.stdout.splitlines())
+    assert printed["spark.sql.streaming.checkpointLocation"] == "s3a://bucket/checkpoints/q"
+    assert printed["spark.hadoop.fs.s3a.endpoint"] == "http://127.0.0.1:9000"
+    assert printed["spark.hadoop.fs.s3a.path.style.access"] == "true"
+    assert printed["spark.hadoop.fs.s3a.connection.ssl.enabled"] == "false"
+    assert printed["spark.hadoop.fs.s3a.endpoint.region"]  # SigV4 signs with one
+    assert printed["spark.jars.packages"] == f"org.apache.hadoop:hadoop-aws:{version}"
+    assert printed["spark.local.dir"] == str(tmp_path / "job" / "spark-local")
+    assert list(tmp_path.iterdir()) == []  # printing creates nothing
+    # Jars on this machine instead of a resolution at every start; a missing one is named.
+    with pytest.raises(SparkSetupError, match="hadoop-aws-9.jar does not exist"):
+        state_conf(tmp_path / "job", local=True, checkpoint="s3a://b/q", s3a_jars=[tmp_path / "hadoop-aws-9.jar"])
+    with pytest.raises(SparkSetupError, match="for an s3a:// checkpoint"):
+        state_conf(tmp_path / "job", local=True, s3a_endpoint="http://127.0.0.1:9000")
+
+
+@pytest.fixture(scope="module")
+def s3a_jars() -> list[Path]:
+    """Hadoop's S3A connector, as the benchmark fetches it (cached after the first time). Only a
+    machine that cannot reach Maven Central at all skips; any other failure fails."""
+    try:
+        return connector_jars()
+    except ConnectorUnavailable as exc:
+        if exc.offline:
+            pytest.skip(f"Maven Central is not reachable from this machine: {exc}")
+        pytest.fail(f"Hadoop's S3A connector could not be fetched: {exc}")
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto as the benchmark's endpoint serves it (bench/shaped_s3.py, unshaped): S3A's uploads
+    of whole files need its single ``100 Continue``."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("s3-server") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(BIN / "python"), "-m", "bench.shaped_s3", "--host", "127.0.0.1", "--port",
+                                 str(port), "--latency-ms", "0", "--connection-mbps", "1e6"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_port(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+
+
+def test_s3a_baseline_and_fusestate_on_one_endpoint(make_mount, baseline, tmp_path: Path, s3a_jars, s3_server):
+    """The benchmarks' object-store baseline does what Spark on S3A does, and ends where fusestate
+    does: state on local disk, every commit a snapshot uploaded through S3A; a fresh node (no local
+    state) loads it from the bucket; the output is local mode's, and fusestate+shim's on a bucket of
+    the same endpoint."""
+    import boto3
+
+    three = ["--batches", "3", *SMALL[2:]]
+    bucket = f"s3a-{os.getpid()}-{int(time.time())}"
+    make_s3_bucket(s3_server, bucket)
+    s3a = ["--local", "--no-changelog", "--checkpoint", f"s3a://{bucket}/job", "--s3a-endpoint", s3_server,
+           "--s3a-jars", jars_argument(s3a_jars)]
+    state, out = tmp_path / "state", tmp_path / "out"
+    first = pipeline(state, out, tmp_path / "input", "--batches", "2", *SMALL[2:], *s3a)
+    assert first["checkpoint"] == f"s3a://{bucket}/job"
+    keys = {o["Key"] for o in boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket=bucket)["Contents"]}
+    assert any(k.endswith(".sst") for k in keys) and any(k.endswith(".zip") for k in keys), sorted(keys)
+    assert {"job/commits/0", "job/commits/1"} <= keys
+    shutil.rmtree(state)  # a fresh node
+    again = pipeline(state, out, tmp_path / "input", *three, *s3a)
+    assert [b["batch"] for b in again["batches"]] == [2]
+    assert again["batches"][0]["rocksdb"]["rocksdbNumLoadedFromDfs"] > 0  # loaded from the bucket
+    output = read_output(out)
+    assert output == {b: baseline["output"][b] for b in range(3)}
+
+    fused = Bucket("s3", f"s3://{bucket}/volume", s3_server)
+    m = make_mount(fused, extra=scratch_options()).mount()
+    report = pipeline(m.path / "job", tmp_path / "out-fusestate", tmp_path / "input", *three, "--use-shim")
+    assert read_output(tmp_path / "out-fusestate") == output
+    assert report["fusestate_after"]["writeback"]["uploaded_bytes"] > 0
+    m.umount()
 
 
 def test_the_installed_shim_jar_is_built_from_the_current_sources() -> None:
