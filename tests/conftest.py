@@ -120,11 +120,11 @@ def proc_stat(pid: int) -> list[str]:
 
 def exited(pid: int) -> bool:
     """Whether a process has ended. A daemon is reparented to PID 1 when its ``fusestate mount``
-    returns, and an init that reaps late keeps it a zombie (ended, its mount released) for a
-    second or two: counted as ended, not waited for."""
+    returns, and an init that reaps late keeps it a zombie for a second or two: a zombie whose
+    every thread has ended (its files closed, its mount released) counts as ended."""
     try:
         os.kill(pid, 0)
-        return proc_stat(pid)[0] == "Z"
+        return os.listdir(f"/proc/{pid}/task") == [str(pid)] and proc_stat(pid)[0] == "Z"
     except (ProcessLookupError, FileNotFoundError):
         return True
 
