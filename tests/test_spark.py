@@ -663,7 +663,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stop_process(proc)
 
 
-def test_s3a_baseline_and_fusestate_on_one_endpoint(make_mount, baseline, tmp_path: Path, s3a_jars, s3_server):
+# By default one S3A run (three JVMs in all would be the heaviest test of the default selection);
+# the fresh node's load and fusestate's run beside it with -m slow.
+@pytest.mark.parametrize("whole", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["first-node", "fresh-node-and-fusestate"])
+def test_s3a_baseline_and_fusestate_on_one_endpoint(make_mount, baseline, tmp_path: Path, s3a_jars, s3_server,
+                                                    whole: bool):
     """The benchmarks' object-store baseline does what Spark on S3A does, and ends where fusestate
     does: state on local disk, every commit a snapshot uploaded through S3A; a fresh node (no local
     state) loads it from the bucket; the output is local mode's, and fusestate+shim's on a bucket of
@@ -681,6 +686,9 @@ def test_s3a_baseline_and_fusestate_on_one_endpoint(make_mount, baseline, tmp_pa
     keys = {o["Key"] for o in boto3.client("s3", endpoint_url=s3_server).list_objects_v2(Bucket=bucket)["Contents"]}
     assert any(k.endswith(".sst") for k in keys) and any(k.endswith(".zip") for k in keys), sorted(keys)
     assert {"job/commits/0", "job/commits/1"} <= keys
+    assert read_output(out) == {b: baseline["output"][b] for b in range(2)}
+    if not whole:
+        return
     shutil.rmtree(state)  # a fresh node
     again = pipeline(state, out, tmp_path / "input", *three, *s3a)
     assert [b["batch"] for b in again["batches"]] == [2]
