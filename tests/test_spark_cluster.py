@@ -174,6 +174,10 @@ def driver_error(cluster: Cluster, tmp_path: Path, name: str, mount_args: Option
     return errors[0]
 
 
+# Three drivers on a cluster: -m slow. The default selection checks the same verdicts on this
+# node in test_preflight_names_what_is_wrong_with_a_node, and a good cluster's probes in
+# test_pipeline_on_a_two_worker_cluster_equals_local_mode.
+@pytest.mark.slow
 def test_bad_cluster_setups_are_one_line_before_the_query(cluster: Cluster, tmp_path: Path,
                                                            file_bucket: Bucket, postgres_server) -> None:
     cluster.start_master()
@@ -198,6 +202,43 @@ def test_bad_cluster_setups_are_one_line_before_the_query(cluster: Cluster, tmp_
     own.mkdir()
     line = driver_error(cluster, tmp_path, "own-volume", mount_args=[f"file://{own}", "--metrics-addr", "off"])
     assert "a volume only this node can mount (metadata engine sqlite)" in line
+
+
+def test_preflight_names_what_is_wrong_with_a_node(make_mount, file_bucket: Bucket, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks before a cluster's query, on real mounts of this node: the driver's of its own
+    volume, and the probe each executor runs where its node has no mount at the checkpoint's
+    path, another volume there, or its Spark local dir off the volume."""
+    from fusestate.spark.config import SparkSetupError, state_conf
+    from fusestate.spark.preflight import _probe_factory, check_shared_checkpoint, executor_problem
+
+    m = make_mount(file_bucket).mount()
+    layout = state_conf(m.path / "job")
+    assert layout.checkpoint_dir is not None
+    with pytest.raises(SparkSetupError, match=r"a volume only this node can mount \(metadata engine sqlite\)"):
+        check_shared_checkpoint(layout, m.status())
+    marker = layout.checkpoint_dir.parent / ".fusestate-probe-test"
+    marker.write_text("written by the driver\n")
+    monkeypatch.setenv("SPARK_LOCAL_IP", "node7")
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", str(layout.local_dir))
+
+    def problem(root: Path) -> Optional[str]:
+        """The verdict on a node that has ``root`` where the driver has its mount."""
+        probe = _probe_factory(str(root / layout.checkpoint_dir.relative_to(m.path)),
+                               str(root / marker.relative_to(m.path)))
+        return executor_problem(probe(0), layout.checkpoint_uri)
+
+    assert problem(m.path) is None  # the driver's volume
+    plain = tmp_path / "plain"
+    (plain / layout.checkpoint_dir.relative_to(m.path)).mkdir(parents=True)
+    assert "the executor on node7 has no fusestate mount holding the checkpoint" in problem(plain)
+    (tmp_path / "other-bucket").mkdir()
+    other = make_mount(Bucket("file", f"file://{tmp_path / 'other-bucket'}"), name="other", cache="other-cache")
+    other.mount()
+    (other.path / layout.checkpoint_dir.relative_to(m.path)).mkdir(parents=True)
+    assert f"the executor on node7 mounts another volume at {other.path}" in problem(other.path)
+    monkeypatch.setenv("SPARK_LOCAL_DIRS", str(tmp_path))
+    assert f"the executor on node7 has its Spark local dir {tmp_path} on" in problem(m.path)
 
 
 def test_driver_batches_are_read_from_its_log_as_they_come(tmp_path: Path) -> None:
