@@ -17,7 +17,7 @@ from fusestate.errors import UserError
 from fusestate.spark.arguments import cluster_arguments, pipeline_arguments
 
 READY_FD_ENV = "FUSESTATE_READY_FD"
-STATUS_SESSION_LOST = 1  # `status` exit code of a mount that can publish nothing more: remount it
+STATUS_SESSION_LOST = 1  # `status` exit code of a mount that can publish nothing more (session or lease lost): remount it
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,7 +302,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2, sort_keys=True))
     else:
         _print_status(status)
-    return STATUS_SESSION_LOST if _session_state(status) == "lost" else 0
+    lost = _session_state(status) == "lost" or status.get("lease", {}).get("state") == "lost"
+    return STATUS_SESSION_LOST if lost else 0
 
 
 def _session_state(status: dict) -> Optional[str]:
@@ -350,6 +351,9 @@ def _print_status(status: dict) -> None:
               f"heartbeat within {session['timeout_seconds']:g} s); it publishes nothing more: creates, opens, "
               f"and closes and fsyncs of written files fail with EIO. Unmount it "
               f"(fusestate umount {status['mountpoint']}) and mount it again.")
+    if status.get("lease", {}).get("state") == "lost":
+        print(f"LEASE LOST: another mount took the volume over (--takeover); this mount publishes nothing "
+              f"more. Unmount it (fusestate umount {status['mountpoint']}).")
     rows = [
         ("volume", f"{status['url']} on {status['mountpoint']} (pid {status['pid']})"),
     ]

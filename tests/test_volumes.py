@@ -603,7 +603,12 @@ def _takeover_and_fencing(make_mount, bucket: Bucket, record_property) -> None:
                               text=True, timeout=120)
         assert late.returncode == 0, late.stderr
         outcome = json.loads(late.stdout)
-        late_state = b.status()["lease"]["state"]
+        seen = fusestate("status", "--json", str(b.path), check=False)
+        late_state = json.loads(seen.stdout)["lease"]["state"]
+        # A fenced holder says so: a probe on `fusestate status` restarts it.
+        assert (late_state, seen.returncode) in (("held", 0), ("lost", 1)), (late_state, seen.returncode)
+        if late_state == "lost":
+            assert fusestate("status", str(b.path), check=False).stdout.startswith("LEASE LOST")
     finally:
         with_suppress_lookup(lambda: os.kill(b_pid, signal.SIGCONT))
         b.kill()
