@@ -9,6 +9,8 @@ again later: nothing is lost.
 
 from __future__ import annotations
 
+import contextlib
+
 import heapq
 import itertools
 import logging
@@ -318,10 +320,15 @@ class Uploader:
                     raise UploadFailed(f"staged block {key[:16]} vanished from the staging area") from None
                 self.stats.uploaded_blocks += 1
                 self.stats.uploaded_bytes += p.size
-            await trio.to_thread.run_sync(self._move_to_cache, key, limiter=self._local_io)
         except (RemoteError, UploadFailed, OSError) as exc:
             self._failed(key, p, exc)
             return
+        # In the bucket: the commit waiting for it goes ahead while the staging file
+        # becomes a disk cache entry (the block stays pending, so staged, until then).
+        p.error = None
+        p.done.set()
+        with contextlib.suppress(OSError):
+            await trio.to_thread.run_sync(self._move_to_cache, key, limiter=self._local_io)
         self._finish(key, p)
 
     def _failed(self, key: str, p: _Pending, exc: Exception) -> None:

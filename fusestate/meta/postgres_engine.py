@@ -56,8 +56,9 @@ CLOSE_OUTAGE_BUDGET = 5.0
 # Durable at fsync (sync), visible at once: SET LOCAL as a SELECT, to join the session check.
 NAMESPACE_COMMIT = "SELECT set_config('synchronous_commit', 'off', true)"
 
-_ADD_COUNTERS = ("INSERT INTO counters (session_id, inodes, used) VALUES (?, ?, ?) ON CONFLICT (session_id)"
-                 " DO UPDATE SET inodes = counters.inodes + excluded.inodes, used = counters.used + excluded.used")
+# A session's row is made when it registers (``start``): an UPDATE writes one WAL record,
+# the upsert it replaces two (a row lock, then the update).
+_ADD_COUNTERS = "UPDATE counters SET inodes = inodes + ?, used = used + ? WHERE session_id = ?"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes (
@@ -306,7 +307,7 @@ class PostgresEngine:
                 if not pipe.rows(check):
                     raise self._lose()
             if tx.inodes_delta or tx.used_delta:
-                pipe.queue(_ADD_COUNTERS, (self.session_id, tx.inodes_delta, tx.used_delta))
+                pipe.queue(_ADD_COUNTERS, (tx.inodes_delta, tx.used_delta, self.session_id))
             pipe.queue("COMMIT")
         return result, tx.inodes_delta, tx.used_delta
 
@@ -390,21 +391,31 @@ class PostgresEngine:
     async def begin_upload(self, key: str, size: int) -> Optional[bool]:
         """Register this session's upload of a block, so gc leaves it alone until its commit.
         True: the block is in the bucket already; False: upload it; None: the collector is
-        deleting it right now: ask again shortly."""
+        deleting it right now: ask again shortly.
+
+        One round trip, committed without waiting for the WAL flush: the collector can
+        only act on what it sees, and its claim (a durable commit) flushes the WAL up to
+        itself, this registration included; a server crash that loses the registration
+        loses every later commit of this node with it."""
         if self.lost:
             raise SessionLost()  # its commit could never come
 
         def register(cur: Any) -> Optional[bool]:
-            # Against the sweep of objects the database does not know (``sweep_unknown``),
-            # which cannot lock a row that is not there.
-            cur.execute(f"BEGIN; SELECT pg_advisory_xact_lock_shared({GC_LOCK})")
-            cur.execute("SELECT uploaded, deleting FROM objects WHERE key=%s FOR SHARE", (key,))
-            row = cur.fetchone()
-            if row is not None and row[1]:
+            with Pipeline(cur.connection) as pipe:
+                pipe.queue("BEGIN")
+                # Against the sweep of objects the database does not know (``sweep_unknown``),
+                # which cannot lock a row that is not there.
+                pipe.queue(f"SELECT pg_advisory_xact_lock_shared({GC_LOCK}),"
+                           " set_config('synchronous_commit', 'off', true)")
+                state = pipe.queue("SELECT uploaded, deleting FROM objects WHERE key=? FOR SHARE", (key,), rows=True)
+                pipe.queue("INSERT INTO uploads (session_id, key, size) SELECT ?, ?, ? WHERE NOT EXISTS"
+                           " (SELECT 1 FROM objects WHERE key=? AND deleting<>0) ON CONFLICT DO NOTHING",
+                           (self.session_id, key, size, key))
+                pipe.queue("COMMIT")
+                rows = pipe.rows(state)
+            if rows and rows[0][1]:
                 return None
-            cur.execute(sql.SQL("INSERT INTO uploads (session_id, key, size) VALUES ({}, {}, {})"
-                                " ON CONFLICT DO NOTHING; COMMIT").format(self.session_id, key, size))
-            return bool(row is not None and row[0])
+            return bool(rows and rows[0][0])
 
         return await self.pool.run(register, explicit=True)
 
@@ -501,7 +512,9 @@ class PostgresEngine:
                 cur.execute(f"INSERT INTO sessions (host, pid, mountpoint, started, heartbeat, timeout)"
                             f" VALUES (%s, %s, %s, {_NOW}, {_NOW}, %s) RETURNING id",
                             (socket.gethostname(), os.getpid(), self.mountpoint, self.session_ttl))
-                return cur.fetchone()[0]
+                session_id = cur.fetchone()[0]
+                cur.execute("INSERT INTO counters (session_id) VALUES (%s) ON CONFLICT DO NOTHING", (session_id,))
+                return session_id
 
             self.session_id = await self.pool.run(register)
             log.info("metadata session %d on %s", self.session_id, self.pool.redacted)
@@ -643,7 +656,7 @@ def _end_session(tx: ops.Tx, session: int) -> Freed:
     (``_txn``), so it counts its own."""
     freed = _clean_session(tx, session)
     if tx.inodes_delta or tx.used_delta:
-        tx.exec(_ADD_COUNTERS, (session, tx.inodes_delta, tx.used_delta))
+        tx.exec(_ADD_COUNTERS, (tx.inodes_delta, tx.used_delta, session))
     return freed
 
 
