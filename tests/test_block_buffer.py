@@ -3,7 +3,9 @@ read as zeros, and a full block is handed on without a copy, page-aligned for O_
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 
 import pytest
 
@@ -11,6 +13,7 @@ from fusestate.localio import ALIGN, address_of
 from fusestate.vfs.block_buffer import BlockBuffer
 
 BLOCK = 4 << 20
+MiB = 1 << 20
 
 
 def test_writes_in_any_order_read_back_with_holes_as_zeros() -> None:
@@ -23,7 +26,8 @@ def test_writes_in_any_order_read_back_with_holes_as_zeros() -> None:
             model.extend(bytes(start - len(model)))
         model[start:start + length] = data
         assert buf.view() == model
-    assert buf.full and len(buf) == BLOCK
+    # Reaching the block's end does not make it full: three ranges were never written.
+    assert len(buf) == BLOCK and not buf.full
 
 
 def test_resize_cuts_and_extends_with_zeros() -> None:
@@ -68,3 +72,76 @@ def test_a_small_tail_is_copied_out_of_its_buffer_when_sealed() -> None:
     buf.resize(1000)
     sealed = buf.seal()
     assert isinstance(sealed, bytes) and len(sealed) == 1000
+
+
+@pytest.mark.parametrize("order", [(3, 0, 1, 2), (3, 1, 0, 2), (1, 3, 2, 0), (0, 2, 3, 1)])
+def test_a_block_whose_end_comes_first_is_full_only_once_the_rest_has_come(order: tuple[int, ...]) -> None:
+    """The kernel's writes of a block can arrive out of order: a block sealed as soon as its
+    last byte came would be sealed again by every write that filled it in."""
+    chunks = [os.urandom(MiB) for _ in range(4)]
+    buf = BlockBuffer(BLOCK)
+    for n, i in enumerate(order, 1):
+        assert not buf.full
+        buf.write(i * MiB, chunks[i])
+        assert buf.full == (n == len(order)), (order, n)
+    assert buf.view() == b"".join(chunks)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_full_means_every_byte_was_written(seed: int) -> None:
+    """Writes of random ranges in random order, overlapping: full exactly when they cover the block."""
+    rng = random.Random(seed)
+    size = 64 << 10
+    buf = BlockBuffer(size)
+    model = bytearray(size)
+    written = bytearray(size)  # 1 where a write has been
+    cuts = sorted(rng.sample(range(1, size), rng.randint(1, 12)))
+    pieces = list(itertools.pairwise([0, *cuts, size]))
+    pieces += [(a, min(size, a + rng.randint(1, 9000))) for a in rng.sample(range(size), 5)]  # overlaps
+    rng.shuffle(pieces)
+    for start, end in pieces:
+        data = rng.randbytes(end - start)
+        buf.write(start, data)
+        model[start:end] = data
+        written[start:end] = b"\x01" * (end - start)
+        assert buf.full == all(written)
+        assert buf.view() == model[:len(buf)]
+    assert buf.full
+
+
+def test_existing_content_counts_as_written() -> None:
+    content = os.urandom(BLOCK)
+    assert BlockBuffer(BLOCK, content).full
+    buf = BlockBuffer(BLOCK, content[:MiB])  # a file's old tail
+    buf.write(3 * MiB, content[3 * MiB:])
+    assert not buf.full
+    buf.write(MiB, content[MiB:3 * MiB])
+    assert buf.full and buf.view() == content
+
+
+def test_zeros_a_resize_adds_count_as_written() -> None:
+    """A truncate's zeros are meant: nothing more is to come for them. Holes a write left
+    before stay until written, and a cut drops those past it."""
+    buf = BlockBuffer(BLOCK, b"a" * MiB)
+    buf.resize(BLOCK)
+    assert buf.full and buf.view() == b"a" * MiB + bytes(BLOCK - MiB)
+
+    buf = BlockBuffer(BLOCK, b"a" * MiB)
+    buf.write(2 * MiB, b"b" * MiB)  # [1, 2) MiB still to come
+    buf.resize(BLOCK)
+    assert not buf.full
+    buf.write(MiB, b"c" * MiB)
+    assert buf.full and buf.view() == b"a" * MiB + b"c" * MiB + b"b" * MiB + bytes(MiB)
+
+    buf = BlockBuffer(BLOCK, b"a" * MiB)
+    buf.write(2 * MiB, b"b" * MiB)
+    buf.resize(MiB + 10)            # cuts into the hole: [1 MiB, 1 MiB + 10) still to come
+    buf.resize(BLOCK)
+    assert not buf.full
+    buf.write(MiB, b"c" * 10)
+    assert buf.full
+    buf.resize(MiB // 2)            # a cut before every hole leaves none
+    buf.write(3 * MiB, b"d" * MiB)
+    assert not buf.full
+    buf.write(MiB // 2, b"e" * (2 * MiB + MiB // 2))
+    assert buf.full

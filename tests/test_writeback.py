@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import random
 import shutil
@@ -144,6 +145,42 @@ def test_short_lived_file_never_reaches_the_bucket(make_mount, file_bucket: Buck
     m.umount()
     assert not keys & file_bucket.block_objects()
     assert staged_files(m) == set()
+
+
+# --- out-of-order writes -------------------------------------------------------------------------
+
+def test_a_block_written_out_of_order_is_uploaded_once(mnt: Mount) -> None:
+    """The writes of a block may reach the daemon out of order (the kernel's writeback
+    chunks do not start on block boundaries). A block is sealed once all of it has come:
+    sealed as soon as its last byte came, every write that filled it in sealed it again,
+    and a shared engine uploaded each of those seals. A range nothing fills goes out, as
+    zeros, at fsync."""
+    blocks = 8
+    data = rand(blocks * BLOCK, 15)
+    tail = rand(MiB, 16)  # the last MiB of one more block, its first three never written
+    buf = mmap.mmap(-1, MiB)  # page-aligned, as O_DIRECT wants: each write reaches the daemon as issued
+    fd = os.open(mnt.path / "f", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        for block in range(blocks):
+            for mib in (3, 0, 1, 2):
+                start = block * BLOCK + mib * MiB
+                buf[:] = data[start:start + MiB]
+                assert os.pwrite(fd, buf, start) == MiB
+        buf[:] = tail
+        os.pwrite(fd, buf, blocks * BLOCK + 3 * MiB)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        buf.close()
+    expected = data + bytes(3 * MiB) + tail
+    assert (mnt.path / "f").read_bytes() == expected
+    st = mnt.status()["writeback"]
+    assert st["uploaded_blocks"] == blocks + 1, st
+    assert block_keys(expected) <= mnt.bucket.block_objects()
+    mnt.umount()
+    mnt.wipe_cache()
+    mnt.mount()
+    assert digest(mnt.path / "f") == sha(expected)
 
 
 # --- backpressure ---------------------------------------------------------------------------------

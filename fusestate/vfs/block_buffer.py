@@ -8,6 +8,13 @@ start small and double, so a thousand small open files do not pin 4 MiB each.
 
 The block's bytes start on a page boundary, so a full block goes to the staging area
 with ``O_DIRECT`` straight from here, with no copy into an aligned buffer.
+
+Writes of one block do not always arrive in order (the kernel's writeback chunks do
+not start on block boundaries, and concurrent writers interleave), so the buffer
+remembers the ranges below its length that no write has filled yet: a block is full,
+and sealed, only once it has none. Sealed on reaching its end with a gap still to come,
+it would be sealed again by every write that fills the gap: each time a hash, a staging
+write and, on a shared engine, an upload.
 """
 
 from __future__ import annotations
@@ -23,12 +30,15 @@ class BlockBuffer:
     """A block's bytes in a buffer that only ever grows by replacement, never in place,
     so a view handed out (a read of dirty data) can never see it move."""
 
-    __slots__ = ("block_size", "length", "_buf")
+    __slots__ = ("block_size", "length", "_buf", "_holes")
 
     def __init__(self, block_size: int, initial: BlockData = b"") -> None:
         self.block_size = block_size
         self.length = 0
         self._buf = memoryview(bytearray())  # page-aligned once it holds anything
+        # Ranges [start, end) below length that read as zeros because no write reached them
+        # yet, in order and disjoint: one per write that skipped ahead, usually none.
+        self._holes: list[tuple[int, int]] = []
         if initial:
             self.write(0, initial)
 
@@ -37,7 +47,8 @@ class BlockBuffer:
 
     @property
     def full(self) -> bool:
-        return self.length == self.block_size
+        """Every byte of the block written: nothing more is expected before it is sealed."""
+        return self.length == self.block_size and not self._holes
 
     def view(self) -> memoryview:
         """The block's bytes as they are now (valid until the next write)."""
@@ -48,16 +59,36 @@ class BlockBuffer:
         if end > self.block_size:
             raise ValueError(f"write to [{start}, {end}) past a block of {self.block_size} bytes")
         self._reserve(end)
-        if start > self.length:  # a hole inside the block reads as zeros
+        if start > self.length:  # skipped ahead: zeros until the bytes in between come
             self._buf[self.length:start] = bytes(start - self.length)
+            self._holes.append((self.length, start))
+        elif self._holes and start < self.length:
+            self._fill(start, end)
         self._buf[start:end] = data
         self.length = max(self.length, end)
 
     def resize(self, length: int) -> None:
-        """Cut the block at ``length``, or extend it with zeros to there."""
+        """Cut the block at ``length``, or extend it with zeros to there (a truncate, the
+        file's end: zeros meant as such, so not a hole)."""
         if length > self.length:
-            self.write(length, b"")
+            self._reserve(length)
+            self._buf[self.length:length] = bytes(length - self.length)
+        elif self._holes and self._holes[-1][1] > length:
+            self._holes = [(a, min(b, length)) for a, b in self._holes if a < length]
         self.length = length
+
+    def _fill(self, start: int, end: int) -> None:
+        """[start, end) is written: take it out of the holes."""
+        holes: list[tuple[int, int]] = []
+        for a, b in self._holes:
+            if b <= start or a >= end:
+                holes.append((a, b))
+                continue
+            if a < start:
+                holes.append((a, start))
+            if end < b:
+                holes.append((end, b))
+        self._holes = holes
 
     def seal(self) -> memoryview | bytes:
         """The final bytes, for the block store to keep. A block using less than half of

@@ -118,6 +118,8 @@ class FileSystem:
         # Blocks being sealed hold their bytes in memory until staged: writers wait past a bound.
         self._sealing_bytes = 0
         self._sealed = trio.Event()
+        # Writers wait for room one at a time, in the order they came (see _wait_for_room).
+        self._room_queue = trio.Lock()
         # Set by the daemon: waits until the metadata journal is in the bucket.
         self.ship_metadata: Optional[Callable[[], Awaitable[None]]] = None
         uploader.memory_dirty_bytes = self.memory_dirty_bytes
@@ -643,8 +645,7 @@ class FileSystem:
             if not await self.blocks.has_room():
                 raise FsError(errno.ENOSPC, "cache disk full")
             f.out_of_space = False
-        await self._wait_for_sealing(len(data))
-        await self.uploader.wait_for_room(len(data))
+        await self._wait_for_room(len(data))
         bs = self.block_size
         async with f.lock:
             if f.node.nlink == 0 and f.handles == 0:
@@ -709,12 +710,34 @@ class FileSystem:
         f.mark_dirty(index, buf)
         return buf
 
+    async def _wait_for_room(self, nbytes: int) -> None:
+        """Backpressure: on the blocks being sealed, then on dirty data (the uploader's).
+
+        Writers get through in the order they came: a trio Lock hands itself to its longest
+        waiter, and only the holder waits for room. Woken all at once by one Event they
+        resumed in any order, and the kernel's writes of a block reached it out of order.
+        An uncontended write passes without a checkpoint."""
+        try:
+            self._room_queue.acquire_nowait()
+        except trio.WouldBlock:
+            await self._room_queue.acquire()
+        try:
+            await self._wait_for_sealing(nbytes)
+            await self.uploader.wait_for_room(nbytes)
+        finally:
+            self._room_queue.release()
+
     async def _wait_for_sealing(self, nbytes: int) -> None:
-        """Backpressure on sealing: its blocks count against no other bound until they are
-        staged, and a full cache disk fails them only once hashed."""
+        """Sealing blocks count against no other bound until they are staged, and a full
+        cache disk fails them only once hashed."""
         limit = SEALING_LIMIT_BLOCKS * self.block_size
         while self._sealing_bytes and self._sealing_bytes + nbytes > limit:
             await self._sealed.wait()
+
+    def _sealing_done(self, size: int) -> None:
+        self._sealing_bytes -= size
+        self._sealed.set()
+        self._sealed = trio.Event()
 
     def _seal(self, f: OpenFile, index: int) -> None:
         """Freeze a dirty block and store it in the background."""
@@ -733,10 +756,17 @@ class FileSystem:
 
     async def _store_sealed(self, f: OpenFile, index: int, generation: int, data: BlockData) -> None:
         size = len(data)
+        staged = False  # released from the sealing bound (once, here or in the finally)
         awaiting_commit = False  # shared engines: uploaded, and registered for a commit
         try:
             try:
                 key = await self.blocks.seal(data) if data else None
+                # Staged (or a hole, or bytes already staged): the sealing bound is about
+                # memory being hashed and staged. A shared engine's wait for the upload and
+                # the commit counts against --max-dirty, as staged bytes and as the block
+                # still in f.sealing; held here too, it throttled writers per upload.
+                staged = True
+                self._sealing_done(size)
                 if key is not None and self.meta.shared:
                     await self.blocks.upload_before_commit(key, len(data))
                     awaiting_commit = True
@@ -781,9 +811,8 @@ class FileSystem:
             await self.blocks.release(freed.keys)
         finally:
             f.seal_finished()
-            self._sealing_bytes -= size
-            self._sealed.set()
-            self._sealed = trio.Event()
+            if not staged:
+                self._sealing_done(size)
 
     @staticmethod
     def _seal_error(f: OpenFile, index: int, exc: Exception, quiet: bool = False) -> FsError:
