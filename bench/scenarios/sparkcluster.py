@@ -9,6 +9,8 @@ worker nodes and a driver node, each node in its own mount and PID namespace):
 - ``fusestate``: every node mounts one shared volume (a ``file://`` bucket, its metadata in
   a PostgreSQL server on 127.0.0.1) with its local dir inside it, and the checkpoint is
   ``fusestate://`` through the shim;
+- ``fusestate@s3``: the same with the volume's bucket on the shaped S3 endpoint
+  (``bench/endpoints.py``), the endpoint ``s3a`` uses;
 - ``s3a``: what most jobs run today: every node's local dir on local disk, the checkpoint in a
   bucket of the shaped S3 endpoint (``bench/endpoints.py``) through Hadoop's S3A connector
   (``bench/s3a.py`` fetches it): every commit uploads through S3A, and the node that takes a
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from datetime import datetime, timezone
@@ -47,7 +50,9 @@ NAME = "spark-cluster"
 TITLE = "Spark cluster on one shared volume"
 SUMMARY = "Spark pipeline on 2 worker nodes: records/s, and recovery after losing a node, vs local disk"
 BUDGET = {"tiny": None, "quick": 900.0, "full": None}
-SETUPS = ["local", "fusestate", S3A]
+FUSESTATE_S3 = "fusestate@s3"  # the shared volume's bucket on the shaped endpoint, as s3a's checkpoint
+SETUPS = ["local", "fusestate", S3A, FUSESTATE_S3]
+ON_ENDPOINT = (S3A, FUSESTATE_S3)
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"keys": [4_000], "payload_bytes": 256, "events_per_batch": 1_000, "timeout": 600, "repeats": 1},
     "quick": {"keys": [20_000, 80_000], "payload_bytes": 1024, "events_per_batch": 10_000, "timeout": 1200,
@@ -74,7 +79,7 @@ WARMUP_BATCHES = 2   # the executors' JVMs compile the query's code: not steady
 # Disk a run takes, per byte of state: on fusestate the bucket keeps what RocksDB rewrote for
 # --gc-grace (an hour), so 4 GB of state left 41 GB in the bucket and 7 GB in the nodes' caches.
 # s3a: the nodes' local state, and the endpoint's objects (moto spools them to its temp dir).
-DISK_PER_STATE_BYTE = {"local": 4, "fusestate": 12, S3A: 6}
+DISK_PER_STATE_BYTE = {"local": 4, "fusestate": 12, S3A: 6, FUSESTATE_S3: 12}
 STEADY_BATCHES = 4   # batches that every key has been written before, before the loss
 
 
@@ -94,9 +99,14 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     if free < need:
         raise RuntimeError(f"{free / 1e9:.0f} GB free in {work}; this run needs about {need / 1e9:.0f} GB")
     lose_after = batches - 3
-    server = LocalPostgres() if setup == "fusestate" else None
+    server = LocalPostgres() if setup in ("fusestate", FUSESTATE_S3) else None
+    mount_options: list[str] = []
     try:
-        if server is not None:
+        if server is not None and setup == FUSESTATE_S3:
+            assert endpoint is not None
+            volume, meta = f"s3://{endpoint.create_bucket('volume')}/volume", server.create_database("volume")
+            mount_options = ["--endpoint-url", endpoint.endpoint]
+        elif server is not None:
             (work / "bucket").mkdir(parents=True)
             volume, meta = f"file://{work / 'bucket'}", server.create_database("volume")
         else:
@@ -111,7 +121,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
                          "--conf", "spark.hadoop.fs.s3a.access.key=testing",
                          "--conf", "spark.hadoop.fs.s3a.secret.key=testing"]
         with Cluster(work / "cluster", volume, meta, mountpoint=str(work / "state"), worker_memory="3g",
-                     checkpoint_root=checkpoint_root) as cluster:
+                     checkpoint_root=checkpoint_root, mount_options=mount_options) as cluster:
             cluster.start(workers=2)
             out, report = work / "out", work / "report.json"
             args = ["--output", str(out), "--report", str(report), "--checkpoint", cluster.checkpoint("q"),
@@ -179,12 +189,17 @@ def run(ctx: Context) -> dict[str, Any]:
     runs: list[dict[str, Any]] = [record(S3A, 0, v, error=no_s3a) for v in variants] if no_s3a else []
     if ctx.mount_options:
         log(f"  {NAME}: --mount-options does not apply (the cluster harness mounts its nodes itself)")
+    on_endpoint = any(s in ON_ENDPOINT for s in setups)
+    if on_endpoint:
+        # The endpoint's test credentials, for the daemons of fusestate@s3 (the nodes inherit them).
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            os.environ.setdefault(key, "testing")
     with contextlib.ExitStack() as stack:
-        endpoint = stack.enter_context(ShapedMoto(ctx.work / "shaped-s3", ctx.shape)) if S3A in setups else None
+        endpoint = stack.enter_context(ShapedMoto(ctx.work / "shaped-s3", ctx.shape)) if on_endpoint else None
         runs += runs_of(ctx, p, setups, variants, endpoint)
     setups += [S3A] if no_s3a else []
     return {"params": {**p, "setups": setups, "conf": CONF,
-                       "shape": ctx.shape.describe() if S3A in setups else None}, "systems": setups,
+                       "shape": ctx.shape.describe() if on_endpoint else None}, "systems": setups,
             "summary": summarize(runs, METRICS, setups, variants), "runs": runs}
 
 
@@ -226,8 +241,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
             f"(Spark's shuffle and working dirs node-local: `--scratch 'blockmgr-*' --scratch 'spark-*-*-*-*-*'`). "
             + (f"*s3a*: what most jobs run today, every node's local dir on local disk and the checkpoint in a bucket "
                f"of the shaped S3 endpoint ({p['shape']}) through Hadoop's S3A connector (S3A's defaults), so that "
-               f"commits upload through S3A and the surviving node downloads the lost node's state stores; the "
-               f"fusestate setup's bucket is a `file://` one here, not that endpoint, and the endpoint (moto) runs on "
+               f"commits upload through S3A and the surviving node downloads the lost node's state stores; "
+               f"*fusestate@s3*: fusestate with the volume's bucket on that endpoint. The endpoint (moto) runs on "
                f"the machine's cores, where S3 would not: its CPU is in the machine's time per record, and apart in "
                f"the data (`cpu_s_endpoint`). " if p.get("shape") else "")
             + f"Once "
@@ -238,15 +253,17 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
 
 def s3a_goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The s3a issue's cluster goals: recovery after a lost worker at most 0.4 of s3a's at every
-    size, and records/s at least s3a's."""
+    size, and records/s at least s3a's; fusestate on the same endpoint when it ran, else on file://."""
     out = []
+    systems = doc.get("systems", [])
+    name = FUSESTATE_S3 if FUSESTATE_S3 in systems else "fusestate"
     for r in doc.get("summary", []):
         limit, lower = {"recovery_s": (0.4, True), "records_per_s": (1.0, False)}.get(r["metric"], (None, True))
-        base, mine = (r["systems"].get(s, {}).get("median") for s in (S3A, "fusestate"))
+        base, mine = (r["systems"].get(s, {}).get("median") for s in (S3A, name))
         if limit is None or not base or not mine:
             continue
         ratio = mine / base
-        out.append(goal_row(f"Spark cluster {r['label']} at {r['variant']}, fusestate / s3a "
+        out.append(goal_row(f"Spark cluster {r['label']} at {r['variant']}, {name} / s3a "
                             f"{'≤' if lower else '≥'} {limit:g}",
                             f"{ratio:.2f} ({mine:,.1f} against {base:,.1f} {r['unit']})",
                             ratio <= limit if lower else ratio >= limit))
@@ -263,10 +280,11 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
                                 f"{mine / base:.2f}", mine / base >= 0.9))
     # Recovery on fusestate must not grow with the state: the largest size's against the
     # smallest's, within a tenth (one run's spread).
-    recovery = [(r["variant"], r["systems"].get("fusestate", {}).get("median"))
-                for r in doc.get("summary", []) if r["metric"] == "recovery_s"]
-    if len(recovery) >= 2 and recovery[0][1] and recovery[-1][1]:
-        (small, first), (large, last) = recovery[0], recovery[-1]
-        out.append(goal_row(f"Spark cluster recovery on fusestate, {large} / {small} ≤ 1.1 "
-                            "(does not grow with the state)", f"{last / first:.2f}", last / first <= 1.1))
+    for name in ("fusestate", FUSESTATE_S3):
+        recovery = [(r["variant"], r["systems"].get(name, {}).get("median"))
+                    for r in doc.get("summary", []) if r["metric"] == "recovery_s"]
+        if len(recovery) >= 2 and recovery[0][1] and recovery[-1][1]:
+            (small, first), (large, last) = recovery[0], recovery[-1]
+            out.append(goal_row(f"Spark cluster recovery on {name}, {large} / {small} ≤ 1.1 "
+                                "(does not grow with the state)", f"{last / first:.2f}", last / first <= 1.1))
     return out + s3a_goals(doc)
