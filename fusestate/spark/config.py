@@ -267,7 +267,7 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
     if on_s3a:
         checkpoint_dir, uri = None, os.fspath(checkpoint).rstrip("/")  # type: ignore[arg-type]
     else:
-        if s3a_endpoint or s3a_jars or s3a_credentials:
+        if s3a_endpoint or s3a_region or s3a_jars or s3a_credentials:
             raise SparkSetupError("the S3A settings are for an s3a:// checkpoint of the local-disk baseline "
                                   "(--local --checkpoint s3a://bucket/prefix)")
         scheme, checkpoint_dir = (checkpoint_path(checkpoint) if checkpoint
@@ -310,9 +310,7 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
             f"spark.hadoop.fs.{SHIM_SCHEME}.impl.disable.cache": "false",
         })
     check_state_conf(conf, on_mount=not local)
-    for d in (local_dir, checkpoint_dir.parent if checkpoint_dir else None) if create else ():
-        if d is None:
-            continue
+    for d in ([local_dir] + ([checkpoint_dir.parent] if checkpoint_dir else [])) if create else []:
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
