@@ -208,7 +208,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _spawn_daemon(cfg: MountConfig, args: argparse.Namespace) -> int:
     """Start the daemon in the background; return once the mount answers (or failed)."""
-    from fusestate.daemon.mount import check_mountpoint, prepare_cache_dir
+    from fusestate.daemon.paths import check_mountpoint, prepare_cache_dir
 
     check_mountpoint(cfg.mountpoint)
     layout = prepare_cache_dir(cfg.cache_dir)

@@ -27,7 +27,7 @@ from fusestate.daemon.stats import status_numbers
 from fusestate.daemon.lease import (FENCE_GRACE, TAKEOVER_WAIT, Lease, LeaseLost, LeaseRecord, epoch_starts,
                                     read_leases)
 from fusestate.daemon.locality import REFRESH_SECONDS as LOCALITY_REFRESH_SECONDS, Locality, warm_dirs
-from fusestate.daemon.paths import CacheLayout, control_socket
+from fusestate.daemon.paths import CacheLayout, check_mountpoint, control_socket, prepare_cache_dir
 from fusestate.errors import UserError
 from fusestate.localio import libc
 from fusestate.fuse import kernel
@@ -43,40 +43,6 @@ from fusestate.remote import RemoteStore, open_bucket
 log = logging.getLogger(__name__)
 
 FENCE_ACTIVE_SECONDS = 30.0  # keep checking the fence this long after the last fsync
-
-
-def check_mountpoint(path: str) -> None:
-    if not os.path.exists(path):
-        raise UserError(f"mountpoint {path} does not exist")
-    if not os.path.isdir(path):
-        raise UserError(f"mountpoint {path} is not a directory")
-    if os.path.ismount(path) or _mounted_at(path):
-        raise UserError(f"mountpoint {path} is busy: something is already mounted there")
-    if not os.access(path, os.W_OK | os.X_OK) and os.geteuid() != 0:
-        raise UserError(f"mountpoint {path} is not writable by this user")
-
-
-def _mounted_at(path: str) -> bool:
-    real = os.path.realpath(path)
-    with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 1 and fields[1].replace("\\040", " ") == real:
-                return True
-    return False
-
-
-def prepare_cache_dir(path: str) -> CacheLayout:
-    layout = CacheLayout(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".write-test")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        os.unlink(probe)
-    except OSError as exc:
-        raise UserError(f"cache dir {path} is not usable: {exc.strerror or exc}") from None
-    return layout
 
 
 def lock_cache_dir(layout: CacheLayout) -> int:
