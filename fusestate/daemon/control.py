@@ -9,17 +9,22 @@ from __future__ import annotations
 import json
 import os
 import socket
-from typing import Any, Awaitable, Callable
-
-import trio
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from fusestate.daemon.paths import control_socket
 from fusestate.errors import UserError
 
+if TYPE_CHECKING:  # the daemon's side only: a client (every CLI command) does not load trio
+    import trio
+
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
-async def serve(path: str, handler: Handler, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+async def serve(path: str, handler: Handler, task_status: Optional[trio.TaskStatus] = None) -> None:
+    import trio
+
+    if task_status is None:
+        task_status = trio.TASK_STATUS_IGNORED
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     try:
         os.unlink(path)
@@ -44,6 +49,8 @@ async def serve(path: str, handler: Handler, task_status: trio.TaskStatus = trio
 
 
 async def _handle(stream: trio.SocketStream, handler: Handler) -> None:
+    import trio
+
     async with stream:
         buf = b""
         while not buf.endswith(b"\n"):
