@@ -764,3 +764,29 @@ def test_closing_while_the_database_is_down_gives_up_in_seconds(new_engine, post
         assert time.monotonic() - started < 20
     finally:
         postgres_server.start()
+
+
+@shared_only
+def test_a_nodes_own_writes_answer_its_getattr_for_the_attribute_timeout(new_engine) -> None:
+    """What this node just wrote answers its getattr for attr_cache_seconds (the kernel's
+    own attribute timeout), no longer; a lookup or an open always asks the database."""
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        d = await a.create(ROOT_INODE, b"d", DIR)
+        await a.create(d.id, b"x", FILE)
+        mine = await a.getattr(d.id)
+        await b.create(d.id, b"y", DIR)  # another node changes d: nlink and mtime
+        theirs = await b.getattr(d.id)
+        assert theirs.nlink == mine.nlink + 1
+        assert (await a.getattr(d.id)).nlink == mine.nlink  # a's own row, within its timeout
+        assert (await a.lookup(ROOT_INODE, b"d")).nlink == theirs.nlink
+        assert (await a.getattr(d.id)).nlink == theirs.nlink  # the lookup replaced it
+        await a.create(d.id, b"z", FILE)
+        await b.create(d.id, b"w", DIR)
+        await trio.sleep(1.2)
+        assert (await a.getattr(d.id)).nlink == theirs.nlink + 1  # past the timeout: the database's
+        f = await a.create(d.id, b"f", FILE)
+        await b.setattr(f.id, AttrChange(mode=0o600))
+        node, _ = await a.open_file(f.id)
+        assert node.mode & 0o777 == 0o600 and (await a.getattr(f.id)).mode & 0o777 == 0o600
+
+    drive(new_engine, body, nodes=2, attr_cache_seconds=1.0)

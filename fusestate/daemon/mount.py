@@ -133,7 +133,8 @@ class Daemon:
             from fusestate.meta.postgres_engine import PostgresEngine  # psycopg: only shared mounts load it
 
             return PostgresEngine(cfg.meta_url, self.volume.block_size, mountpoint=cfg.mountpoint,
-                                  read_only=cfg.read_only, session_ttl=cfg.session_timeout)
+                                  read_only=cfg.read_only, session_ttl=cfg.session_timeout,
+                                  attr_cache_seconds=cfg.attr_timeout or 0.0)
         known: dict[str, Any] = {}
         with contextlib.suppress(FileNotFoundError, ValueError), open(layout.volume_file) as f:
             known = json.load(f)

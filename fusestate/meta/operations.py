@@ -77,6 +77,9 @@ class Tx(Protocol):
     def changed(self, ino: int) -> None:
         """An inode's row was updated or deleted (an engine that caches attributes drops it)."""
         ...
+    def saved(self, node: Inode) -> None:
+        """The inode's row now holds ``node`` (an engine may remember it once committed)."""
+        ...
     def lock_moves(self) -> None:
         """Serialize directory moves between parents with each other: the check that a
         directory is not moved under itself walks ancestors it does not lock, so two such
@@ -137,6 +140,7 @@ def _check_name(name: bytes) -> None:
 
 def _save(tx: Tx, node: Inode) -> None:
     tx.changed(node.id)
+    tx.saved(node)
     tx.exec("UPDATE inodes SET mode=?, uid=?, gid=?, size=?, nlink=?, atime_ns=?, mtime_ns=?, ctime_ns=?"
             " WHERE id=?", (node.mode, node.uid, node.gid, node.size, node.nlink,
                             node.atime_ns, node.mtime_ns, node.ctime_ns, node.id))

@@ -22,6 +22,7 @@ node and are recorded as not uploaded, and its names go when that session ends.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import logging
@@ -53,6 +54,7 @@ SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clea
 # How long an unmount tries to end its session while the database is unreachable: nothing
 # but the session's own rows is at stake (the other nodes clean them up after SESSION_TTL).
 CLOSE_OUTAGE_BUDGET = 5.0
+RECENT_ROWS_MAX = 10_000  # rows of this node's own writes that getattr answers (attr_cache_seconds)
 # Durable at fsync (sync), visible at once: SET LOCAL as a SELECT, to join the session check.
 NAMESPACE_COMMIT = "SELECT set_config('synchronous_commit', 'off', true)"
 
@@ -168,6 +170,7 @@ class _PgTx:
         self.used_delta = 0
         self.scratch_owner = engine.session_id
         self._locked: dict[int, tuple] = {}  # rows this transaction locked, until it changes them
+        self.saved_rows: dict[int, Optional[Inode]] = {}  # what it left in rows it changed (None: deleted, unknown)
         self._lock_slots: list[Slot] = []  # locks queued, their rows not taken in yet
 
     def new_inode_id(self) -> None:
@@ -207,7 +210,11 @@ class _PgTx:
     def changed(self, ino: int) -> None:
         if self._lock_slots:
             self._take_locked()
-        self._locked.pop(ino, None)  # no attribute cache beyond the transaction: other nodes change rows too
+        self._locked.pop(ino, None)
+        self.saved_rows[ino] = None
+
+    def saved(self, node: Inode) -> None:
+        self.saved_rows[node.id] = dataclasses.replace(node)
 
     def lock_moves(self) -> None:
         self._pipe.queue("SELECT pg_advisory_xact_lock(?)", (MOVE_LOCK,))
@@ -231,7 +238,8 @@ class PostgresEngine:
     shared = True
 
     def __init__(self, url: str, block_size: int = DEFAULT_BLOCK_SIZE, *, mountpoint: str = "",
-                 read_only: bool = False, pool_size: int = 8, session_ttl: float = SESSION_TTL) -> None:
+                 read_only: bool = False, pool_size: int = 8, session_ttl: float = SESSION_TTL,
+                 attr_cache_seconds: float = 0.0) -> None:
         self.url = url
         self.block_size = block_size
         self.read_only = read_only
@@ -243,6 +251,13 @@ class PostgresEngine:
         self._holds = _SessionHolds(lambda: self.session_id)
         self._stats = EngineStats(0, 0)
         self.sessions_cleaned = 0
+        # Rows this node's own transactions just wrote, answered by getattr for this long:
+        # the kernel asks for a directory's attributes again after every change in it, and
+        # would itself have kept them this long (--attr-timeout) had the change not dropped
+        # them. Another node's change shows after at most the same time, as it does through
+        # the kernel's cache.
+        self.attr_cache_seconds = attr_cache_seconds
+        self._recent: dict[int, tuple[float, Inode]] = {}
         self.pool.run_sync(self._create_schema)
 
     # --- setup ----------------------------------------------------------------
@@ -309,17 +324,39 @@ class PostgresEngine:
             if tx.inodes_delta or tx.used_delta:
                 pipe.queue(_ADD_COUNTERS, (tx.inodes_delta, tx.used_delta, self.session_id))
             pipe.queue("COMMIT")
+        self._remember(tx.saved_rows)
         return result, tx.inodes_delta, tx.used_delta
+
+    def _remember(self, rows: dict[int, Optional[Inode]]) -> None:
+        """After a commit: the rows it wrote answer getattr for ``attr_cache_seconds``."""
+        if not rows:
+            return
+        expires = time.monotonic() + self.attr_cache_seconds
+        for ino, node in rows.items():
+            if node is None or self.attr_cache_seconds <= 0:
+                self._recent.pop(ino, None)
+            else:
+                self._recent.pop(ino, None)  # re-inserted last: the dict stays in expiry order
+                self._recent[ino] = (expires, node)
+        while len(self._recent) > RECENT_ROWS_MAX:
+            del self._recent[next(iter(self._recent))]
 
     async def _read(self, operation: Callable[..., T], *args: Any) -> T:
         return await self.pool.run(_in_pipeline(self, operation, *args), explicit=True)
 
     # --- namespace ----------------------------------------------------------------
     async def getattr(self, ino: int) -> Inode:
+        recent = self._recent.get(ino)
+        if recent is not None:
+            if recent[0] > time.monotonic():
+                return dataclasses.replace(recent[1])
+            del self._recent[ino]
         return await self._read(ops.get, ino)
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
-        return await self._read(ops.lookup, parent, name)
+        node = await self._read(ops.lookup, parent, name)
+        self._recent.pop(node.id, None)  # fresher than what this node wrote last
+        return node
 
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
         return await self._write(ops.create, parent, name, node, hold)
@@ -353,6 +390,7 @@ class PostgresEngine:
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
         if self.read_only:
             return await self._read(lambda tx: (ops.get(tx, ino), ops.block_map(tx, ino)))
+        self._recent.pop(ino, None)  # close-to-open: the row as it is now, and nothing older after
         return await self._write(ops.open_file, ino)
 
     async def close_file(self, ino: int) -> Freed:

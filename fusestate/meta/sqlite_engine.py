@@ -132,6 +132,9 @@ class _SQLiteTx:
     def changed(self, ino: int) -> None:
         self._engine._attrs.pop(ino, None)
 
+    def saved(self, node: Inode) -> None:
+        pass  # getattr reads the row again (an exact cache of its own: ``_attrs``)
+
     def unreferenced_mark(self) -> int:
         return self._engine.journal_last_seq()
 
