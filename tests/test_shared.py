@@ -216,6 +216,28 @@ def test_open_unlinked_file_stays_readable_where_it_is_open(make_mount, file_buc
     assert os.listdir(b.path) == []
 
 
+def test_holds_of_closed_files_go_in_batches_and_an_unlinked_file_goes_with_them(make_mount, file_bucket: Bucket,
+                                                                                 pg_url: str) -> None:
+    """A node lets go of the files it closed a moment later, many in one transaction; a
+    reopen meanwhile keeps its hold (an unlink on another node cannot delete the file under
+    it), and a file unlinked elsewhere goes, blocks and all, once its last holder let go."""
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    files = {f"f{i}": os.urandom(100_000 + i) for i in range(20)}
+    for name, data in files.items():
+        write_synced(a.path / name, data)
+    total = sum(len(d) for d in files.values())
+    wait_for(lambda: b.status()["used_bytes"] >= total, timeout=10, what="B's counters to show A's files")
+    with open(a.path / "f0", "rb") as held:  # closed a moment ago, opened again
+        for name in files:
+            os.unlink(b.path / name)
+        time.sleep(1.2)
+        assert held.read() == files["f0"]
+    # Every file has gone from the volume once node A let go of them (f0 after its close).
+    wait_for(lambda: a.status()["files"] == 1 and b.status()["used_bytes"] == 0, timeout=10,
+             what="the unlinked files deleted")
+    assert os.listdir(a.path) == []
+
+
 def test_a_lost_node_is_cleaned_up_and_its_fsynced_files_survive(make_mount, file_bucket: Bucket,
                                                                  pg_url: str) -> None:
     a, b = shared_pair(make_mount, file_bucket, pg_url)

@@ -181,6 +181,12 @@ class MetaEngine(Protocol):
     async def close_file(self, ino: int) -> Freed:
         """This node no longer holds the file; an unlinked file's data goes with its last holder."""
         ...
+    async def close_files(self, inodes: Sequence[int]) -> list[Freed]:
+        """``close_file`` of several files in one transaction (in increasing inode order)."""
+        ...
+    async def read_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
+        """Fresh attributes and block map of a file this node holds already (a read)."""
+        ...
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                             size: int, mtime_ns: int) -> Freed:
         """Point block indexes at objects (key, size), or at holes (None), and set the size

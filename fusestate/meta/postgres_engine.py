@@ -387,9 +387,13 @@ class PostgresEngine:
         return await self._read(ops.existing, inodes)
 
     # --- file data ------------------------------------------------------------------
+    async def read_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
+        self._recent.pop(ino, None)
+        return await self._read(lambda tx: (ops.get(tx, ino), ops.block_map(tx, ino)))
+
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
         if self.read_only:
-            return await self._read(lambda tx: (ops.get(tx, ino), ops.block_map(tx, ino)))
+            return await self.read_file(ino)
         self._recent.pop(ino, None)  # close-to-open: the row as it is now, and nothing older after
         return await self._write(ops.open_file, ino)
 
@@ -397,6 +401,11 @@ class PostgresEngine:
         if self.read_only:
             return Freed()
         return await self._write(ops.close_file, ino)
+
+    async def close_files(self, inodes: Sequence[int]) -> list[Freed]:
+        if self.read_only or not inodes:
+            return [Freed() for _ in inodes]
+        return await self._write(lambda tx: [ops.close_file(tx, ino) for ino in sorted(inodes)])
 
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                             size: int, mtime_ns: int) -> Freed:

@@ -359,6 +359,12 @@ class SQLiteEngine:
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
         return self._read(ops.open_file, ino)
 
+    async def close_files(self, inodes: Sequence[int]) -> list[Freed]:
+        return [await self.close_file(ino) for ino in sorted(inodes)]
+
+    async def read_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
+        return self._read(lambda tx: (ops.get(tx, ino), ops.block_map(tx, ino)))
+
     async def close_file(self, ino: int) -> Freed:
         if ino not in self._holds.inodes:
             return Freed()

@@ -65,6 +65,7 @@ class Handle:
 
 
 CACHED_CONTENT_MAX = 100_000  # files whose cached content a shared mount remembers
+HOLD_RELEASE_DELAY = 0.1  # seconds a closed file's hold waits to go with others (shared engines)
 DELETED_REMEMBERED_MAX = 10_000  # deleted files whose last attributes answer the kernel's late SETATTR
 
 
@@ -114,6 +115,12 @@ class FileSystem:
         # The last attributes of files deleted here, until the kernel forgets them: its
         # writeback cache still sends their mtime (SETATTR) after the unlink.
         self._deleted: OrderedDict[int, Inode] = OrderedDict()
+        # Shared engines: files closed here whose holds go to the database together, a
+        # moment later (``_release_holds_loop``): a hold a file still has a name for frees
+        # nothing, and an open meanwhile takes it back without a write. Those whose batch is
+        # being committed, with the event that says it is done.
+        self._holds_to_release: set[int] = set()
+        self._holds_releasing: dict[int, trio.Event] = {}
         self._nursery: Optional[trio.Nursery] = None
         # Blocks being sealed hold their bytes in memory until staged: writers wait past a bound.
         self._sealing_bytes = 0
@@ -135,11 +142,13 @@ class FileSystem:
         nursery.start_soon(self._expire_dirty_loop)
         if self.meta.shared and not self.read_only:
             nursery.start_soon(self._drop_stale_scratch_loop)
+            nursery.start_soon(self._release_holds_loop)
 
     async def flush_all(self) -> None:
         """Seal every dirty block of every file and persist all inodes."""
         for f in list(self._files.values()):
             await self._flush_file(f)
+        await self.release_holds()
 
     def memory_dirty_bytes(self) -> int:
         total = 0
@@ -494,7 +503,10 @@ class FileSystem:
         engine would drop the hold this open needs and delete an unlinked file under it."""
         f = self._files.get(ino)
         if f is None:
-            node, keys = await self.meta.open_file(ino)
+            if await self._take_back_hold(ino):  # held still: only the fresh attributes to read
+                node, keys = await self.meta.read_file(ino)
+            else:
+                node, keys = await self.meta.open_file(ino)
             f = self._files.get(ino)
             if f is None:
                 f = self._files[ino] = OpenFile(node=node, keys=keys)
@@ -505,7 +517,8 @@ class FileSystem:
         try:
             async with f.hold_lock:
                 if not f.held:
-                    await self.meta.open_file(ino)
+                    if not await self._take_back_hold(ino):
+                        await self.meta.open_file(ino)
                     f.held = True
         finally:
             f.opening -= 1
@@ -878,9 +891,52 @@ class FileSystem:
             if f.held:
                 f.held = False
                 self._remember_content(f)
-                await self._settle(await self.meta.close_file(f.inode))
+                if self.meta.shared and f.node.nlink > 0 and self._nursery is not None:
+                    self._holds_to_release.add(f.inode)
+                else:  # an unlinked file's data goes with its last holder: now
+                    await self._settle(await self.meta.close_file(f.inode))
         if not f.busy and self._files.get(f.inode) is f:
             del self._files[f.inode]
+
+    async def _take_back_hold(self, ino: int) -> bool:
+        """Whether this node's hold of ``ino`` is still in the database, waiting to be
+        released: it is kept, and the release is off. One being released right now is
+        waited for (an open must not register its hold before that delete)."""
+        if ino in self._holds_to_release:
+            self._holds_to_release.discard(ino)
+            return True
+        releasing = self._holds_releasing.get(ino)
+        if releasing is not None:
+            await releasing.wait()
+        return False
+
+    async def release_holds(self) -> None:
+        """Release the holds of files closed since the last batch, in one transaction."""
+        if not self._holds_to_release:
+            return
+        if getattr(self.meta, "lost", False):  # the clean-up of its session dropped them all
+            self._holds_to_release.clear()
+            return
+        batch = sorted(self._holds_to_release)
+        self._holds_to_release.clear()
+        done = trio.Event()
+        for ino in batch:
+            self._holds_releasing[ino] = done
+        try:
+            for freed in await self.meta.close_files(batch):
+                await self._settle(freed)
+        finally:
+            for ino in batch:
+                self._holds_releasing.pop(ino, None)
+            done.set()
+
+    async def _release_holds_loop(self) -> None:
+        while True:
+            await trio.sleep(HOLD_RELEASE_DELAY)
+            try:
+                await self.release_holds()
+            except Exception as exc:  # noqa: BLE001 - the holds stay until the session ends: no data at risk
+                log.warning("could not release the holds of closed files: %s", exc)
 
     async def fsync(self, fh: int, datasync: bool = False) -> None:
         f = self._handle(fh).file
