@@ -12,6 +12,7 @@ jars on its class path (``fusestate spark-pipeline --s3a-jars``) instead of reso
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -49,9 +50,17 @@ class ConnectorUnavailable(RuntimeError):
 
 
 def connector_jars(version: Optional[str] = None, cache: Path = CACHE) -> list[Path]:
-    """The connector's jars (hadoop-aws first), fetched into ``cache`` unless they are there."""
+    """The connector's jars (hadoop-aws first), fetched into ``cache`` unless they are there.
+    One process fetches at a time (two test workers, say): Maven does not lock its repository."""
     version = version or hadoop_version()
     home = cache / f"s3a-{version}"
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetched(version, home, cache)
+
+
+def _fetched(version: str, home: Path, cache: Path) -> list[Path]:
     listing = home / "classpath.txt"
     if listing.exists():
         jars = [Path(p) for p in listing.read_text().strip().split(os.pathsep) if p]
@@ -61,7 +70,6 @@ def connector_jars(version: Optional[str] = None, cache: Path = CACHE) -> list[P
     if mvn is None:
         raise ConnectorUnavailable("Maven (mvn) is not installed: the s3a baseline fetches Hadoop's S3A connector "
                                    "with it (bash scripts/setup.sh installs it)")
-    home.mkdir(parents=True, exist_ok=True)
     group, artifact = HADOOP_AWS.split(":")
     (home / "pom.xml").write_text(POM.format(group=group, artifact=artifact, version=version))
     partial = home / "classpath.tmp"
