@@ -138,7 +138,7 @@ class ShapedMoto(Moto):
         s = self.shape
         cmd = ["ip", "netns", "exec", self.netns, str(BIN / "python"), "-m", "bench.shaped_s3",
                "--host", str(self.subnet[2]), "--port", str(PORT), "--latency-ms", str(s.latency_ms),
-               "--connection-mbps", str(s.connection_mbps)]
+               "--connection-mbps", str(s.connection_mbps), "--own-mount-namespace"]
         with open(self.work / "moto.log", "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                          cwd=Path(__file__).resolve().parent.parent)

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 from bench.common import DEFAULT_CONNECTION_MBPS, DEFAULT_LATENCY_MS, Shape
+from fusestate.namespaces import drop_copies_of_fuse_mounts
 
 PACE_SLICE = 64 * 1024
 
@@ -104,7 +105,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--port", type=int, default=5000)
     parser.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS)
     parser.add_argument("--connection-mbps", type=float, default=DEFAULT_CONNECTION_MBPS)
+    parser.add_argument("--own-mount-namespace", action="store_true",
+                        help="started in a mount namespace of its own (ip netns exec): drop its copies of FUSE mounts")
     args = parser.parse_args(argv)
+    if args.own_mount_namespace:
+        drop_copies_of_fuse_mounts()
     serve(args.host, args.port, Shape(latency_ms=args.latency_ms, connection_mbps=args.connection_mbps))
     return 0
 

@@ -272,3 +272,26 @@ def test_cluster_summary_names_the_lost_node_and_the_report() -> None:
         "spark.sql.streaming.stateStore.minDeltasForSnapshot": "10"})
     assert "state files   0 linked by the shim on loads and commits (changelog checkpointing: state files " \
            "reach the checkpoint with a snapshot, every 10 versions)" in summary_lines(changelog)
+
+
+def test_a_node_holds_up_no_unmount_of_the_machine(make_mount, file_bucket: Bucket, tmp_path: Path) -> None:
+    """A node's mount namespace starts with a copy of every mount of the machine; it drops
+    its copies of FUSE mounts, so a mount made outside unmounts at once while the node runs."""
+    outside = make_mount(file_bucket).mount()
+    (outside.path / "f").write_bytes(b"x")
+    ready = tmp_path / "ready"
+    node = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--pid", "--mount-proc",
+                             "--kill-child", "--", sys.executable, "-m", "fusestate.spark.node", "--name", "n",
+                             "--mountpoint", str(tmp_path / "node-mnt"), "--local-dir", str(tmp_path / "local"),
+                             "--ready", str(ready), "--command", "sleep", "120"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.read_text().strip() == "ok"
+        started = time.monotonic()
+        outside.umount()  # waits for the daemon to end: held up while any copy of the mount lives
+        assert time.monotonic() - started < 30
+    finally:
+        node.kill()
+        node.wait(timeout=30)

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from fusestate.namespaces import drop_copies_of_fuse_mounts
+
 STOP_TIMEOUT = 60.0
 
 
@@ -57,6 +59,7 @@ def _fusestate(*args: str) -> subprocess.CompletedProcess:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    drop_copies_of_fuse_mounts()  # its first process: this is the node's namespace
     ready = Path(args.ready)
     stopping = False
     child: Optional[subprocess.Popen] = None
