@@ -195,6 +195,8 @@ def test_juicefs_peer_files_scenario_tiny(tmp_path: Path) -> None:
         commands = [_cmdline(p) for p in Path("/proc").glob("[0-9]*")]
         assert not [c for c in commands if c.split(" ")[0].endswith("juicefs") and str(work) in c]
     finally:
+        for log in work.rglob("fusestate.log"):  # shown with a failure: the work dir goes
+            print(f"--- {log}\n{log.read_text(errors='replace')[-4000:]}")
         shutil.rmtree(work, ignore_errors=True)
 
 
