@@ -119,6 +119,14 @@ def test_mountpoint_is_a_file(tmp_path: Path, file_bucket: Bucket) -> None:
     assert_nothing_left(tmp_path)
 
 
+def test_runtime_dir_too_long_for_a_socket_is_one_line(tmp_path: Path, mp: Path, file_bucket: Bucket) -> None:
+    runtime = tmp_path / ("r" * 100)
+    proc = fusestate("mount", file_bucket.url, str(mp), "--cache-dir", str(tmp_path / "cache"), check=False,
+                     env=dict(os.environ, FUSESTATE_RUNTIME_DIR=str(runtime)))
+    assert_one_line_error(proc, "FUSESTATE_RUNTIME_DIR", "unix socket")
+    assert_nothing_left(tmp_path)
+
+
 def test_busy_mountpoint(tmp_path: Path, make_mount, file_bucket: Bucket) -> None:
     m: Mount = make_mount(file_bucket).mount()
     (m.path / "keep").write_bytes(b"keep me")

@@ -47,6 +47,9 @@ class CacheLayout:
         return os.path.join(self.root, "fusestate.log")
 
 
+UNIX_PATH_MAX = 108  # sun_path's size on Linux, its terminating NUL included
+
+
 def runtime_dir() -> str:
     explicit = os.environ.get("FUSESTATE_RUNTIME_DIR")
     if explicit:
@@ -73,6 +76,10 @@ def check_mountpoint(path: str) -> None:
         raise UserError(f"mountpoint {path} is busy: something is already mounted there")
     if not os.access(path, os.W_OK | os.X_OK) and os.geteuid() != 0:
         raise UserError(f"mountpoint {path} is not writable by this user")
+    socket_path = control_socket(path)
+    if len(os.fsencode(socket_path)) >= UNIX_PATH_MAX:
+        raise UserError(f"the control socket's path {socket_path} is longer than a unix socket allows "
+                        f"({UNIX_PATH_MAX - 1} bytes): set FUSESTATE_RUNTIME_DIR to a shorter directory")
 
 
 def _mounted_at(path: str) -> bool:
