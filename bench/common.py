@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
 import shutil
@@ -340,3 +341,11 @@ def repetitions(doc: dict[str, Any]) -> int:
 def median_or_none(values: Iterable[Optional[float]]) -> Optional[float]:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
+
+
+def runtime_dir_for(work: Path) -> str:
+    """The daemons' runtime dir (their control sockets) for a work dir, made: a short path of
+    its own under /tmp, since a unix socket's path may not pass 107 bytes and work dirs nest deep."""
+    path = f"/tmp/fusestate-run-{hashlib.sha256(str(work).encode()).hexdigest()[:12]}"
+    os.makedirs(path, exist_ok=True)
+    return path

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from bench.common import FUSESTATE, RunError, Shape, juicefs_binary, log, run_cmd, wait_or_kill
+from bench.common import FUSESTATE, RunError, Shape, juicefs_binary, log, run_cmd, runtime_dir_for, wait_or_kill
 from bench.endpoints import Moto, ShapedMoto
 from bench.pgwork import Database
 from fusestate.meta.local_postgres import LocalPostgres as Postgres, free_port
@@ -217,8 +217,7 @@ class FusestateSystem(System):
         self.args = ["--cache-size", cache_size, "--metrics-addr", "off", *(extra or [])]
         if endpoint:
             self.args += ["--endpoint-url", endpoint]
-        self.env = s3_env({"FUSESTATE_RUNTIME_DIR": str(root.parent / "run")})
-        Path(self.env["FUSESTATE_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True)
+        self.env = s3_env({"FUSESTATE_RUNTIME_DIR": runtime_dir_for(root.parent)})
 
     def cli(self, *argv: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         return run_cmd([FUSESTATE, *argv], timeout=timeout, env=self.env, check=check)

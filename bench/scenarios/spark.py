@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, summarize
+from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, runtime_dir_for, summarize
 from bench.render import bars_from_rows, goal_row, medians_note, ratio_table
 from bench.endpoints import ShapedMoto
 from bench.s3a import ConnectorUnavailable, connector_jars
@@ -74,8 +74,7 @@ def chosen_setups(ctx: Context, names: list[str]) -> list[str]:
 
 
 def spark_env(ctx: Context) -> dict[str, str]:
-    (ctx.work / "run").mkdir(parents=True, exist_ok=True)
-    return dict(os.environ, FUSESTATE_RUNTIME_DIR=str(ctx.work / "run"))
+    return dict(os.environ, FUSESTATE_RUNTIME_DIR=runtime_dir_for(ctx.work))
 
 
 def call_runner(ctx: Context, p: dict[str, Any], setups: list[str], tag: str,
