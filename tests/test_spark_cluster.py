@@ -10,7 +10,9 @@ one node uploads a snapshot into a partition's directory while another loads it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -295,3 +297,33 @@ def test_a_node_holds_up_no_unmount_of_the_machine(make_mount, file_bucket: Buck
     finally:
         node.kill()
         node.wait(timeout=30)
+
+
+def test_a_stopped_node_ends_its_metadata_session(file_bucket: Bucket, pg_url: str, tmp_path: Path) -> None:
+    """A node stopped cleanly (SIGTERM) unmounts and waits for its daemon to end its session:
+    none is left in the database for the other nodes to clean up after a timeout."""
+    import psycopg
+
+    ready = tmp_path / "ready"
+    node = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--pid", "--mount-proc",
+                             "--kill-child", "--", sys.executable, "-m", "fusestate.spark.node", "--name", "n",
+                             "--mountpoint", str(tmp_path / "node-mnt"), "--local-dir", str(tmp_path / "local"),
+                             "--ready", str(ready), "--mount", file_bucket.url, "--cache-dir", str(tmp_path / "cache"),
+                             "--meta", pg_url, "--metrics-addr", "off", "--command", "sleep", "120"],
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.read_text().strip() == "ok"
+        with psycopg.connect(pg_url) as db:
+            assert db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] == 1
+        first = int(Path(f"/proc/{node.pid}/task/{node.pid}/children").read_text().split()[0])
+        os.kill(first, signal.SIGTERM)  # the node's own process: how the harness stops a node
+        node.wait(timeout=90)
+        with psycopg.connect(pg_url) as db:
+            assert db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] == 0
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait(timeout=30)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -121,11 +122,38 @@ def _wait(child: subprocess.Popen, stopping) -> int:
 
 
 def _unmount(mountpoint: str) -> None:
+    daemon = _daemon_pid(mountpoint)
     for _ in range(30):
         if _fusestate("umount", mountpoint).returncode == 0:
-            return
+            break
         time.sleep(1)  # a process of the node may still hold a file for a moment
-    subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
+    else:
+        subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True)
+    if daemon is not None:
+        _wait_for(daemon)
+
+
+def _daemon_pid(mountpoint: str) -> Optional[int]:
+    proc = _fusestate("status", "--json", mountpoint)
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        return int(json.loads(proc.stdout)["pid"])
+    return None
+
+
+def _wait_for(pid: int, timeout: float = STOP_TIMEOUT) -> None:
+    """Wait for the daemon (the namespace's first process inherited it): its unmount returns
+    before it has ended its metadata session, and this process leaving would kill it on the
+    spot (the other nodes would then clean its session up only after the session timeout,
+    as for a lost node)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:  # not ours after all: watch it instead
+            if not os.path.exists(f"/proc/{pid}"):
+                return
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":
