@@ -323,7 +323,25 @@ class SharedFusestateSystem(FusestateSystem):
         return other
 
 
-class JuiceFSSystem(System):
+class MountedPeer(System):
+    """A peer that mounts at ``mnt`` and logs to ``log_file``: usable while mounted,
+    revived by a remount, diagnosed by its log."""
+
+    mnt: Path
+    log_file: Path
+
+    def usable(self) -> bool:
+        return is_mounted(self.mnt) and super().usable()
+
+    def revive(self) -> None:
+        self.stop()
+        self.start()
+
+    def diagnosis(self) -> Optional[str]:
+        return log_tail(self.log_file)
+
+
+class JuiceFSSystem(MountedPeer):
     """JuiceFS (``juicefs mount -d``), its metadata in a database of the run's PostgreSQL
     server, its data in a ``file://`` directory or an S3 bucket.
 
@@ -413,16 +431,6 @@ class JuiceFSSystem(System):
         shutil.rmtree(self.cache, ignore_errors=True)
         self.start()
 
-    def usable(self) -> bool:
-        return is_mounted(self.mnt) and super().usable()
-
-    def revive(self) -> None:
-        self.stop()
-        self.start()
-
-    def diagnosis(self) -> Optional[str]:
-        return log_tail(self.log_file)
-
     def daemon_pid(self) -> Optional[int]:
         return self.pid
 
@@ -465,7 +473,7 @@ def _end_process(pid: int, comm: str, timeout: float = 15.0) -> None:
             return
 
 
-class PeerSystem(System):
+class PeerSystem(MountedPeer):
     """A FUSE peer run as a foreground process we own (so we can always stop it)."""
 
     binary = ""
@@ -511,16 +519,6 @@ class PeerSystem(System):
         self.stop()
         self.wipe_cache()
         self.start()
-
-    def usable(self) -> bool:
-        return is_mounted(self.mnt) and super().usable()
-
-    def revive(self) -> None:
-        self.stop()
-        self.start()
-
-    def diagnosis(self) -> Optional[str]:
-        return log_tail(self.log_file)
 
     def wipe_cache(self) -> None:
         pass
