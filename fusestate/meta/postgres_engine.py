@@ -333,10 +333,8 @@ class PostgresEngine:
             return
         expires = time.monotonic() + self.attr_cache_seconds
         for ino, node in rows.items():
-            if node is None or self.attr_cache_seconds <= 0:
-                self._recent.pop(ino, None)
-            else:
-                self._recent.pop(ino, None)  # re-inserted last: the dict stays in expiry order
+            self._recent.pop(ino, None)  # re-inserted last: the dict stays in expiry order
+            if node is not None and self.attr_cache_seconds > 0:
                 self._recent[ino] = (expires, node)
         while len(self._recent) > RECENT_ROWS_MAX:
             del self._recent[next(iter(self._recent))]
