@@ -4,12 +4,14 @@ prepared on a connection stay usable for its life."""
 
 from __future__ import annotations
 
+import errno
+
 import psycopg
 import pytest
 import trio
 
 from fusestate.meta.pgpipeline import Pipeline
-from fusestate.meta.pgpool import PgPool
+from fusestate.meta.pgpool import PgPool, RefusedByServer
 
 
 def _prepared_names(conn: psycopg.Connection) -> set[str]:
@@ -111,5 +113,27 @@ def test_a_prepared_statement_the_server_dropped_is_prepared_again(pg_url: str) 
 
     try:
         trio.run(main)
+    finally:
+        pool.close()
+
+
+def test_an_operation_the_server_refuses_is_a_posix_error_not_an_outage(pg_url: str) -> None:
+    """SQLSTATE 'FS' + errno, raised by a server-side operation, reaches the caller at once
+    as that errno (not retried as a lost connection), and the connection stays in the pool."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("CREATE FUNCTION refuse(code text) RETURNS int LANGUAGE plpgsql AS"
+                     " $$ BEGIN RAISE EXCEPTION 'refused: %', code USING ERRCODE = code; END $$")
+    pool = PgPool(pg_url, size=1, outage_budget=30)
+
+    def call(cur: psycopg.Cursor, code: str) -> None:
+        cur.execute("SELECT refuse(%s)", (code,))
+
+    try:
+        for code, number in (("FS002", errno.ENOENT), ("FS017", errno.EEXIST), ("FSLST", errno.EIO)):
+            with pytest.raises(RefusedByServer) as refused:
+                pool.run_sync(call, code, explicit=True)
+            assert (refused.value.errno, refused.value.sqlstate) == (number, code)
+            assert f"refused: {code}" in str(refused.value)
+        assert pool.reconnects == 1  # one connection, reused after every refusal
     finally:
         pool.close()

@@ -31,7 +31,7 @@ import psycopg
 import trio
 
 from fusestate.config import redact_url
-from fusestate.errors import UserError
+from fusestate.errors import FsError, UserError
 from fusestate.meta.loop_io import LoopConnection, await_, on_loop, run_on_loop
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,19 @@ IDLE, INTRANS, INERROR = (psycopg.pq.TransactionStatus.IDLE, psycopg.pq.Transact
 RETRIED_SQLSTATES = {"40001", "40P01", "23505", "26000"}
 MAX_CONFLICT_TRIES = 50
 CONNECT_TIMEOUT = 5
+# Server-side operations refuse with SQLSTATE 'FS' + a three-digit errno (FS002: ENOENT),
+# or a code of the engine's own (FSLST: the session is gone). Without this, psycopg
+# would raise them as OperationalError, which the pool takes for a lost connection.
+REFUSED_CLASS = "FS"
+
+
+class RefusedByServer(FsError):
+    """A POSIX error a server-side operation raised: the transaction rolled back whole."""
+
+    def __init__(self, sqlstate: str, detail: str) -> None:
+        code = int(sqlstate[2:]) if sqlstate[2:].isdigit() else errno.EIO
+        super().__init__(code, detail)
+        self.sqlstate = sqlstate
 
 
 redact = redact_url
@@ -127,6 +140,8 @@ class PgPool:
                 if exc.sqlstate in RETRIED_SQLSTATES:
                     conflicts = self._conflict(conn, conflicts)
                     continue
+                if (exc.sqlstate or "").startswith(REFUSED_CLASS):
+                    raise self._refused(conn, exc) from None
                 # The server went away (restart, network): a new connection, a new try.
                 self._discard(conn)
                 now = time.monotonic()
@@ -142,6 +157,8 @@ class PgPool:
                 if exc.sqlstate in RETRIED_SQLSTATES:
                     conflicts = self._conflict(conn, conflicts)
                     continue
+                if (exc.sqlstate or "").startswith(REFUSED_CLASS):
+                    raise self._refused(conn, exc) from None
                 if conn is not None and conn.closed:
                     self._discard(conn)
                 elif conn is not None:
@@ -154,6 +171,12 @@ class PgPool:
                     else:
                         self._give(conn)
                 raise
+
+    def _refused(self, conn: Optional[psycopg.Connection], exc: psycopg.Error) -> RefusedByServer:
+        """A refusal of the operation, not of the connection: the connection is reused."""
+        if conn is not None:
+            self._give(conn)
+        return RefusedByServer(exc.sqlstate or "", exc.diag.message_primary or "")
 
     def _conflict(self, conn: Optional[psycopg.Connection], tries: int) -> int:
         """Another transaction won a race: back off a little (jittered) and run again."""

@@ -239,13 +239,13 @@ class PostgresEngine:
 
     def __init__(self, url: str, block_size: int = DEFAULT_BLOCK_SIZE, *, mountpoint: str = "",
                  read_only: bool = False, pool_size: int = 8, session_ttl: float = SESSION_TTL,
-                 attr_cache_seconds: float = 0.0) -> None:
+                 attr_cache_seconds: float = 0.0, outage_budget: float = 60.0) -> None:
         self.url = url
         self.block_size = block_size
         self.read_only = read_only
         self.mountpoint = mountpoint
         self.session_ttl = session_ttl
-        self.pool = PgPool(url, size=pool_size)
+        self.pool = PgPool(url, size=pool_size, outage_budget=outage_budget)
         self.session_id = 0
         self.lost = False  # the other nodes cleaned up this session: nothing more may be published
         self._holds = _SessionHolds(lambda: self.session_id)
