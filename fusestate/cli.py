@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_meta_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meta", default=os.environ.get("FUSESTATE_META_URL") or None, metavar="URL",
                         help="metadata engine: 'sqlite' (the embedded default: one writer per volume) or "
-                             "postgresql://[user@]host[:port]/database, shared by every node that mounts the "
-                             "volume read-write at once (credentials as libpq takes them: PGPASSWORD, "
+                             "postgresql://[user@]host[:port][,host2[:port]...]/database, shared by every node "
+                             "that mounts the volume read-write at once (a primary and its standbys: add "
+                             "?target_session_attrs=read-write; credentials as libpq takes them: PGPASSWORD, "
                              "~/.pgpass, PGSSLMODE); default $FUSESTATE_META_URL, else sqlite")
 
 
@@ -157,6 +158,9 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--session-timeout", type=float, default=unset,
                    help="with --meta: seconds a node's session lives without a heartbeat before the other "
                         f"nodes clean it up (default {_default('session_timeout')})")
+    m.add_argument("--meta-outage-budget", type=float, default=unset, metavar="SECONDS",
+                   help="with --meta: how long an operation waits for the database (a restart, a failover to a "
+                        f"standby) before it fails with EIO (default {_default('meta_outage_budget'):g})")
     m.add_argument("--foreground", "-f", action="store_true", default=unset, help="stay in the foreground")
     m.add_argument("--attr-timeout", type=float, default=unset,
                    help="seconds the kernel caches names and attributes (default 10, or 1 with --meta: "

@@ -30,14 +30,19 @@ def parse_size(text: str, option: str = "size") -> int:
 
 
 def redact_url(url: str) -> str:
-    """A URL without its password, for every message and record."""
+    """A URL without its password (in its user part or, as libpq also takes it, in a
+    ``password=`` parameter), for every message and record. Works on a libpq multi-host
+    URL (``postgresql://u:pw@h1:5432,h2:5432/db``): only the part before ``@`` is read."""
+    import re
     from urllib.parse import urlsplit, urlunsplit
 
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}" if parts.username else host))
+    if parts.query:
+        parts = parts._replace(query=re.sub(r"(^|&)password=[^&]*", r"\1password=***", parts.query))
+    if parts.password is not None:
+        host = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username}:***@{host}" if parts.username else host)
+    return urlunsplit(parts)
 
 
 def format_size(n: float) -> str:
@@ -69,8 +74,8 @@ def meta_url_of(meta: Optional[str]) -> Optional[str]:
     if meta in (None, "", "sqlite"):
         return None
     if not meta.startswith(("postgresql://", "postgres://")):
-        raise UserError(f"bad --meta {redact_url(meta)!r}: expected postgresql://[user@]host[:port]/database "
-                        "or sqlite (the embedded default)")
+        raise UserError(f"bad --meta {redact_url(meta)!r}: expected "
+                        "postgresql://[user@]host[:port][,host2[:port]...]/database or sqlite (the embedded default)")
     return meta
 
 
@@ -107,6 +112,7 @@ class MountConfig:
     scratch_dirs: list[str] = field(default_factory=list)  # name globs of node-local directories (--scratch)
     meta_url: Optional[str] = None           # a shared metadata engine (postgresql://...); None: embedded SQLite
     session_timeout: float = 30.0            # shared engine: seconds without a heartbeat before others clean up
+    meta_outage_budget: float = 60.0         # shared engine: seconds an operation waits for the database (EIO after)
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
 
@@ -115,6 +121,8 @@ class MountConfig:
         self.meta_url = meta_url_of(self.meta_url)
         if self.attr_timeout is None:
             self.attr_timeout = 1.0 if self.meta_url else 10.0
+        if self.meta_outage_budget <= 0:
+            raise UserError(f"bad --meta-outage-budget {self.meta_outage_budget:g}: expected seconds, more than 0")
         if self.meta_url is not None:
             if self.takeover:
                 raise UserError("--takeover is for the embedded engine's single writer; with --meta every node "

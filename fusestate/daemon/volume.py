@@ -15,7 +15,6 @@ import json
 import logging
 import time
 import uuid
-from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,17 +37,46 @@ class VolumeInfo:
 
 
 def engine_identity(meta_url: Optional[str]) -> str:
-    """The database a volume's metadata lives in, as recorded: no user, no password."""
+    """The database a volume's metadata lives in, as recorded: no user, no password, no
+    options. A libpq multi-host URL (a primary and its standbys) records every server, in
+    order: ``postgresql://h1:5432,h2:5432/db``. libpq's own parser reads the URL."""
     if not meta_url:
         return "sqlite"
-    parts = urlsplit(meta_url)
-    host = parts.hostname or "localhost"
-    return f"postgresql://{host}:{parts.port or 5432}{parts.path or '/'}"
+    servers, database = _servers(meta_url)
+    return f"postgresql://{','.join(servers)}/{database}"
+
+
+def _servers(meta_url: str) -> tuple[list[str], str]:
+    """(["host:port", ...], database) of a PostgreSQL URL, defaults filled in as libpq does."""
+    from psycopg.conninfo import conninfo_to_dict  # only a shared volume pays for psycopg's import
+
+    try:
+        params = conninfo_to_dict(meta_url)
+    except Exception as exc:  # noqa: BLE001 - psycopg.ProgrammingError: libpq's own words
+        raise UserError(f"bad --meta URL: {str(exc).strip() or type(exc).__name__}") from None
+    hosts = str(params.get("host") or "localhost").split(",")
+    ports = str(params.get("port") or "5432").split(",")
+    if len(ports) == 1:
+        ports *= len(hosts)  # one port for every host, as libpq reads it
+    if len(ports) != len(hosts):
+        raise UserError(f"bad --meta URL: {len(hosts)} hosts but {len(ports)} ports")
+    servers = [f"{h or 'localhost'}:{p or 5432}" for h, p in zip(hosts, ports)]
+    return servers, str(params.get("dbname") or "")
+
+
+def _same_database(recorded: str, named: str) -> bool:
+    """Whether ``named`` reaches the database ``recorded``: the same database name on at
+    least one of the same servers. A volume created through one server of a cluster (or
+    through the whole list) is mounted through any list that still names one of them."""
+    if not (recorded.startswith("postgresql://") and named.startswith("postgresql://")):
+        return False
+    (rec_servers, rec_db), (servers, db) = _servers(recorded), _servers(named)
+    return rec_db == db and bool(set(rec_servers) & set(servers))
 
 
 def _check_engine(info: VolumeInfo, meta_url: Optional[str]) -> None:
     named = engine_identity(meta_url)
-    if named == info.meta:
+    if named == info.meta or _same_database(info.meta, named):
         return
     if info.meta == "sqlite":
         raise UserError(f"the volume keeps its metadata in the embedded engine (sqlite), not {named}; "

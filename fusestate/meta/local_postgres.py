@@ -10,7 +10,9 @@ and ``--meta postgresql://...``.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -36,6 +38,41 @@ def postgres_bin() -> Path:
         raise PostgresServerError("PostgreSQL is not installed (Debian package postgresql; scripts/setup.sh "
                                   "installs it), or give a database with --meta postgresql://...")
     return found[-1].parent
+
+
+def server_processes(data: Path) -> list[int]:
+    """The postmaster of the server in ``data`` (first), then its children. PostgreSQL puts
+    each child in a session of its own, so a signal to the postmaster's process group
+    reaches the postmaster alone."""
+    try:
+        postmaster = int((data / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return []
+    children = []
+    for task in Path(f"/proc/{postmaster}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            children += [int(pid) for pid in task.read_text().split()]
+    return [postmaster, *children]
+
+
+def freeze(data: Path) -> None:
+    """Stop every process of the server (SIGSTOP), the postmaster first so it forks no
+    more: its sockets stay open, and whoever waits on them waits for ever, as for a
+    server whose machine froze or was cut off."""
+    processes = server_processes(data)
+    if processes:
+        os.kill(processes[0], signal.SIGSTOP)
+        for pid in server_processes(data)[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
+
+def thaw(data: Path) -> None:
+    """Undo :func:`freeze`: the children first, then the postmaster."""
+    processes = server_processes(data)
+    for pid in reversed(processes):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 class LocalPostgres:

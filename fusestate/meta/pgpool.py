@@ -15,6 +15,25 @@ not answer may take ``CONNECT_TIMEOUT`` seconds, which the loop must not wait ou
 
 Credentials follow libpq (``PGPASSWORD``, ``~/.pgpass``, ``PGSSLMODE``); a password in
 the URL works but is never printed (``redact``).
+
+A primary with standbys behind a failover tool (Patroni, pg_auto_failover, an operator's
+read-write service) is followed as libpq follows it: a multi-host URL
+(``postgresql://h1:5432,h2:5432/db?target_session_attrs=read-write``) tries its servers in
+turn (psycopg makes one attempt per host, each within the connect timeout) and keeps the
+first that accepts writes. On top of that the pool
+
+- tries the server it just lost last, so a reconnect reaches a promoted standby without
+  first waiting out the old primary's connect timeout;
+- closes its idle connections when one of them finds the server gone: they lead there too;
+- refuses a server on an older timeline than one it has already written to (an old
+  primary that came back from a freeze and has not yet been demoted), and drops its
+  connections to the older timeline when it meets a newer one, so its transactions never
+  go to two primaries;
+- breaks the connection of a transaction that has waited :data:`STALL_PROBE_AFTER`
+  seconds on a server that no longer answers a new connection within
+  :data:`PROBE_TIMEOUT` (a frozen or cut-off server keeps its sockets open, so nothing
+  else would ever end the wait); a transaction that is merely slow (a lock, a synchronous
+  standby's acknowledgement, a large scan) on a server that answers goes on.
 """
 
 from __future__ import annotations
@@ -22,13 +41,18 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import queue
 import random
+import socket
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 import psycopg
 import trio
+from psycopg.conninfo import conninfo_to_dict
 
 from fusestate.config import redact_url
 from fusestate.errors import FsError, UserError
@@ -44,7 +68,15 @@ IDLE, INTRANS, INERROR = (psycopg.pq.TransactionStatus.IDLE, psycopg.pq.Transact
 # lost (``pgpipeline`` prepares afresh on the next try).
 RETRIED_SQLSTATES = {"40001", "40P01", "23505", "26000"}
 MAX_CONFLICT_TRIES = 50
-CONNECT_TIMEOUT = 5
+CONNECT_TIMEOUT = 5  # seconds per server, unless the URL has a connect_timeout of its own
+# "cannot execute ... in a read-only transaction": the server is (now) a standby.
+READ_ONLY_SQLSTATE = "25006"
+STALL_PROBE_AFTER = 2.0  # seconds a transaction waits before its server is asked whether it is alive
+PROBE_TIMEOUT = 2        # seconds a new connection may take to prove the server alive (libpq's minimum)
+PROBE_AGAIN_AFTER = 5.0  # seconds before a server that answered is asked again about the same wait
+# The timeline of a primary; 0 for a standby (a plain URL may reach one).
+TIMELINE_QUERY = ("SELECT CASE WHEN pg_is_in_recovery() THEN 0"
+                  " ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END")
 # Server-side operations refuse with SQLSTATE 'FS' + a three-digit errno (FS002: ENOENT),
 # or a code of the engine's own (FSLST: the session is gone). Without this, psycopg
 # would raise them as OperationalError, which the pool takes for a lost connection.
@@ -85,6 +117,15 @@ class DatabaseUnavailable(OSError):
         super().__init__(errno.EIO, f"metadata database {redact(url)} unreachable for {seconds:.0f} s: {cause}")
 
 
+@dataclass
+class _Busy:
+    """A transaction in flight: its connection, since when, on which server."""
+
+    conn: psycopg.Connection
+    since: float
+    server: tuple[str, str]
+
+
 class PgPool:
     """A bounded set of connections; ``run`` executes one transaction on the event loop."""
 
@@ -98,6 +139,15 @@ class PgPool:
         self._outage_logged = False
         self.retries = 0
         self.reconnects = 0
+        self.stalls_broken = 0  # connections broken because their server stopped answering
+        params = conninfo_to_dict(url)
+        self._connect_timeout = {} if params.get("connect_timeout") else {"connect_timeout": CONNECT_TIMEOUT}
+        self._servers = _server_list(params)
+        self.timeline = 0  # the newest timeline written to (0: none yet, or a single server's)
+        self._busy: dict[int, _Busy] = {}
+        self._busy_lock = threading.Lock()
+        self._watchdog: Optional[threading.Thread] = None
+        self._closing = threading.Event()
 
     async def run(self, fn: Callable[..., T], *args: Any, explicit: bool = False) -> T:
         """``fn(cursor, *args)`` in one transaction, its waits on the event loop.
@@ -123,17 +173,19 @@ class PgPool:
             conn: Optional[psycopg.Connection] = None
             try:
                 conn = self._take()
-                if explicit:
-                    with conn.cursor() as cur:
-                        result = fn(cur, *args)
-                        if conn.info.transaction_status != IDLE:
-                            cur.execute("COMMIT")
-                else:
-                    with conn.transaction(), conn.cursor() as cur:
-                        result = fn(cur, *args)
+                with self._watched(conn):
+                    if explicit:
+                        with conn.cursor() as cur:
+                            result = fn(cur, *args)
+                            if conn.info.transaction_status != IDLE:
+                                cur.execute("COMMIT")
+                    else:
+                        with conn.transaction(), conn.cursor() as cur:
+                            result = fn(cur, *args)
                 self._give(conn)
                 if outage_started is not None:
-                    log.warning("metadata database %s is back", self.redacted)
+                    log.warning("metadata database %s is back (%s)", self.redacted,
+                                _where(getattr(conn, "server", None), self.timeline))
                     self._outage_logged = False
                 return result
             except psycopg.OperationalError as exc:
@@ -142,23 +194,18 @@ class PgPool:
                     continue
                 if (exc.sqlstate or "").startswith(REFUSED_CLASS):
                     raise self._refused(conn, exc) from None
-                # The server went away (restart, network): a new connection, a new try.
-                self._discard(conn)
-                now = time.monotonic()
-                outage_started = outage_started or now
-                if now - outage_started > self.outage_budget:
-                    raise DatabaseUnavailable(self.url, now - outage_started, exc) from exc
-                if not self._outage_logged:
-                    log.warning("metadata database %s unreachable (%s); retrying", self.redacted,
-                                str(exc).strip().splitlines()[0] if str(exc).strip() else exc)
-                    self._outage_logged = True
-                _pause(min(1.0, 0.05 * 2 ** min(6, int(now - outage_started))))
+                # The server went away (restart, network, failover): a new connection, a new try.
+                outage_started = self._outage(conn, exc, outage_started)
             except psycopg.Error as exc:
                 if exc.sqlstate in RETRIED_SQLSTATES:
                     conflicts = self._conflict(conn, conflicts)
                     continue
                 if (exc.sqlstate or "").startswith(REFUSED_CLASS):
                     raise self._refused(conn, exc) from None
+                if exc.sqlstate == READ_ONLY_SQLSTATE:
+                    # A standby now (behind a proxy or a plain URL): the primary is elsewhere.
+                    outage_started = self._outage(conn, exc, outage_started)
+                    continue
                 if conn is not None and conn.closed:
                     self._discard(conn)
                 elif conn is not None:
@@ -171,6 +218,25 @@ class PgPool:
                     else:
                         self._give(conn)
                 raise
+
+    def _outage(self, conn: Optional[psycopg.Connection], exc: psycopg.Error, started: Optional[float]) -> float:
+        """The server this connection led to is gone: drop it and every idle connection
+        (they lead there too), try that server last from now on, and wait a little before
+        the next try; past the outage budget, give up. Returns when the outage started."""
+        if conn is not None:
+            self._demote(getattr(conn, "server", None))
+        self._discard(conn)
+        self.close_idle()
+        now = time.monotonic()
+        started = started or now
+        if now - started > self.outage_budget:
+            raise DatabaseUnavailable(self.url, now - started, exc) from exc
+        if not self._outage_logged:
+            log.warning("metadata database %s unreachable (%s); retrying", self.redacted,
+                        str(exc).strip().splitlines()[0] if str(exc).strip() else exc)
+            self._outage_logged = True
+        _pause(min(1.0, 0.05 * 2 ** min(6, int(now - started))))
+        return started
 
     def _refused(self, conn: Optional[psycopg.Connection], exc: psycopg.Error) -> RefusedByServer:
         """A refusal of the operation, not of the connection: the connection is reused."""
@@ -189,29 +255,70 @@ class PgPool:
         _pause(random.uniform(0, min(0.05, 0.001 * 2 ** tries)))
         return tries
 
+    # --- connections ----------------------------------------------------------------------
     def _take(self) -> psycopg.Connection:
-        try:
-            conn = self._idle.get_nowait()
-            if not conn.closed:
+        while True:
+            try:
+                conn = self._idle.get_nowait()
+            except queue.Empty:
+                break
+            if not conn.closed and getattr(conn, "timeline", 0) >= self.timeline:
                 return conn
-        except queue.Empty:
-            pass
+            self._discard(conn)
         self.reconnects += 1
+        if on_loop():
+            return await_(lambda: trio.to_thread.run_sync(self._connect))
+        return self._connect()
+
+    def _connect(self) -> psycopg.Connection:
+        """A new connection (blocking: a worker thread's job on the loop), to the first of
+        the servers, in the pool's order, that takes it, and on no older timeline than
+        this pool has written to."""
         # No automatic preparing by psycopg: it deallocates every prepared statement of
         # the connection after a ROLLBACK, those of ``pgpipeline`` too, which prepares its own.
-        connect = functools.partial(LoopConnection.connect, self.url, connect_timeout=CONNECT_TIMEOUT,
-                                    autocommit=True, prepare_threshold=None)
-        if on_loop():
-            return await_(lambda: trio.to_thread.run_sync(connect))
-        return connect()
+        conn = LoopConnection.connect(self.url, autocommit=True, prepare_threshold=None,
+                                      **self._connect_timeout, **self._order())
+        conn.server = server = _server_of(conn)  # type: ignore[attr-defined]
+        try:
+            with self._watched(conn):
+                timeline = int(conn.execute(TIMELINE_QUERY).fetchone()[0])
+        except BaseException:
+            self._discard(conn)
+            raise
+        conn.timeline = timeline  # type: ignore[attr-defined]
+        if timeline < self.timeline:
+            self._discard(conn)
+            self._demote(server)
+            raise psycopg.OperationalError(
+                f"{_where(server, timeline)} is on an older timeline than {self.timeline}: a former primary "
+                "not yet demoted")
+        if timeline > self.timeline:
+            if self.timeline:
+                log.warning("metadata database %s: now on %s (was timeline %d)", self.redacted,
+                            _where(server, timeline), self.timeline)
+            self.timeline = timeline  # connections to older timelines are dropped as they come back
+        return conn
+
+    def _order(self) -> dict[str, str]:
+        """Connection parameters that list the URL's servers in the pool's current order."""
+        if len(self._servers) < 2:
+            return {}
+        hosts, ports = zip(*self._servers)
+        return {"host": ",".join(hosts), "port": ",".join(ports)}
+
+    def _demote(self, server: Optional[tuple[str, str]]) -> None:
+        """Try ``server`` last from now on."""
+        if server in self._servers and len(self._servers) > 1:
+            self._servers = [s for s in self._servers if s != server] + [server]
 
     def _give(self, conn: psycopg.Connection) -> None:
         if not conn.closed and conn.info.transaction_status in (INTRANS, INERROR):
             try:
-                conn.execute("ROLLBACK")  # what an explicit transaction left open when it failed
+                with self._watched(conn):
+                    conn.execute("ROLLBACK")  # what an explicit transaction left open when it failed
             except psycopg.Error:
                 pass
-        if conn.closed or conn.info.transaction_status != IDLE:
+        if conn.closed or conn.info.transaction_status != IDLE or getattr(conn, "timeline", 0) < self.timeline:
             self._discard(conn)
         else:
             self._idle.put(conn)
@@ -224,9 +331,106 @@ class PgPool:
             except psycopg.Error:
                 pass
 
-    def close(self) -> None:
+    def close_idle(self) -> None:
         while True:
             try:
                 self._discard(self._idle.get_nowait())
             except queue.Empty:
                 return
+
+    def close(self) -> None:
+        self._closing.set()
+        self.close_idle()
+
+    # --- servers that stop answering ------------------------------------------------------
+    def _watched(self, conn: psycopg.Connection) -> "_Watched":
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="pgpool-watchdog", daemon=True)
+            self._watchdog.start()
+        return _Watched(self, conn)
+
+    def _watch(self) -> None:
+        """Every second: a transaction waiting longer than STALL_PROBE_AFTER on a server
+        that no longer takes a new connection has its connection broken (its socket shut
+        down), so it fails as a lost connection and is retried elsewhere."""
+        answered: dict[tuple[str, str], float] = {}  # server -> when it last proved alive
+        while not self._closing.wait(1.0):
+            now = time.monotonic()
+            with self._busy_lock:
+                stalled = [b for b in self._busy.values() if now - b.since > STALL_PROBE_AFTER]
+            for server in {b.server for b in stalled}:
+                if not server[0] or now - answered.get(server, -PROBE_AGAIN_AFTER) < PROBE_AGAIN_AFTER:
+                    continue
+                if self._alive(server):
+                    answered[server] = time.monotonic()
+                    continue
+                log.warning("metadata database server %s:%s does not answer; breaking the connections "
+                            "that wait on it", *server)
+                with self._busy_lock:
+                    for busy in stalled:
+                        if busy.server == server and self._busy.get(id(busy.conn)) is busy:
+                            _shut_down(busy.conn)
+                            self.stalls_broken += 1
+
+    def _alive(self, server: tuple[str, str]) -> bool:
+        """Whether ``server`` takes a new connection: any answer, a refusal included (it
+        carries a SQLSTATE), proves the server runs; a timeout or a closed port does not."""
+        try:
+            psycopg.connect(self.url, host=server[0], port=server[1], connect_timeout=PROBE_TIMEOUT,
+                            target_session_attrs="any").close()
+        except psycopg.Error as exc:
+            return exc.sqlstate is not None
+        return True
+
+
+class _Watched:
+    """The span of one transaction on a connection, as the watchdog sees it."""
+
+    def __init__(self, pool: PgPool, conn: psycopg.Connection) -> None:
+        self.pool, self.busy = pool, _Busy(conn, time.monotonic(), getattr(conn, "server", None) or ("", ""))
+
+    def __enter__(self) -> None:
+        with self.pool._busy_lock:
+            self.pool._busy[id(self.busy.conn)] = self.busy
+
+    def __exit__(self, *exc: object) -> None:
+        with self.pool._busy_lock:
+            self.pool._busy.pop(id(self.busy.conn), None)
+
+
+def _server_list(params: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (host, port) pairs a URL names, in its order; empty where the pool should pass
+    the URL as it is (a single server, or addresses given as hostaddr)."""
+    if params.get("hostaddr"):
+        return []
+    hosts = str(params.get("host") or "").split(",")
+    ports = str(params.get("port") or "").split(",")
+    if len(ports) == 1:
+        ports *= len(hosts)
+    return list(zip(hosts, ports)) if len(hosts) > 1 and len(ports) == len(hosts) else []
+
+
+def _server_of(conn: psycopg.Connection) -> Optional[tuple[str, str]]:
+    try:
+        return conn.info.host, str(conn.info.port)
+    except psycopg.Error:
+        return None
+
+
+def _where(server: Optional[tuple[str, str]], timeline: int) -> str:
+    place = f"{server[0]}:{server[1]}" if server else "the server"
+    return f"{place}, timeline {timeline}" if timeline else place
+
+
+def _shut_down(conn: psycopg.Connection) -> None:
+    """End the connection's TCP stream under whoever waits on it: the wait wakes, libpq
+    reads the end of the stream and fails the transaction as a lost connection."""
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.Error:
+        return  # libpq already let go of it
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
