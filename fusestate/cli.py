@@ -161,6 +161,9 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--meta-outage-budget", type=float, default=unset, metavar="SECONDS",
                    help="with --meta: how long an operation waits for the database (a restart, a failover to a "
                         f"standby) before it fails with EIO (default {_default('meta_outage_budget'):g})")
+    m.add_argument("--meta-connections", type=int, default=unset, metavar="N",
+                   help="with --meta: the most connections this daemon opens to the database, made as "
+                        f"operations need them and kept (default {_default('meta_connections')})")
     m.add_argument("--foreground", "-f", action="store_true", default=unset, help="stay in the foreground")
     m.add_argument("--attr-timeout", type=float, default=unset,
                    help="seconds the kernel caches names and attributes (default 10, or 1 with --meta: "

@@ -2,7 +2,8 @@
 # Install everything fusestate needs on a fresh Debian machine (run as root):
 # FUSE 3, RocksDB's tools, the tools the deployment and metrics tests use (Prometheus,
 # ShellCheck, systemd-analyze, strace), what the benchmarks compare against (fio, rclone, s3fs-fuse),
-# and a virtualenv with fusestate and its test and benchmark dependencies.
+# PostgreSQL with Patroni, etcd and PgBouncer for the shared engine's tests, and a virtualenv
+# with fusestate and its test and benchmark dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,8 +39,13 @@ for cmd in fusermount3 db_bench ldb pkg-config prometheus promtool shellcheck sy
     command -v "$cmd" >/dev/null 2>&1 || need_apt=1
 done
 [ -e /usr/include/fuse3/fuse_lowlevel.h ] || need_apt=1
-# PostgreSQL's server, for the shared metadata engine's tests (they start their own server).
+# PostgreSQL's server, for the shared metadata engine's tests (they start their own server),
+# and what makes it highly available (Patroni with etcd) or pools its connections (PgBouncer),
+# for the failover and pooler tests (they start their own too).
 compgen -G "/usr/lib/postgresql/*/bin/pg_ctl" >/dev/null || need_apt=1
+for cmd in patroni etcd pgbouncer; do
+    command -v "$cmd" >/dev/null 2>&1 || need_apt=1
+done
 if [ "$need_apt" = 1 ]; then
     had_prometheus=0
     case "$(dpkg-query -W -f='${Status}' prometheus 2>/dev/null || true)" in
@@ -49,14 +55,25 @@ if [ "$need_apt" = 1 ]; then
     case "$(dpkg-query -W -f='${Status}' postgresql 2>/dev/null || true)" in
         *" installed") had_postgresql=1 ;;
     esac
+    # Services whose packages this run brings: stopped and disabled below.
+    brought=()
+    for pkg_service in etcd-server:etcd patroni:patroni pgbouncer:pgbouncer; do
+        case "$(dpkg-query -W -f='${Status}' "${pkg_service%%:*}" 2>/dev/null || true)" in
+            *" installed") ;;
+            *) brought+=("${pkg_service#*:}") ;;
+        esac
+    done
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends \
         fuse3 libfuse3-dev pkg-config rocksdb-tools prometheus shellcheck systemd \
-        fio rclone s3fs strace postgresql iproute2 >/dev/null
+        fio rclone s3fs strace postgresql iproute2 patroni etcd-server pgbouncer >/dev/null
     # Only a server this script brought: one installed on purpose is left as it is.
     [ "$had_prometheus" = 1 ] || stop_packaged_prometheus
     [ "$had_postgresql" = 1 ] || stop_packaged_service postgresql
+    for service in "${brought[@]}"; do
+        stop_packaged_service "$service"
+    done
 fi
 
 # A JDK for PySpark and for building the Spark Hadoop shim (spark/shim).

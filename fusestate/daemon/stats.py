@@ -264,6 +264,18 @@ STATS: list[Stat] = [
     Stat("session.lost", "fusestate_session_lost", GAUGE,
          "1 once the other nodes cleaned up this mount's session on the shared volume's database: it publishes "
          "nothing more until mounted again", lambda d: int(d.meta.lost), when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.connections", "fusestate_meta_connections", GAUGE,
+         "Connections this mount holds to the shared volume's database (--meta-connections at most)",
+         lambda d: d.meta.pool.open_connections, when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.reconnects", "fusestate_meta_connects_total", COUNTER,
+         "Connections made to the shared volume's database (the first ones, and again after a restart or failover)",
+         lambda d: d.meta.pool.reconnects, when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.timeline", "fusestate_meta_timeline", GAUGE,
+         "The database's timeline this mount writes to: it goes up by one at each failover to a standby",
+         lambda d: d.meta.pool.timeline, when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.stalls_broken", "fusestate_meta_stalls_broken_total", COUNTER,
+         "Connections broken because their database server stopped answering (frozen or cut off)",
+         lambda d: d.meta.pool.stalls_broken, when=_is_shared),  # type: ignore[attr-defined]
     # --- where the volume's state is warm (refreshed every few minutes and by status --warm)
     Stat("locality.warm_bytes", "fusestate_warm_bytes", GAUGE, "Bytes of a directory's files whose blocks this node holds",
          lambda d: _warm_dirs(d, "warm_bytes"), by=("dir",)),

@@ -69,6 +69,7 @@ IDLE, INTRANS, INERROR = (psycopg.pq.TransactionStatus.IDLE, psycopg.pq.Transact
 RETRIED_SQLSTATES = {"40001", "40P01", "23505", "26000"}
 MAX_CONFLICT_TRIES = 50
 CONNECT_TIMEOUT = 5  # seconds per server, unless the URL has a connect_timeout of its own
+APPLICATION_NAME = "fusestate"  # unless the URL names one
 # "cannot execute ... in a read-only transaction": the server is (now) a standby.
 READ_ONLY_SQLSTATE = "25006"
 STALL_PROBE_AFTER = 2.0  # seconds a transaction waits before its server is asked whether it is alive
@@ -141,13 +142,22 @@ class PgPool:
         self.reconnects = 0
         self.stalls_broken = 0  # connections broken because their server stopped answering
         params = conninfo_to_dict(url)
-        self._connect_timeout = {} if params.get("connect_timeout") else {"connect_timeout": CONNECT_TIMEOUT}
+        self._connect_params: dict[str, Any] = {} if params.get("connect_timeout") else {
+            "connect_timeout": CONNECT_TIMEOUT}
+        if not params.get("application_name"):
+            self._connect_params["application_name"] = APPLICATION_NAME  # what pg_stat_activity shows
         self._servers = _server_list(params)
         self.timeline = 0  # the newest timeline written to (0: none yet, or a single server's)
         self._busy: dict[int, _Busy] = {}
         self._busy_lock = threading.Lock()
         self._watchdog: Optional[threading.Thread] = None
         self._closing = threading.Event()
+
+    @property
+    def open_connections(self) -> int:
+        """Connections held: idle ones and those a transaction is using."""
+        with self._busy_lock:
+            return self._idle.qsize() + len(self._busy)
 
     async def run(self, fn: Callable[..., T], *args: Any, explicit: bool = False) -> T:
         """``fn(cursor, *args)`` in one transaction, its waits on the event loop.
@@ -277,7 +287,7 @@ class PgPool:
         # No automatic preparing by psycopg: it deallocates every prepared statement of
         # the connection after a ROLLBACK, those of ``pgpipeline`` too, which prepares its own.
         conn = LoopConnection.connect(self.url, autocommit=True, prepare_threshold=None,
-                                      **self._connect_timeout, **self._order())
+                                      **self._connect_params, **self._order())
         conn.server = server = _server_of(conn)  # type: ignore[attr-defined]
         try:
             with self._watched(conn):
