@@ -189,10 +189,10 @@ class System:
         """Where the volume's metadata lives in PostgreSQL (None: not there)."""
         return None
 
-    def twin(self) -> Optional["System"]:
-        """A second mount of the same volume, as another node would mount it (its own mountpoint
-        and cache dir, the same bucket and metadata); None where a volume has one mount at a time.
-        Started and stopped by the caller."""
+    def twin(self, node: str = "node-b") -> Optional["System"]:
+        """Another mount of the same volume, as another node would mount it (its own mountpoint
+        and cache dir under ``node``, the same bucket and metadata); None where a volume has one
+        mount at a time. Started and stopped by the caller."""
         return None
 
     def info(self) -> dict[str, Any]:
@@ -315,10 +315,10 @@ class SharedFusestateSystem(FusestateSystem):
     def database(self) -> Optional[Database]:
         return Database(self.server.url(), self.db_name)
 
-    def twin(self) -> Optional[System]:
+    def twin(self, node: str = "node-b") -> Optional[System]:
         if self.meta_url is None:
             return None
-        other = FusestateSystem(self.name, self.root / "node-b", self.url)
+        other = FusestateSystem(self.name, self.root / node, self.url)
         other.args, other.env = list(self.args), dict(self.env)  # the same (short) runtime dir: its sockets' paths
         return other
 
@@ -437,10 +437,10 @@ class JuiceFSSystem(MountedPeer):
     def database(self) -> Optional[Database]:
         return Database(self.server.url(), self.db_name)
 
-    def twin(self) -> Optional[System]:
+    def twin(self, node: str = "node-b") -> Optional[System]:
         if not self.formatted:
             return None
-        other = JuiceFSSystem(self.name, self.root / "node-b", self.server, endpoint=self.endpoint,
+        other = JuiceFSSystem(self.name, self.root / node, self.server, endpoint=self.endpoint,
                               cache_size=self.cache_size)
         other.db_name, other.meta_url, other.formatted = self.db_name, self.meta_url, True
         return other
