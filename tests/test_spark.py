@@ -223,6 +223,78 @@ def test_kill_spark_and_node_then_resume_on_fresh_node(make_mount, file_bucket: 
     m.umount()
 
 
+def test_a_killed_daemon_stops_the_query_in_one_line_and_it_resumes_once_mounted_again(
+        make_mount, file_bucket: Bucket, baseline, tmp_path: Path, shim) -> None:
+    """The daemon of the driver's mount dies mid-stream (SIGKILL) and a supervisor mounts the
+    volume again: the pipeline says in one line which mount on which node died, waits for the
+    mount (--wait-for-remount), and resumes the query from its checkpoint, every batch in the
+    output once, the end result as in the uninterrupted run."""
+    m = make_mount(file_bucket, extra=scratch_options()).mount()
+    out, stdout, stderr = tmp_path / "out", tmp_path / "stdout", tmp_path / "stderr"
+    cmd = pipeline_cmd(m.path / "job", out, "--input", str(baseline["input"]), *SMALL, "--use-shim",
+                       "--wait-for-remount", "120", "--json")
+    with open(stdout, "w") as o, open(stderr, "w") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=dict(os.environ, FUSESTATE_NODE_NAME="node7"),
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "batch-000001" / "_SUCCESS").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+            time.sleep(0.1)
+        m.kill(detach=False)  # the daemon alone: the mount stays, answering ENOTCONN
+        while "the query stopped" not in stderr.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
+            time.sleep(0.2)
+        subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=True)  # what a supervisor does
+        m.mount()
+        assert proc.wait(timeout=240) == 0, stderr.read_text()[-3000:]
+    finally:
+        stop_process(proc)
+    (line,) = [ln for ln in stderr.read_text().splitlines() if not ln.startswith("note: ")]
+    assert line.startswith(f"fusestate: the query stopped: the fusestate mount {m.path} on this node (node7) died")
+    records = [json.loads(ln) for ln in stdout.read_text().splitlines()]
+    (restart,) = [r for r in records if r["event"] == "restart"]
+    report = records[-1]
+    assert report["restarts"] == [{k: v for k, v in restart.items() if k != "event"}]
+    assert restart["after_batch"] >= 1
+    # Resumed from the last committed batch: every batch once, none started over.
+    assert [b["batch"] for b in report["batches"]] == list(range(len(report["batches"])))
+    output = read_output(out)
+    assert sorted(output) == list(range(len(output)))
+    assert all(output[b] == baseline["output"][b] for b in (0, 1))
+    assert final_view(out) == baseline["final"]
+    m.umount()
+
+
+def test_a_dead_mount_is_named_with_its_node(make_mount, file_bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one line for a query that failed on a dead mount: this node's (asked of the mount
+    itself, also after a supervisor mounted it again), or an executor's (from Spark's trace)."""
+    from fusestate.spark.mount_loss import daemon_of, executor_mount_lost, own_mount_lost
+
+    monkeypatch.setenv("FUSESTATE_NODE_NAME", "node7")
+    m = make_mount(file_bucket).mount()
+    first = daemon_of(str(m.path))
+    assert first is not None and own_mount_lost(str(m.path), first) is None
+    m.kill(detach=False)
+    assert own_mount_lost(str(m.path), first) == (f"the fusestate mount {m.path} on this node (node7) died "
+                                                  "(Transport endpoint is not connected)")
+    subprocess.run(["fusermount3", "-u", "-z", str(m.path)], check=True)
+    m.mount()
+    again = own_mount_lost(str(m.path), first)
+    assert again is not None and again.startswith(f"the fusestate mount {m.path} on this node (node7) died")
+    assert f"its daemon, pid {first[0]}, is gone; pid {m.status()['pid']} serves it again" in again
+    trace = ("org.apache.spark.SparkException: Job aborted due to stage failure: Task 2 in stage 7.0 failed 4 "
+             "times, most recent failure: Lost task 2.3 in stage 7.0 (TID 61) (127.0.0.3 executor 1): "
+             f"java.nio.file.FileSystemException: {m.path}/nodes/worker2/spark-local/blockmgr-1/0e: "
+             "Transport endpoint is not connected")
+    assert executor_mount_lost(trace, str(m.path)) == (
+        f"the fusestate mount {m.path} on executor 1's node (127.0.0.3) does not answer (Transport endpoint is "
+        f"not connected, on {m.path}/nodes/worker2/spark-local/blockmgr-1/0e): its daemon died, and the executor "
+        "went on taking tasks")
+    assert executor_mount_lost("java.io.IOException: No space left on device", str(m.path)) is None
+    m.umount()
+
+
 def _log_ids(directory: Path) -> set[int]:
     return {int(p.name) for p in directory.iterdir() if p.name.isdigit()} if directory.exists() else set()
 

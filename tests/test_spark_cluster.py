@@ -88,6 +88,9 @@ def counter(status: dict, key: str) -> float:
     return status["remote"][key]
 
 
+# The fault-free cluster: -m slow. The default selection runs the same cluster with a worker's
+# daemon killed (test_a_worker_daemon_killed_alone_does_not_fail_the_query), which checks the same.
+@pytest.mark.slow
 def test_pipeline_on_a_two_worker_cluster_equals_local_mode(cluster: Cluster, local_reference: Path,
                                                             tmp_path: Path) -> None:
     cluster.start(workers=2)
@@ -110,6 +113,56 @@ def test_pipeline_on_a_two_worker_cluster_equals_local_mode(cluster: Cluster, lo
     assert sum(links) >= s["rocksdb_files_copied"], links
     # Both nodes ran state stores.
     assert all(w.status()["fuse"]["bytes_written"] > 0 for w in cluster.workers)
+
+
+def rejoined(cluster: Cluster, node: Node, known: set[str], timeout: float = 180) -> bool:
+    """Whether the master lists a new ALIVE worker on the node's address within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(w["host"] == node.host and w["state"] == "ALIVE" and w["id"] not in known
+               for w in cluster.worker_records()):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_a_worker_daemon_killed_alone_does_not_fail_the_query(cluster: Cluster, local_reference: Path,
+                                                              tmp_path: Path) -> None:
+    """SIGKILL one worker node's fusestate daemon alone after batch 2 (an OOM kill, a crash):
+    the node's supervisor stops its executors at once, so Spark moves their tasks and state
+    stores to the other worker as for a lost node, and the query finishes with the output of a
+    fault-free run; the survivor loads the stores by links; the node mounts again and rejoins."""
+    cluster.start(workers=2)
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    driver = cluster.start_driver(pipeline_args(out, report, cluster.checkpoint("q")))
+    # Each node's shuffle files stay on it (--scratch 'blockmgr-*'), as on a local disk.
+    shuffle_kept_on_node = False
+    while driver.alive() and not shuffle_kept_on_node and not (out / "batch-000002" / "_SUCCESS").exists():
+        shuffle_kept_on_node = any(w.status()["cache"]["scratch_bytes"] > 0 for w in cluster.workers)
+        time.sleep(0.2)
+    wait_for_batch(out, 2, driver)
+    survivor, hit = cluster.workers
+    before, old_daemon = survivor.status(), hit.status()["pid"]
+    known = {w["id"] for w in cluster.worker_records()}
+    hit.kill_daemon()
+    finish(driver)
+    after = survivor.status()
+    assert shuffle_kept_on_node
+    assert read_output(out) == read_output(local_reference)  # batch for batch
+    result = json.loads(report.read_text())
+    post = [b for b in result["batches"] if b["batch"] > 2]
+    loaded = sum(b["rocksdb"].get("rocksdbNumLoadedFromDfs", 0) for b in post)
+    files = sum(b["rocksdb"].get("rocksdbFilesCopied", 0) for b in post)
+    assert loaded > 0 and files > 0, post
+    # Every state file Spark copied after the kill was a hard link: the survivor's daemon, and
+    # the rejoined node's new one, made at least as many links as Spark counted copies.
+    links = after["fuse"]["operation_counts"].get("link", 0) - before["fuse"]["operation_counts"].get("link", 0)
+    assert rejoined(cluster, hit, known), tail(hit)
+    again = hit.status()
+    assert again["pid"] != old_daemon
+    assert links + again["fuse"]["operation_counts"].get("link", 0) >= files, (links, files)
+    lines = hit.log.read_text()
+    assert "died (killed by SIGKILL)" in lines and "stopped the node's" in lines and "mounted" in lines
 
 
 @pytest.mark.slow
@@ -257,23 +310,82 @@ def test_driver_batches_are_read_from_its_log_as_they_come(tmp_path: Path) -> No
     assert batches.new() == []
 
 
-def test_cluster_summary_names_the_lost_node_and_the_report() -> None:
+def test_cluster_summary_shows_what_the_nodes_did() -> None:
+    """The summary shows what the product did across nodes: state files linked, where a lost
+    node's state stores went and what that fetched, a killed daemon's node coming back, and
+    each node's bucket traffic; then where the detail is."""
+    mib = 2**20
+
+    def node(up: int, down: int, fill: int = 0) -> dict:
+        return {"links": 0, "uploaded_bytes": up * mib, "fetched_bytes": down * mib, "page_fill_bytes": fill * mib,
+                "daemons": 1}
+
+    nodes = {"driver1": node(0, 0), "worker1": node(12, 3, 2), "worker2": node(10, 1)}
+    lost = {"kind": "lose-node", "node": "worker2", "after_batch": 0, "injected": True, "back_after_s": None,
+            "nodes_before": {"worker1": node(4, 1, 0), "worker2": node(5, 1)}}
     report = {"summary": {"batches": 2, "rows": 2000, "records_per_second": 800.0, "batch_ms_median": 1200,
-                          "rocksdb_files_copied": 40},
-              "batches": [{"state_commit_ms": 300}, {"state_commit_ms": 500}],
-              "cluster": {"lost_worker": "worker2", "lost_after_batch": 0},
+                          "rocksdb_files_copied": 40, "rocksdb_bytes_copied": 12 * mib},
+              "batches": [{"batch": 0, "state_commit_ms": 300, "rocksdb": {"rocksdbNumLoadedFromDfs": 4}},
+                          {"batch": 1, "state_commit_ms": 500, "rocksdb": {"rocksdbNumLoadedFromDfs": 3}}],
+              "cluster": {"lost_worker": "worker2", "lost_after_batch": 0, "faults": [lost], "nodes": nodes},
               "report_file": "/out/report.json", "spark_log": "/out/spark.log"}
     lines = summary_lines(report)
     assert lines[0] == "== cluster summary"
-    assert "state files   40 linked by the shim on loads and commits" in lines
-    assert "lost node     worker2 after batch 0: its partitions moved to the remaining workers" in lines
+    assert "state files   40 linked by the shim on loads and commits (12.0 MiB that no node copied)" in lines
+    assert ("lost node     worker2 after batch 0: its partitions moved to the remaining workers; after it 3 state "
+            "stores loaded from the checkpoint by links; worker1 fetched 2.0 MiB from the bucket and filled 2.0 MiB "
+            "into the page cache") in lines
+    assert ("bucket        22.0 MiB uploaded, 4.0 MiB fetched (driver1 0.0 MiB up, 0.0 MiB down, worker1 12.0 MiB up, "
+            "3.0 MiB down, worker2 10.0 MiB up, 1.0 MiB down)") in lines
     assert lines[-2:] == ["report        /out/report.json (every batch's metrics)", "Spark's log   /out/spark.log"]
+    # A worker's daemon killed alone: its node comes back; the driver's: the query resumes.
+    killed = dict(lost, kind="kill-daemon", back_after_s=9.5)
+    report["cluster"] = {"lost_worker": None, "faults": [killed], "nodes": nodes}
+    (row,) = [ln for ln in summary_lines(report) if ln.startswith("killed daemon")]
+    assert row.startswith("killed daemon  worker2's after batch 0: its executors exited at once; after it 3 state "
+                          "stores loaded from the checkpoint by links; worker1 fetched")
+    assert row.endswith("; the node served again 9.5 s later")
+    report["cluster"]["faults"] = [dict(killed, node="driver1", back_after_s=20.0)]
+    assert ("killed daemon  driver1's after batch 0: the query stopped, naming the mount; the query resumed from its "
+            "checkpoint 20.0 s later") in summary_lines(report)
     # None linked, since the commits wrote changelogs: the row says so, not just "0".
     changelog = dict(report, summary=dict(report["summary"], rocksdb_files_copied=0), state_store_conf={
         "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
         "spark.sql.streaming.stateStore.minDeltasForSnapshot": "10"})
-    assert "state files   0 linked by the shim on loads and commits (changelog checkpointing: state files " \
+    assert "state files    0 linked by the shim on loads and commits (changelog checkpointing: state files " \
            "reach the checkpoint with a snapshot, every 10 versions)" in summary_lines(changelog)
+
+
+def test_traffic_adds_up_a_restarted_daemon_to_the_dead_one() -> None:
+    """A node's numbers over a run: its first daemon's growth since the run began, plus all of
+    every daemon that replaced it (a daemon's counters start at zero)."""
+    from fusestate.spark.cluster import Traffic
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.name, self.answer = name, None
+
+        def status(self) -> dict:
+            if self.answer is None:
+                raise OSError("no daemon answers")
+            return self.answer
+
+    def status(pid: int, up: int, links: int) -> dict:
+        return {"pid": pid, "writeback": {"uploaded_bytes": up}, "remote": {"bytes_in": 0},
+                "page_fill": {"bytes": 0}, "fuse": {"operation_counts": {"link": links}}}
+
+    node = Fake("worker2")
+    traffic = Traffic()
+    node.answer = status(7, 100, 1)
+    traffic.sample([node])  # the run begins
+    node.answer = status(7, 250, 5)
+    traffic.sample([node])  # just before its daemon is killed
+    node.answer = None
+    traffic.sample([node])  # dead: nothing to add
+    node.answer = status(9, 40, 2)  # the new daemon, counting from its own start
+    traffic.sample([node])
+    assert traffic.totals() == {"worker2": {"links": 4 + 2, "uploaded_bytes": 150 + 40, "fetched_bytes": 0,
+                                            "page_fill_bytes": 0, "daemons": 2}}
 
 
 def test_a_node_holds_up_no_unmount_of_the_machine(make_mount, file_bucket: Bucket, tmp_path: Path) -> None:

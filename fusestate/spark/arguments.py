@@ -54,6 +54,10 @@ def pipeline_arguments(p: argparse.ArgumentParser) -> None:
                         "node must mount the same shared volume at the same path, which is checked before the query")
     p.add_argument("--expect-executors", type=int, default=1,
                    help="on a cluster: executors to wait for, and check, before the query starts (default %(default)s)")
+    p.add_argument("--wait-for-remount", type=float, default=0, metavar="SECONDS",
+                   help="when the query stops because this node's fusestate mount died: wait this long for the "
+                        "mount to answer again (a supervisor restarting its daemon), then resume the query from "
+                        "its checkpoint (default %(default)s: stop)")
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                    help="another Spark setting (repeatable); it wins over the ones the state layout makes")
     report_arguments(p, "every batch's metrics and the run's numbers")
@@ -74,9 +78,19 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--keys", type=int, default=20_000)
     p.add_argument("--partitions", type=int, default=4, help="state stores per operator (default %(default)s)")
+    p.add_argument("--changelog", action="store_true",
+                   help="RocksDB changelog checkpointing on, a snapshot every 10 versions (default: off, Spark's "
+                        "default: every commit is a snapshot, which the shim links into the checkpoint)")
     p.add_argument("--lose-worker-after", type=int, default=None, metavar="BATCH",
                    help="kill the last worker node (its JVMs and fusestate daemon) and wipe its cache once "
                         "this batch has completed; the query goes on without it")
+    p.add_argument("--kill-daemon-after", type=int, default=None, metavar="BATCH",
+                   help="SIGKILL one node's fusestate daemon alone once this batch has completed; the node "
+                        "stays: a worker's leaves the cluster at once and rejoins once mounted again, the "
+                        "driver's resumes its query from the checkpoint once mounted again")
+    p.add_argument("--kill-daemon-of", default=None, metavar="NODE",
+                   help="whose daemon --kill-daemon-after kills: a worker (worker1, worker2, ...; default the "
+                        "last) or the driver (driver)")
     p.add_argument("--keep", action="store_true", help="keep --root (logs, caches) after the run")
     report_arguments(p, "the pipeline's report, with the cluster's workers and lost node")
 

@@ -16,9 +16,14 @@ the checkpoint (``fusestate.spark.config.LOCAL_DIR_SCRATCH``).
 
 Losing a node (:meth:`Node.kill`) kills its namespace's first process: every process of
 the node dies at once, its daemon too, and :meth:`Node.wipe_cache` removes what it had
-cached, as a replaced machine would come back.
+cached, as a replaced machine would come back. Killing its daemon alone
+(:meth:`Node.kill_daemon`, an OOM kill or a crash) leaves the node with a dead mount: the
+node's supervisor (:mod:`fusestate.spark.node`) then stops a worker's processes at once, so
+Spark treats its executors as lost, and mounts the volume again; the driver's pipeline stops
+its query, naming the mount, and resumes it once the mount is back.
 
     fusestate spark-cluster --workers 2 --batches 8 --lose-worker-after 3
+    fusestate spark-cluster --workers 2 --batches 8 --kill-daemon-after 2 [--kill-daemon-of driver]
 
 runs the reference pipeline on such a cluster (see :func:`run`), on a ``file://`` bucket
 and a PostgreSQL server it starts unless ``--bucket`` and ``--meta`` name others.
@@ -86,8 +91,9 @@ class Node:
     """A process tree in its own mount and PID namespaces, with its own fusestate mount."""
 
     def __init__(self, name: str, host: str, root: Path, mountpoint: str,
-                 mount_args: Optional[list[str]], local_dir: str) -> None:
+                 mount_args: Optional[list[str]], local_dir: str, when_daemon_dies: str = "restart") -> None:
         self.name = name
+        self.when_daemon_dies = when_daemon_dies  # see fusestate.spark.node
         self.host = host
         self.root = root
         self.mountpoint = mountpoint
@@ -112,7 +118,8 @@ class Node:
         return self.root / "node.log"
 
     def env(self) -> dict[str, str]:
-        return dict(os.environ, FUSESTATE_RUNTIME_DIR=str(self.runtime_dir), SPARK_LOCAL_IP=self.host,
+        return dict(os.environ, FUSESTATE_RUNTIME_DIR=str(self.runtime_dir), FUSESTATE_NODE_NAME=self.name,
+                    SPARK_LOCAL_IP=self.host,
                     SPARK_LOCAL_DIRS=self.local_dir, PYSPARK_PYTHON=sys.executable,
                     PYSPARK_DRIVER_PYTHON=sys.executable, SPARK_LOG_DIR=str(self.work_dir))
 
@@ -122,7 +129,7 @@ class Node:
         ready = self.root / "ready"
         ready.unlink(missing_ok=True)
         init = [sys.executable, "-m", "fusestate.spark.node", "--name", self.name, "--mountpoint", self.mountpoint,
-                "--local-dir", self.local_dir, "--ready", str(ready)]
+                "--local-dir", self.local_dir, "--ready", str(ready), "--when-daemon-dies", self.when_daemon_dies]
         if self.mount_args is not None:
             init += ["--mount", *self.mount_args, "--cache-dir", str(self.cache_dir)]
         init += ["--command", *command]
@@ -152,6 +159,36 @@ class Node:
             children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
             return int(children[0]) if children else None
         return None
+
+    def processes(self) -> list[int]:
+        """Every process of the node, as the machine sees them (the namespace's first one first)."""
+        found: list[int] = []
+        todo = [self.proc.pid] if self.alive() else []
+        while todo:
+            pid = todo.pop(0)
+            found.append(pid)
+            with contextlib.suppress(OSError):
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    todo += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+        return found[1:]  # not unshare itself
+
+    def daemon_pid(self) -> Optional[int]:
+        """The node's fusestate daemon, as the machine sees it."""
+        for pid in self.processes():
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if b"fusestate" in argv and b"mount" in argv and b"--foreground" in argv:
+                    return pid
+        return None
+
+    def kill_daemon(self) -> int:
+        """SIGKILL the node's fusestate daemon alone (an OOM kill, a crash): the node and its
+        mount stay, the mount answering ENOTCONN until the node mounts again. Its pid."""
+        pid = self.daemon_pid()
+        if pid is None:
+            raise ClusterError(f"node {self.name} has no fusestate daemon running")
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
     def wait(self, timeout: Optional[float] = None) -> int:
         assert self.proc is not None
@@ -284,9 +321,12 @@ class Cluster:
         except (OSError, ValueError):
             return None
 
+    def worker_records(self) -> list[dict[str, Any]]:
+        """The master's record of every worker it has seen (id, host, state)."""
+        return list((self.master_state() or {}).get("workers", []))
+
     def alive_workers(self) -> list[str]:
-        state = self.master_state() or {}
-        return sorted(w["host"] for w in state.get("workers", []) if w.get("state") == "ALIVE")
+        return sorted(w["host"] for w in self.worker_records() if w.get("state") == "ALIVE")
 
     def wait_for_workers(self, count: int, timeout: float = START_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
@@ -339,6 +379,7 @@ class Cluster:
         if mount_args is None and self.shared_volume:
             mount_args = self.mount_args()
         node = self.node(name, DRIVER_HOST, mount_args)
+        node.when_daemon_dies = "remount"  # the pipeline resumes its query once the mount is back
         state_dir = str(Path(node.local_dir).parent)
         args = ["--master", self.master_url, "--state-dir", state_dir,
                 "--expect-executors", str(sum(1 for w in self.workers if w.alive()))]
@@ -365,6 +406,61 @@ class Cluster:
                 self.master.wait()
 
 
+# --- what the daemons did --------------------------------------------------------------------
+
+COUNTERS = {  # what the summary shows of each node's daemon: name -> (status section, key)
+    "links": ("fuse", "operation_counts.link"), "uploaded_bytes": ("writeback", "uploaded_bytes"),
+    "fetched_bytes": ("remote", "bytes_in"), "page_fill_bytes": ("page_fill", "bytes"),
+}
+
+
+def _counter(status: dict[str, Any], section: str, key: str) -> int:
+    value: Any = status.get(section, {})
+    for part in key.split("."):
+        value = value.get(part, 0) if isinstance(value, dict) else 0
+    return int(value or 0)
+
+
+class Traffic:
+    """Each node's daemon counters over a run, across the restarts of its daemon: a daemon's
+    numbers count from its own start, so a restarted one adds its own to what the dead one
+    had shown when last asked."""
+
+    def __init__(self) -> None:
+        self.first: dict[tuple[str, int], dict[str, int]] = {}  # (node, daemon pid) -> counters
+        self.last: dict[tuple[str, int], dict[str, int]] = {}
+
+    def sample(self, nodes: Sequence[Node]) -> None:
+        for node in nodes:
+            try:
+                status = node.status()
+            except Exception:  # noqa: BLE001 - a node without a live daemon has nothing to add
+                continue
+            key = (node.name, int(status.get("pid", 0)))
+            counters = {name: _counter(status, *where) for name, where in COUNTERS.items()}
+            if key not in self.first:
+                # A node's first daemon counts from this sample, a restarted one from its start.
+                known = any(name == node.name for name, _ in self.first)
+                self.first[key] = counters if not known else {name: 0 for name in COUNTERS}
+            self.last[key] = counters
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """Per node: each counter's growth since the first sample, every daemon of it summed."""
+        out: dict[str, dict[str, int]] = {}
+        for (node, pid), last in self.last.items():
+            first = self.first[(node, pid)]
+            mine = out.setdefault(node, {name: 0 for name in COUNTERS} | {"daemons": 0})
+            mine["daemons"] += 1
+            for name in COUNTERS:
+                mine[name] += last[name] - first[name]
+        return out
+
+
+def difference(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """What each node's daemons did between two :meth:`Traffic.totals`."""
+    return {node: {k: v - before.get(node, {}).get(k, 0) for k, v in counts.items()} for node, counts in after.items()}
+
+
 # --- the command ---------------------------------------------------------------------------
 
 CLUSTER_CONF = [
@@ -376,14 +472,16 @@ CLUSTER_CONF = [
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Start a cluster, run the pipeline on it (optionally losing a worker), show its batches
-    as they complete and a summary; the report goes to a file, and to stdout with ``--json``."""
+    """Start a cluster, run the pipeline on it (optionally losing a worker, or killing a node's
+    daemon alone), show its batches as they complete and a summary; the report goes to a file,
+    and to stdout with ``--json``."""
     root = Path(args.root or tempfile.mkdtemp(prefix="fusestate-cluster-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     kept = args.keep or args.root is not None
     output = Path(args.output).resolve() if args.output else _default_output(root, kept)
     report_path = Path(args.report).resolve() if args.report else output / REPORT_NAME
     say = partial(print, file=sys.stderr if args.json else sys.stdout, flush=True)  # stdout: JSON only
+    faults = planned_faults(args)
     server = None
     try:
         meta = args.meta
@@ -405,18 +503,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pipeline = ["--output", str(output), "--report", str(report_path), "--json",
                         "--checkpoint", cluster.checkpoint(query),
                         "--batches", str(args.batches), "--keys", str(args.keys),
-                        "--partitions", str(args.partitions), *[a for c in CLUSTER_CONF for a in ("--conf", c)]]
+                        "--partitions", str(args.partitions), "--wait-for-remount", str(REMOUNT_WAIT),
+                        *([] if args.changelog else ["--no-changelog"]),
+                        *[a for c in CLUSTER_CONF for a in ("--conf", c)]]
             say(f"== the pipeline, driver on its own node; node logs under {root}/nodes"
                 + ("" if kept else " (removed after the run unless --keep)"))
             driver = cluster.start_driver(pipeline)
-            lost = follow_driver(cluster, driver, args.lose_worker_after, BatchLines(args.json, True), say)
+            traffic = Traffic()
+            traffic.sample(cluster.workers + cluster.drivers)
+            follow_driver(cluster, driver, faults, BatchLines(args.json, True), say, traffic)
             code = driver.wait()
             if code != 0:
                 raise ClusterError(f"the pipeline failed (exit status {code}): {_tail(driver.log)}")
+            traffic.sample(cluster.workers + cluster.drivers)
         result = json.loads(report_path.read_text())
+        lost = next((f for f in faults if f.kind == LOSE_NODE and f.done), None)
         result["cluster"] = {"workers": args.workers, "bucket": bucket, "mountpoint": args.mountpoint,
-                             "lost_worker": lost.name if lost else None,
-                             "lost_after_batch": args.lose_worker_after if lost else None,
+                             "lost_worker": lost.node if lost else None,
+                             "lost_after_batch": lost.after if lost else None,
+                             "faults": [f.record() for f in faults], "nodes": traffic.totals(),
                              "root": str(root) if kept else None}
         write_report(report_path, result)
         print(json.dumps(result) if args.json else "\n".join(summary_lines(result)), flush=True)
@@ -428,6 +533,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(root, ignore_errors=True)
 
 
+REMOUNT_WAIT = 300  # seconds the driver's pipeline waits for its mount to come back (--wait-for-remount)
+LOSE_NODE = "lose-node"      # the node's every process at once, its cache wiped: a lost machine
+KILL_DAEMON = "kill-daemon"  # the node's fusestate daemon alone (SIGKILL): the node stays
+
+
+class Fault:
+    """A fault the run injects once a batch has completed, and what came of it."""
+
+    def __init__(self, kind: str, node: str, after: int) -> None:
+        self.kind = kind
+        self.node = node
+        self.after = after
+        self.done_at: Optional[float] = None  # time.monotonic() of the injection
+        self.back_after_s: Optional[float] = None  # until the node served again (a killed daemon)
+        self.survived_ids: set[str] = set()
+        self.nodes_before: dict[str, dict[str, int]] = {}  # Traffic.totals() just before it
+
+    @property
+    def done(self) -> bool:
+        return self.done_at is not None
+
+    def record(self) -> dict[str, Any]:
+        return {"kind": self.kind, "node": self.node, "after_batch": self.after, "injected": self.done,
+                "back_after_s": self.back_after_s, "nodes_before": self.nodes_before}
+
+
+def planned_faults(args: argparse.Namespace) -> list[Fault]:
+    """The faults the command line asks for: a lost worker node, a node's daemon killed alone."""
+    faults = []
+    if args.lose_worker_after is not None:
+        faults.append(Fault(LOSE_NODE, f"worker{args.workers}", args.lose_worker_after))
+    if args.kill_daemon_after is not None:
+        name = args.kill_daemon_of or f"worker{args.workers}"
+        if name == "driver":
+            name = "driver1"
+        known = {f"worker{i + 1}" for i in range(args.workers)} | {"driver1"}
+        if name not in known:
+            raise ClusterError(f"--kill-daemon-of {name}: no such node (the nodes are {', '.join(sorted(known))})")
+        if any(f.kind == LOSE_NODE and f.node == name for f in faults):
+            raise ClusterError(f"--kill-daemon-of {name}: that node is lost (--lose-worker-after): kill another's daemon")
+        faults.append(Fault(KILL_DAEMON, name, args.kill_daemon_after))
+    return faults
+
+
 def _default_output(root: Path, kept: bool) -> Path:
     """The pipeline's output, report and Spark log: under a kept root, else a directory of
     their own that outlives the temporary root."""
@@ -436,11 +585,13 @@ def _default_output(root: Path, kept: bool) -> Path:
 
 class DriverBatches:
     """The batch records the driver's pipeline prints (``--json``) into its node's log, read as
-    they come: whole lines only, each once."""
+    they come: whole lines only, each once. Its query's restarts (``{"event": "restart"}``)
+    are kept in :attr:`restarts`."""
 
     def __init__(self, log: Path) -> None:
         self.log = log
         self.offset = 0
+        self.restarts: list[dict[str, Any]] = []
 
     def new(self) -> list[dict[str, Any]]:
         with contextlib.suppress(FileNotFoundError), open(self.log, "rb") as f:
@@ -448,41 +599,117 @@ class DriverBatches:
             data = f.read()
             whole = data[:data.rfind(b"\n") + 1]
             self.offset += len(whole)
-            return [json.loads(line) for line in whole.decode(errors="replace").splitlines()
-                    if line.startswith('{"event": "batch"')]
+            lines = whole.decode(errors="replace").splitlines()
+            self.restarts += [json.loads(line) for line in lines if line.startswith('{"event": "restart"')]
+            return [json.loads(line) for line in lines if line.startswith('{"event": "batch"')]
         return []
 
 
-def follow_driver(cluster: "Cluster", driver: Node, lose_after: Optional[int],
-                  show: Callable[[dict], None], say: Callable[..., None]) -> Optional[Node]:
-    """Show each batch as the driver completes it, and lose the last worker node once batch
-    ``lose_after`` has completed; the lost node, if any."""
+def follow_driver(cluster: "Cluster", driver: Node, faults: Sequence[Fault], show: Callable[[dict], None],
+                  say: Callable[..., None], traffic: Optional[Traffic] = None) -> None:
+    """Show each batch as the driver completes it; inject each fault once its batch has
+    completed, and say when a node whose daemon was killed serves again."""
     batches = DriverBatches(driver.log)
-    lost = None
+    nodes = {n.name: n for n in [*cluster.workers, *cluster.drivers]}
+    restarts_seen = 0
     while True:
         alive = driver.alive()
         for rec in batches.new():
             show({k: v for k, v in rec.items() if k != "event"})
-            if lose_after is not None and lost is None and rec["batch"] >= lose_after and alive:
-                lost = cluster.workers[-1]
-                lost.kill()
-                lost.wipe_cache()
-                say(f"== lost {lost.name} ({lost.host}) after batch {lose_after}")
+            for fault in faults:
+                if not fault.done and rec["batch"] >= fault.after and alive:
+                    if traffic is not None:  # what the node's daemon did, before it goes
+                        traffic.sample(list(nodes.values()))
+                        fault.nodes_before = traffic.totals()
+                    inject(cluster, nodes[fault.node], fault, say)
+        for restart in batches.restarts[restarts_seen:]:
+            restarts_seen += 1
+            say(f"== {driver.name}: {restart['cause']}; the query resumed from its checkpoint after "
+                f"{restart['waited_s']:.1f} s")
+            for fault in faults:
+                if fault.kind == KILL_DAEMON and fault.node == driver.name and fault.back_after_s is None \
+                        and fault.done_at is not None:
+                    fault.back_after_s = round(time.monotonic() - fault.done_at, 1)
+        for fault in faults:
+            if fault.kind == KILL_DAEMON and fault.done and fault.back_after_s is None and fault.node != driver.name:
+                node = nodes[fault.node]
+                if rejoined(cluster, node, fault):
+                    assert fault.done_at is not None
+                    fault.back_after_s = round(time.monotonic() - fault.done_at, 1)
+                    say(f"== {node.name} rejoined the cluster {fault.back_after_s:.1f} s after its daemon was killed "
+                        "(mounted again, a new Spark worker)")
         if not alive:
-            return lost
+            return
         time.sleep(0.2)
 
 
+def inject(cluster: "Cluster", node: Node, fault: Fault, say: Callable[..., None]) -> None:
+    if fault.kind == LOSE_NODE:
+        node.kill()
+        node.wipe_cache()
+        say(f"== lost {node.name} ({node.host}) after batch {fault.after}")
+    else:
+        fault.survived_ids = {w["id"] for w in cluster.worker_records() if w.get("state") == "ALIVE"}
+        pid = node.kill_daemon()
+        say(f"== killed the fusestate daemon of {node.name} ({node.host}, pid {pid}) after batch {fault.after}; "
+            "the node stays")
+    fault.done_at = time.monotonic()
+
+
+def rejoined(cluster: "Cluster", node: Node, fault: Fault) -> bool:
+    """Whether a worker node whose daemon was killed has a new Spark worker registered."""
+    return any(w.get("host") == node.host and w.get("state") == "ALIVE" and w.get("id") not in fault.survived_ids
+               for w in cluster.worker_records())
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
-    """The cluster's run at a glance, and where the detail is."""
+    """The cluster's run at a glance: what the shim linked, where a lost node's state went and
+    what that fetched, each node's bucket traffic; and where the detail is."""
     if not report["summary"].get("batches"):
         return ["== cluster summary: no batch ran", *aligned(file_rows(report))]
     rows = run_rows(report)
-    files = report["summary"].get("rocksdb_files_copied", 0)
+    s = report["summary"]
+    files, moved = s.get("rocksdb_files_copied", 0), s.get("rocksdb_bytes_copied", 0)
     rows.append(("state files", f"{files:,} linked by the shim on loads and commits"
-                                + ("" if files else changelog_note(report))))
-    lost = report["cluster"]["lost_worker"]
-    if lost:
-        rows.append(("lost node", f"{lost} after batch {report['cluster']['lost_after_batch']}: "
-                                  "its partitions moved to the remaining workers"))
+                                + (f" ({_mib(moved)} that no node copied)" if files else changelog_note(report))))
+    cluster = report["cluster"]
+    nodes = cluster.get("nodes", {})
+    for fault in cluster.get("faults", []):
+        if fault["injected"]:
+            rows.append(fault_row(report, fault, nodes))
+    if nodes:
+        up = sum(n["uploaded_bytes"] for n in nodes.values())
+        down = sum(n["fetched_bytes"] for n in nodes.values())
+        each = ", ".join(f"{name} {_mib(n['uploaded_bytes'])} up, {_mib(n['fetched_bytes'])} down"
+                         for name, n in sorted(nodes.items()))
+        rows.append(("bucket", f"{_mib(up)} uploaded, {_mib(down)} fetched ({each})"))
     return ["== cluster summary", *aligned(rows + file_rows(report))]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def fault_row(report: dict[str, Any], fault: dict[str, Any], nodes: dict[str, dict[str, int]]) -> tuple[str, str]:
+    """What a fault did: where the node's state stores went, by links, and what that fetched."""
+    after = [b for b in report["batches"] if b["batch"] > fault["after_batch"]]
+    loaded = sum(b["rocksdb"].get("rocksdbNumLoadedFromDfs", 0) for b in after)
+    since = difference(nodes, fault.get("nodes_before") or {})
+    others = sorted(n for n in since if n != fault["node"] and n.startswith("worker"))
+    fetched = sum(since[n]["fetched_bytes"] for n in others)
+    filled = sum(since[n]["page_fill_bytes"] for n in others)
+    moved = (f"after it {loaded:,} state stores loaded from the checkpoint by links"
+             + (f"; {', '.join(others)} fetched {_mib(fetched)} from the bucket" if others else "")
+             + (f" and filled {_mib(filled)} into the page cache" if others and filled else ""))
+    if fault["kind"] == LOSE_NODE:
+        return ("lost node", f"{fault['node']} after batch {fault['after_batch']}: its partitions moved to the "
+                             f"remaining workers; {moved}")
+    if fault["node"].startswith("driver"):
+        back = (f"the query resumed from its checkpoint {fault['back_after_s']:.1f} s later"
+                if fault["back_after_s"] is not None else "the query did not resume")
+        return ("killed daemon", f"{fault['node']}'s after batch {fault['after_batch']}: the query stopped, "
+                                 f"naming the mount; {back}")
+    back = (f"the node served again {fault['back_after_s']:.1f} s later" if fault["back_after_s"] is not None
+            else "the node did not serve again before the query ended")
+    return ("killed daemon", f"{fault['node']}'s after batch {fault['after_batch']}: its executors exited at once; "
+                             f"{moved}; {back}")

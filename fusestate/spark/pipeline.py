@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from fusestate.errors import UserError
 from fusestate.spark.config import ROCKSDB_PREFIX, missing_scratch, state_conf
+from fusestate.spark.mount_loss import Daemon, daemon_of, executor_mount_lost, own_mount_lost, wait_for_mount
 from fusestate.spark.preflight import check_executors, check_shared_checkpoint
 
 EPOCH_MS = 1_700_000_000_000          # event time of the first event
@@ -207,12 +208,9 @@ def root_cause(text: str) -> str:
 LOG_ENTRY = re.compile(r"\d\d/\d\d/\d\d \d\d:\d\d:\d\d ")  # how each entry of Spark's log starts
 
 
-def logged_cause(log_text: str) -> str:
-    """The root cause in the trace Spark logged for the failed query ("Query ... terminated
-    with error", then the trace up to the next log entry); '' when there is none.
-
-    The Python exception names only the innermost message ("no.such.Provider"); the
-    trace names the exception too ("java.lang.ClassNotFoundException: no.such.Provider")."""
+def logged_trace(log_text: str) -> str:
+    """The trace Spark logged for the failed query ("Query ... terminated with error", then
+    the trace up to the next log entry); '' when there is none."""
     _, found, rest = log_text.rpartition("terminated with error")
     if not found:
         return ""
@@ -221,11 +219,22 @@ def logged_cause(log_text: str) -> str:
         if LOG_ENTRY.match(line):
             break
         trace.append(line)
-    return root_cause("\n".join(trace))
+    return "\n".join(trace)
 
 
-def wait_for_query(query, log: Path) -> None:
-    """Wait for the query to end; a failure becomes one line (its trace is in Spark's log)."""
+def logged_cause(log_text: str) -> str:
+    """The root cause in the trace Spark logged for the failed query; '' when there is none.
+
+    The Python exception names only the innermost message ("no.such.Provider"); the
+    trace names the exception too ("java.lang.ClassNotFoundException: no.such.Provider")."""
+    return root_cause(logged_trace(log_text))
+
+
+def query_failure(query, log: Path, mount: Optional[str] = None, daemon: Optional[Daemon] = None) -> Optional[str]:
+    """Wait for the query to end; why it failed, in one line, or None when it completed.
+
+    A mount that died is named first (this node's, else an executor's, from the trace), not
+    only the exception Spark got on whatever file it touched on it."""
     from pyspark.errors import StreamingQueryException
 
     try:
@@ -233,9 +242,12 @@ def wait_for_query(query, log: Path) -> None:
         failure = query.exception()
     except StreamingQueryException as exc:
         failure = exc
-    if failure is not None:
-        cause = logged_cause(_tail_text(log)) or (str(failure).strip().splitlines() or [""])[0]
-        raise PipelineError(f"the query failed: {cause[:500]} (Spark's log: {log})")
+    if failure is None:
+        return None
+    text = _tail_text(log)
+    cause = logged_cause(text) or (str(failure).strip().splitlines() or [""])[0]
+    lost = own_mount_lost(mount, daemon) or executor_mount_lost(f"{logged_trace(text)}\n{failure}", mount)
+    return f"{lost} ({cause[:300]})" if lost else cause[:500]
 
 
 def build_query(spark, input_dir: Path, payload_bytes: int):
@@ -447,17 +459,22 @@ def mount_rows(before: Optional[dict], after: Optional[dict]) -> list[tuple[str,
     """What the run cost the mount: bucket traffic and the block cache's hit ratio."""
     if not before or not after:
         return []
-    uploaded = after["writeback"]["uploaded_bytes"] - before["writeback"]["uploaded_bytes"]
-    fetched = after["remote"]["bytes_in"] - before["remote"]["bytes_in"]
-    reads = {k: after["cache"][k] - before["cache"][k]
-             for k in ("reads_from_memory", "reads_from_disk", "reads_from_bucket")}
+    # A daemon that died and was restarted (the query resumed) counts from zero.
+    same = before.get("pid") == after.get("pid")
+
+    def grew(section: str, key: str) -> int:
+        return after[section].get(key, 0) - (before[section].get(key, 0) if same else 0)
+
+    uploaded, fetched = grew("writeback", "uploaded_bytes"), grew("remote", "bytes_in")
+    reads = {k: grew("cache", k) for k in ("reads_from_memory", "reads_from_disk", "reads_from_bucket")}
     hits = reads["reads_from_memory"] + reads["reads_from_disk"]
     lookups = hits + reads["reads_from_bucket"]
     ratio = f"{hits / lookups:.2f}" if lookups else "n/a"
     # A rerun over the same input writes the same blocks: content addressing stores them once.
-    dedup = after["writeback"].get("deduplicated_bytes", 0) - before["writeback"].get("deduplicated_bytes", 0)
+    dedup = grew("writeback", "deduplicated_bytes")
     return [("bucket", f"{uploaded / 2**20:,.1f} MiB uploaded, {fetched / 2**20:,.1f} MiB fetched"
-                       + (f", {dedup / 2**20:,.1f} MiB written that the volume already had" if dedup else "")),
+                       + (f", {dedup / 2**20:,.1f} MiB written that the volume already had" if dedup else "")
+                       + ("" if same else " (since its daemon was restarted)")),
             ("cache hit ratio", f"{ratio} ({hits:,} of {lookups:,} block reads from memory or disk)")]
 
 
@@ -533,21 +550,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_status = time.time()
     if not args.json:
         print(f"starting Spark ({args.master}); its log goes to {spark_log}", flush=True)
-    spark = build_session(session_settings(layout.conf, layout.jars, args.driver_memory, args.master), spark_log)
-    t_session = time.time()
-    try:
-        if on_cluster and not args.local:
-            check_executors(spark, layout, args.expect_executors)
-        query = (build_query(spark, input_dir, args.payload_bytes).writeStream
-                 .outputMode("update").foreachBatch(batch_writer(output))
-                 .option("checkpointLocation", layout.checkpoint_uri)
-                 .queryName("fusestate_state_pipeline").trigger(availableNow=True).start())
-        t_started = time.time()
-        batches = watch(query, BatchLines(args.json, args.use_shim), t0)
-        wait_for_query(query, spark_log)
-        shim = _shim_counters(spark) if args.use_shim else None
-    finally:
-        stop_session(spark)
+    settings = session_settings(layout.conf, layout.jars, args.driver_memory, args.master)
+    show = BatchLines(args.json, args.use_shim)
+    batches: list[dict] = []
+    restarts: list[dict] = []
+    t_session = t_started = 0.0
+    daemon = daemon_of(mount) if mount else None
+    while True:
+        spark = build_session(settings, spark_log)
+        t_session = t_session or time.time()
+        lost: Optional[str] = None
+        try:
+            if on_cluster and not args.local:
+                check_executors(spark, layout, args.expect_executors)
+            query = (build_query(spark, input_dir, args.payload_bytes).writeStream
+                     .outputMode("update").foreachBatch(batch_writer(output))
+                     .option("checkpointLocation", layout.checkpoint_uri)
+                     .queryName("fusestate_state_pipeline").trigger(availableNow=True).start())
+            t_started = t_started or time.time()
+            batches += watch(query, show, t0)
+            failure = query_failure(query, spark_log, mount, daemon)
+            lost = own_mount_lost(mount, daemon) if failure is not None else None
+            if failure is not None and (lost is None or len(restarts) >= MAX_RESTARTS or not args.wait_for_remount):
+                raise PipelineError(f"the query failed: {failure} (Spark's log: {spark_log})")
+            shim = _shim_counters(spark) if args.use_shim and failure is None else None
+        finally:
+            stop_session(spark, timeout=30.0 if lost else 120.0)
+        if lost is None:
+            break
+        restarts.append(resume_after_remount(mount, lost, args.wait_for_remount, batches, args.json, spark_log))
+        daemon = daemon_of(mount) if mount else None
+        layout.remove_stale_local_dirs()
     t_end = time.time()
     status_after = fusestate_status(mount)
     report = {
@@ -563,13 +596,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   "status": round(t_status - t_stale, 3), "jvm": round(t_session - t_status, 3)},
         "first_batch_done_s": batches[0]["seen_at"] if batches else None,
         "total_s": round(t_end - t0, 3),
-        "summary": summarize(batches), "shim": shim, "batches": batches,
+        "summary": summarize(batches), "shim": shim, "batches": batches, "restarts": restarts,
         "fusestate_before": status_before, "fusestate_after": status_after,
         "report_file": str(report_path), "spark_log": str(spark_log),
     }
     write_report(report_path, report)
     print(json.dumps(report) if args.json else "\n".join(summary_lines(report)), flush=True)
     return report
+
+
+MAX_RESTARTS = 5  # resumptions after a lost mount, per run: a mount that keeps dying stops the run
+
+
+def resume_after_remount(mount: Optional[str], lost: str, wait: float, batches: list[dict], as_json: bool,
+                         spark_log: Path) -> dict[str, Any]:
+    """Say why the query stopped, wait for the mount to come back, and what to record of it;
+    the query then resumes from its checkpoint (the last committed batch)."""
+    assert mount is not None
+    last = batches[-1]["batch"] if batches else None
+    note = f"the query stopped: {lost}; waiting up to {wait:.0f} s for the mount to come back"
+    print(f"fusestate: {note}", file=sys.stderr, flush=True)
+    started = time.time()
+    if not wait_for_mount(mount, wait):
+        raise PipelineError(f"the query failed: {lost}, and it did not come back within {wait:.0f} s "
+                            f"(Spark's log: {spark_log})")
+    record = {"cause": lost, "after_batch": last, "waited_s": round(time.time() - started, 1)}
+    if as_json:
+        print(json.dumps({"event": "restart", **record}), flush=True)
+    else:
+        print(f"the mount is back after {record['waited_s']:.1f} s: resuming the query from its checkpoint",
+              flush=True)
+    return record
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
