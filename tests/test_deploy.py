@@ -506,6 +506,9 @@ def test_chart_manifests_match_kubernetes_schemas(rendered):
                 kv.validate(doc, version, strict=True)
 
 
+LIVENESS_SCRIPT = 'fusestate status "$0" >/dev/null && stat -f "$0" >/dev/null'
+
+
 def _container(objects: dict) -> dict:
     (ds,) = objects["DaemonSet"]
     (container,) = ds["spec"]["template"]["spec"]["containers"]
@@ -552,10 +555,11 @@ def test_daemonset_contract(rendered):
         assert mount_path in container[probe]["exec"]["command"]
         assert "fusestate status" in " ".join(container[probe]["exec"]["command"])
     assert "mountpoint -q" in " ".join(container["readinessProbe"]["exec"]["command"])
-    # Liveness is `fusestate status` itself, its exit code unchanged: 1 once a shared volume's
-    # session was lost (test_shared.py), so the kubelet restarts the daemon, which mounts anew.
+    # Liveness is `fusestate status`, its exit code unchanged (1 once a shared volume's session
+    # was lost, test_shared.py), and a statfs of the mount (test_probes_fail_once_the_mount_is_dead):
+    # the kubelet restarts the daemon, which mounts anew.
     liveness = container["livenessProbe"]
-    assert liveness["exec"]["command"] == ["fusestate", "status", mount_path]
+    assert liveness["exec"]["command"] == ["/bin/sh", "-c", LIVENESS_SCRIPT, mount_path]
     assert liveness["periodSeconds"] * liveness["failureThreshold"] <= 300
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
 
@@ -661,10 +665,38 @@ def test_chart_refuses_bad_values():
 
 def _assert_replaced_with_the_mount(container: dict, bound: str) -> None:
     """A Spark container whose volume is bound to the mount as it was at its start ends
-    when that mount is gone (the node's daemon restarted): its liveness probe stats it."""
+    within seconds when that mount is gone (the node's daemon died or restarted): its
+    liveness probe asks the mount with statfs, which no kernel cache answers."""
     probe = container["livenessProbe"]
-    assert probe["exec"]["command"] == ["stat", bound]
+    assert probe["exec"]["command"] == ["stat", "-f", bound]
+    assert probe["periodSeconds"] * probe["failureThreshold"] <= 10
     assert probe["failureThreshold"] >= 2 and probe["timeoutSeconds"] >= 5
+
+
+def test_probes_fail_once_the_mount_is_dead(make_mount, file_bucket, tmp_path: Path):
+    """The chart's liveness probe and the Spark templates', run for real on a mount: they pass
+    while it answers and fail once its daemon was killed (the mount left in place answers
+    ENOTCONN), the chart's even when its `fusestate status` answers (a stand-in here)."""
+    _need_fuse()
+    m = make_mount(file_bucket).mount()
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "fusestate").symlink_to(_stub_program(tmp_path)[0])
+    env = dict(os.environ, PATH=f"{bindir}:/usr/bin:/bin")
+    daemon = ["/bin/sh", "-c", LIVENESS_SCRIPT, str(m.path)]
+    templates = [yaml.safe_load(t.read_text())["spec"]["containers"][0]["livenessProbe"]["exec"]["command"]
+                 for t in (SPARK_TEMPLATE, SPARK_CLUSTER_TEMPLATE)]
+    spark = [[*command[:-1], str(m.path)] for command in templates]
+
+    def passes(command: list[str]) -> bool:
+        return subprocess.run(command, env=env, capture_output=True, timeout=30).returncode == 0
+
+    assert passes(daemon) and all(passes(c) for c in spark)
+    m.kill(detach=False)
+    try:
+        assert not passes(daemon) and not any(passes(c) for c in spark)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True)
 
 
 def test_spark_pod_template():
@@ -710,8 +742,10 @@ def test_spark_cluster_pod_template():
     _assert_replaced_with_the_mount(main, local["mountPath"])
     text = SPARK_CLUSTER_TEMPLATE.read_text()
     assert f"fusestate://{local['mountPath']}/checkpoints/" in text
-    from fusestate.spark.shim import FS_CLASS, AFS_CLASS, JAR_NAME
+    from fusestate.spark.shim import FS_CLASS, AFS_CLASS, JAR_NAME, MOUNT_WATCH_CLASS
     assert FS_CLASS in text and AFS_CLASS in text and JAR_NAME in text
+    # An executor whose mount died ends itself at once (the shim's plugin), the probe is the backstop.
+    assert f"--conf spark.plugins={MOUNT_WATCH_CLASS}" in text
     kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (pip), which bundles the Kubernetes schemas")
     for version in (KUBE_FLOOR, kv.latest_version()):
         kv.validate(doc, version, strict=True)

@@ -238,7 +238,7 @@ def test_a_killed_daemon_stops_the_query_in_one_line_and_it_resumes_once_mounted
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while not (out / "batch-000001" / "_SUCCESS").exists():
+        while '"batch": 1,' not in stdout.read_text():  # batch 1 committed and reported
             assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()[-3000:]
             time.sleep(0.1)
         m.kill(detach=False)  # the daemon alone: the mount stays, answering ENOTCONN
@@ -410,6 +410,72 @@ def test_shim_permissions_and_link_status_start_no_process(make_mount, file_buck
                if "execve(" in ln and any(tool in ln for tool in ('/chmod"', '/readlink"', '/ls"', '/stat"'))]
     assert spawned == []
     m.umount()
+
+
+WATCH_CHECK = """
+import java.lang.reflect.Proxy;
+import org.apache.spark.SparkConf;
+import org.apache.spark.api.plugin.ExecutorPlugin;
+import org.apache.spark.api.plugin.PluginContext;
+import io.fusestate.hadoop.MountWatch;
+
+public class WatchCheck {
+    public static void main(String[] args) throws Exception {
+        SparkConf conf = new SparkConf(false).set("spark.local.dir", args[0])
+            .set("spark.fusestate.mountWatch.intervalMs", "100");
+        PluginContext ctx = (PluginContext) Proxy.newProxyInstance(WatchCheck.class.getClassLoader(),
+            new Class<?>[] {PluginContext.class},
+            (proxy, method, a) -> method.getName().equals("conf") ? conf
+                : method.getName().equals("executorID") ? args[1]
+                : method.getName().equals("hostname") ? "node7" : null);
+        ExecutorPlugin plugin = new MountWatch().executorPlugin();
+        plugin.init(ctx, java.util.Collections.emptyMap());
+        System.out.println("watching");
+        System.out.flush();
+        Thread.sleep(120_000);
+    }
+}
+"""
+
+
+def test_an_executor_ends_at_once_when_its_mount_dies(make_mount, file_bucket: Bucket, tmp_path: Path, shim):
+    """The shim's Spark plugin (spark.plugins, set by state_conf with the shim) on an executor
+    whose local dir is on a mount: nothing while the mount answers; once its daemon is killed
+    the JVM exits within a second, saying why, so that Spark treats the executor as lost. The
+    driver (local mode's executor) is never ended."""
+    from fusestate.spark.config import state_conf
+    from fusestate.spark.shim import MOUNT_WATCH_CLASS
+
+    m = make_mount(file_bucket).mount()
+    local = m.path / "spark-local"
+    local.mkdir()
+    assert state_conf(m.path / "job", use_shim=True).conf["spark.plugins"] == MOUNT_WATCH_CLASS
+    (tmp_path / "WatchCheck.java").write_text(WATCH_CHECK)
+    classpath = f"{shim}:{Path(pyspark.__file__).parent / 'jars'}/*:{tmp_path}"
+    subprocess.run(["javac", "-nowarn", "-d", str(tmp_path), "-cp", classpath, str(tmp_path / "WatchCheck.java")],
+                   check=True, capture_output=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_DIRS"}
+    watchers = {who: subprocess.Popen(["java", "-cp", classpath, "WatchCheck", str(local), who], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for who in ("7", "driver")}
+    try:
+        for proc in watchers.values():
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "watching"
+        time.sleep(1)  # a live mount: nothing happens
+        assert all(proc.poll() is None for proc in watchers.values())
+        m.kill(detach=False)
+        started = time.monotonic()
+        executor = watchers["7"]
+        assert executor.wait(timeout=30) == 75
+        assert time.monotonic() - started < 2
+        assert executor.stderr is not None
+        assert (f"fusestate: the fusestate mount {m.path} on node7, holding the local dirs of executor 7, does not "
+                "answer (Transport endpoint is not connected): its daemon died") in executor.stderr.read()
+        time.sleep(1)
+        assert watchers["driver"].poll() is None
+    finally:
+        for proc in watchers.values():
+            stop_process(proc)
 
 
 # Without the shim (a file:// checkpoint) is the heavier variant: slow-marked, the shim is the deployed path.

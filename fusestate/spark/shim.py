@@ -22,6 +22,8 @@ DIGEST_ATTRIBUTE = "Fusestate-Source-Digest"
 SCHEME = "fusestate"
 FS_CLASS = "io.fusestate.hadoop.FusestateFileSystem"
 AFS_CLASS = "io.fusestate.hadoop.FusestateFs"
+# A Spark plugin (spark.plugins) that ends an executor at once when its local dirs' mount dies.
+MOUNT_WATCH_CLASS = "io.fusestate.hadoop.MountWatch"
 
 
 def installed_jar() -> Path:
