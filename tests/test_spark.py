@@ -425,9 +425,15 @@ public class WatchCheck {
             .set("spark.fusestate.mountWatch.intervalMs", "100");
         PluginContext ctx = (PluginContext) Proxy.newProxyInstance(WatchCheck.class.getClassLoader(),
             new Class<?>[] {PluginContext.class},
-            (proxy, method, a) -> method.getName().equals("conf") ? conf
-                : method.getName().equals("executorID") ? args[1]
-                : method.getName().equals("hostname") ? "node7" : null);
+            (proxy, method, a) -> {
+                switch (method.getName()) {
+                    case "conf": return conf;
+                    case "executorID": return args[1];
+                    // An executor's RPC environment has no address: Spark's hostname() fails there.
+                    case "hostname": throw new NullPointerException("RpcEnv.address() is null");
+                    default: return null;
+                }
+            });
         ExecutorPlugin plugin = new MountWatch().executorPlugin();
         plugin.init(ctx, java.util.Collections.emptyMap());
         System.out.println("watching");
@@ -455,6 +461,7 @@ def test_an_executor_ends_at_once_when_its_mount_dies(make_mount, file_bucket: B
     subprocess.run(["javac", "-nowarn", "-d", str(tmp_path), "-cp", classpath, str(tmp_path / "WatchCheck.java")],
                    check=True, capture_output=True, timeout=120)
     env = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_DIRS"}
+    env["SPARK_LOCAL_IP"] = "127.0.0.7"  # a cluster's worker sets it for its executors
     watchers = {who: subprocess.Popen(["java", "-cp", classpath, "WatchCheck", str(local), who], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for who in ("7", "driver")}
@@ -469,8 +476,8 @@ def test_an_executor_ends_at_once_when_its_mount_dies(make_mount, file_bucket: B
         assert executor.wait(timeout=30) == 75
         assert time.monotonic() - started < 2
         assert executor.stderr is not None
-        assert (f"fusestate: the fusestate mount {m.path} on node7, holding the local dirs of executor 7, does not "
-                "answer (Transport endpoint is not connected): its daemon died") in executor.stderr.read()
+        assert (f"fusestate: the fusestate mount {m.path} on 127.0.0.7, holding the local dirs of executor 7, does "
+                "not answer (Transport endpoint is not connected): its daemon died") in executor.stderr.read()
         time.sleep(1)
         assert watchers["driver"].poll() is None
     finally:

@@ -89,11 +89,20 @@ public class MountWatch implements SparkPlugin {
 
         @Override
         public void init(PluginContext ctx, Map<String, String> extraConf) {
+            try {
+                watch(ctx);
+            } catch (RuntimeException | LinkageError e) {
+                // Never the reason an executor does not start: it only runs unwatched.
+                System.err.println("fusestate: the mount watch is off on this executor: " + e);
+            }
+        }
+
+        private void watch(PluginContext ctx) {
             executor = ctx.executorID();
             if ("driver".equals(executor)) {
                 return;
             }
-            where = ctx.hostname() != null ? " on " + ctx.hostname() : "";
+            where = " on " + host();
             String env = System.getenv("SPARK_LOCAL_DIRS");
             String dirs = env != null && !env.isEmpty() ? env
                     : ctx.conf().get("spark.local.dir", System.getProperty("java.io.tmpdir"));
@@ -108,6 +117,20 @@ public class MountWatch implements SparkPlugin {
                 return t;
             });
             timer.scheduleWithFixedDelay(this::check, interval, interval, TimeUnit.MILLISECONDS);
+        }
+
+        /** This executor's host. (PluginContext.hostname() fails on an executor, whose RPC
+         *  environment has no address of its own.) */
+        private static String host() {
+            String ip = System.getenv("SPARK_LOCAL_IP");
+            if (ip != null && !ip.isEmpty()) {
+                return ip;
+            }
+            try {
+                return java.net.InetAddress.getLocalHost().getHostName();
+            } catch (java.io.IOException e) {
+                return "this node";
+            }
         }
 
         @Override
