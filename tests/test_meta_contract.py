@@ -18,6 +18,7 @@ import trio
 
 from fusestate.meta.engine import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, FsError, Inode,
                                    MetaEngine, NewNode)
+from fusestate.meta.pg_functions import SESSION_FENCE
 from fusestate.meta.postgres_engine import PostgresEngine
 from fusestate.meta.sqlite_engine import SQLiteEngine
 
@@ -131,6 +132,7 @@ def test_create_errors(new_engine) -> None:
         d = await m.create(ROOT_INODE, b"d", DIR)
         await m.rmdir(ROOT_INODE, b"d")
         await raises(errno.ENOENT, m.create(d.id, b"x", FILE))  # into a removed directory
+        await raises(errno.ENOENT, m.create(10**9, b"x", FILE))  # into no inode at all
         await raises(errno.ENOENT, m.lookup(ROOT_INODE, b"missing"))
         await raises(errno.ENOTDIR, m.lookup(f.id, b"x"))
 
@@ -642,14 +644,15 @@ def test_a_cleaned_up_node_registers_no_upload_that_outlives_it(new_engine) -> N
 
 @shared_only
 def test_an_fsync_does_not_wait_for_the_nodes_writes_in_flight(new_engine, pg_url: str) -> None:
-    """Every write transaction locks its session's row against the clean-up, and every
-    fsync commits a heartbeat to that row: the two must not wait for each other (RocksDB
-    fsyncs while the same node commits blocks), while the clean-up still waits for both."""
+    """Every write transaction fences its session against the clean-up, and every fsync
+    commits a heartbeat to that session's row: the two must not wait for each other
+    (RocksDB fsyncs while the same node commits blocks), while the clean-up still waits
+    for the write."""
     async def body(a: MetaEngine) -> None:
         f = await a.create(ROOT_INODE, b"f", FILE)
         with psycopg.connect(pg_url) as other, psycopg.connect(pg_url) as cleaner:
-            # Another node's transaction on the file: a's commit waits for it, holding its
-            # session row's lock meanwhile.
+            # Another node's transaction on the file: a's commit waits for it, inside its
+            # session's fence meanwhile.
             other.execute("SELECT 1 FROM inodes WHERE id=%s FOR UPDATE", (f.id,))
             committed, synced = trio.Event(), trio.Event()
 
@@ -661,20 +664,25 @@ def test_an_fsync_does_not_wait_for_the_nodes_writes_in_flight(new_engine, pg_ur
                 await a.sync()
                 synced.set()
 
+            def clean_up() -> None:  # what the other nodes' clean-up of a's session does first
+                cleaner.execute("SELECT pg_advisory_xact_lock(%s, %s)", (SESSION_FENCE, a.session_id))
+                cleaner.execute("DELETE FROM sessions WHERE id=%s", (a.session_id,))
+
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(commit)
-                await trio.sleep(0.5)
-                assert not committed.is_set()
-                nursery.start_soon(sync)
-                with trio.move_on_after(10):
-                    await synced.wait()
-                synced_while_blocked = synced.is_set()
-                cleaner.execute("SET lock_timeout = '300ms'")
-                with pytest.raises(psycopg.errors.LockNotAvailable):  # waits: off the trio loop
-                    await trio.to_thread.run_sync(cleaner.execute, "DELETE FROM sessions WHERE id=%s",
-                                                  (a.session_id,))
-                cleaner.rollback()
-                other.rollback()
+                try:
+                    nursery.start_soon(commit)
+                    await trio.sleep(0.5)
+                    assert not committed.is_set()
+                    nursery.start_soon(sync)
+                    with trio.move_on_after(10):
+                        await synced.wait()
+                    synced_while_blocked = synced.is_set()
+                    cleaner.execute("SET lock_timeout = '300ms'")
+                    with pytest.raises(psycopg.errors.LockNotAvailable):  # waits: off the trio loop
+                        await trio.to_thread.run_sync(clean_up)
+                finally:
+                    cleaner.rollback()
+                    other.rollback()
             assert synced_while_blocked
         assert (await a.getattr(f.id)).size == 10
 

@@ -97,7 +97,7 @@ class Tx(Protocol):
         ...
 
 
-def _inode(row: tuple) -> Inode:
+def inode_of_row(row: tuple) -> Inode:
     *cols, scratch = row
     target = cols[10]
     return Inode(*cols[:10], symlink_target=bytes(target) if target is not None else None, scratch=int(scratch))
@@ -107,7 +107,7 @@ def get(tx: Tx, ino: int) -> Inode:
     row = tx.inode_row(ino)
     if row is None:
         raise FsError(errno.ENOENT)
-    return _inode(row)
+    return inode_of_row(row)
 
 
 def _directory(tx: Tx, ino: int) -> Inode:
@@ -131,7 +131,7 @@ def _entries(tx: Tx, *names: tuple[int, bytes]) -> list[Optional[int]]:
     return [rows[0][0] if rows else None for rows in (p() for p in pending)]
 
 
-def _check_name(name: bytes) -> None:
+def check_name(name: bytes) -> None:
     if len(name) > NAME_MAX:
         raise FsError(errno.ENAMETOOLONG)
     if not name or b"/" in name or name in (b".", b".."):
@@ -203,7 +203,7 @@ def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
         if row is None:
             raise FsError(errno.ENOENT)
         if row[1] is not None:
-            return _inode(row[1:])
+            return inode_of_row(row[1:])
         if row[0] & _S_IFMT != stat.S_IFDIR:
             raise FsError(errno.ENOTDIR)
         raise FsError(errno.ENOENT)
@@ -216,7 +216,7 @@ def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
 
 
 def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False) -> Inode:
-    _check_name(name)
+    check_name(name)
     tx.lock([parent_id])
     existing = _entry(tx, parent_id, name)  # asked with the lock (one round trip): a file or a
     parent = _directory(tx, parent_id)      # removed directory has no entries, so ENOTDIR and
@@ -258,7 +258,7 @@ def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False
 
 
 def link(tx: Tx, ino: int, parent_id: int, name: bytes) -> Inode:
-    _check_name(name)
+    check_name(name)
     tx.lock([ino, parent_id])
     existing = _entry(tx, parent_id, name)  # with the lock; checked last, as create does
     node = get(tx, ino)
@@ -345,7 +345,7 @@ def _is_ancestor(tx: Tx, ancestor: int, ino: int) -> bool:
 
 
 def rename(tx: Tx, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes, flags: int) -> Freed:
-    _check_name(dst_name)
+    check_name(dst_name)
     if src_name in (b".", b".."):
         raise FsError(errno.EINVAL)
     names = (src_parent, src_name), (dst_parent, dst_name)
@@ -449,7 +449,7 @@ def readdir(tx: Tx, ino: int, after_id: int, limit: int) -> list[tuple[DirEntry,
     rows = tx.all(f"SELECT e.id, e.name, {_JOINED_INODE_COLUMNS}"
                   " FROM entries e JOIN inodes i ON i.id = e.inode WHERE e.parent=? AND e.id>?"
                   " ORDER BY e.id LIMIT ?", (ino, after_id, limit))
-    return [(DirEntry(r[0], bytes(r[1]), r[2]), _inode(r[2:])) for r in rows]
+    return [(DirEntry(r[0], bytes(r[1]), r[2]), inode_of_row(r[2:])) for r in rows]
 
 
 # --- file data -----------------------------------------------------------------------
@@ -465,7 +465,7 @@ def open_file(tx: Tx, ino: int) -> tuple[Inode, dict[int, str]]:
     found = row()
     if not found:
         raise FsError(errno.ENOENT)  # the hold goes with the rolled-back transaction
-    return _inode(found[0]), blocks
+    return inode_of_row(found[0]), blocks
 
 
 def close_file(tx: Tx, ino: int) -> Freed:
@@ -474,7 +474,7 @@ def close_file(tx: Tx, ino: int) -> Freed:
     row = tx.inode_row(ino)  # locked: what the lock read is current
     if row is None:
         return Freed()
-    return _drop_if_unused(tx, _inode(row))
+    return _drop_if_unused(tx, inode_of_row(row))
 
 
 def commit_blocks(tx: Tx, ino: int, blocks: dict[int, Optional[tuple[str, int]]], size: int,

@@ -72,6 +72,8 @@ def _convert(sql: str) -> bytes:
 
 
 def _array_item(value: Any) -> str:
+    if value is None:
+        return "NULL"
     if isinstance(value, int):
         return str(value)
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')

@@ -4,7 +4,9 @@ Every operation of ``fusestate.meta.operations`` runs as one READ COMMITTED tran
 on a pooled connection, on the trio loop (``loop_io``: the loop serves other requests
 while it waits for the database), its statements pipelined (``pgpipeline``), with the
 inodes it changes locked in increasing id order, retried whole on a serialization
-failure, a deadlock or a unique-key race.
+failure, a deadlock or a unique-key race. The hottest operations (create, the commit of
+a file's blocks) run instead as one call of a function on the server (``pg_functions``):
+one round trip each.
 
 Each mount is a *session*: a row with a heartbeat. A session holds the files its node
 has open (``holds``), so a file unlinked on one node stays readable where it is open
@@ -40,8 +42,9 @@ from fusestate.errors import FsError
 from fusestate.meta import operations as ops
 from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
                                    ObjectInfo)
+from fusestate.meta import pg_functions as server
 from fusestate.meta.pgpipeline import Pipeline, Slot
-from fusestate.meta.pgpool import PgPool
+from fusestate.meta.pgpool import PgPool, RefusedByServer
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +268,7 @@ class PostgresEngine:
     def _create_schema(cur: Any) -> None:
         cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
         cur.execute(_SCHEMA)
+        cur.execute(server.INSTALL)
         now = time.time_ns()
         cur.execute("INSERT INTO inodes (id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns)"
                     " VALUES (%s, %s, 0, 0, 0, 2, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING id",
@@ -294,8 +298,7 @@ class PostgresEngine:
                 result, inodes, used = await self.pool.run(self._txn, operation, args, after, explicit=True)
             except ops.Restart:
                 continue
-            if inodes or used:
-                self._stats = EngineStats(self._stats.inodes + inodes, self._stats.used_bytes + used)
+            self._count(inodes, used)
             return result
 
     def _txn(self, cur: Any, operation: Callable[..., T], args: tuple,
@@ -339,6 +342,27 @@ class PostgresEngine:
         while len(self._recent) > RECENT_ROWS_MAX:
             del self._recent[next(iter(self._recent))]
 
+    async def _call(self, statement: str, args: tuple) -> list[tuple]:
+        """One server-side operation (``pg_functions``): one statement, one round trip, one
+        transaction; its POSIX errors come back as :class:`RefusedByServer`."""
+        if self.read_only:
+            raise FsError(errno.EROFS)
+
+        def call(cur: Any) -> list[tuple]:
+            with Pipeline(cur.connection) as pipe:
+                return pipe.query(statement, args)
+
+        try:
+            return await self.pool.run(call, explicit=True)
+        except RefusedByServer as exc:
+            if exc.sqlstate == server.LOST_SQLSTATE:
+                raise self._lose() from None
+            raise
+
+    def _count(self, inodes: int, used: int) -> None:
+        if inodes or used:
+            self._stats = EngineStats(self._stats.inodes + inodes, self._stats.used_bytes + used)
+
     async def _read(self, operation: Callable[..., T], *args: Any) -> T:
         return await self.pool.run(_in_pipeline(self, operation, *args), explicit=True)
 
@@ -357,7 +381,14 @@ class PostgresEngine:
         return node
 
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
-        return await self._write(ops.create, parent, name, node, hold)
+        ops.check_name(name)
+        made, parent_now = await self._call(server.CREATE, (
+            self.session_id, parent, name, node.mode, node.uid, node.gid, node.rdev, node.symlink_target,
+            node.scratch_name, hold, time.time_ns()))
+        self._count(1, 0)
+        new, changed = ops.inode_of_row(made), ops.inode_of_row(parent_now)
+        self._remember({changed.id: changed, new.id: new})
+        return dataclasses.replace(new)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
         return await self._write(ops.link, ino, parent, name)
@@ -407,21 +438,25 @@ class PostgresEngine:
 
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                             size: int, mtime_ns: int) -> Freed:
-        return await self._write(ops.commit_blocks, ino, blocks, size, mtime_ns, after=self._uploads_done(blocks))
+        return await self._commit(ino, blocks, size, mtime_ns, promote=False)
 
     async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                       size: int, mtime_ns: int) -> Freed:
-        return await self._write(ops.promote, ino, blocks, size, mtime_ns, after=self._uploads_done(blocks))
+        return await self._commit(ino, blocks, size, mtime_ns, promote=True)
 
-    def _uploads_done(self, blocks: dict[int, Optional[tuple[str, int]]]) -> Callable[[ops.Tx], None]:
-        """What a commit of these blocks runs last: their upload registrations end with it."""
-        keys = [b[0] for b in blocks.values() if b is not None]
-
-        def done_uploading(tx: ops.Tx) -> None:
-            if keys:
-                tx.exec("DELETE FROM uploads WHERE session_id=? AND key = ANY(?)", (self.session_id, keys))
-
-        return done_uploading
+    async def _commit(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]], size: int, mtime_ns: int,
+                      promote: bool) -> Freed:
+        """The blocks, size and mtime in one call, which also ends the blocks' upload registrations."""
+        order = sorted(blocks)
+        found = [blocks[i] for i in order]
+        (row,) = await self._call(server.COMMIT, (
+            self.session_id, ino, order, [b[0] if b else None for b in found], [b[1] if b else 0 for b in found],
+            size, mtime_ns, time.time(), promote))
+        *columns, freed, used = row
+        self._count(0, used)
+        node = ops.inode_of_row(tuple(columns))
+        self._remember({ino: node})
+        return Freed(keys=list(freed))
 
     async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
         return await self._write(ops.truncate, ino, size, mtime_ns)
@@ -684,6 +719,9 @@ def _clean_session(tx: ops.Tx, session: int) -> Freed:
     # Deletions it claimed may or may not have happened: the blocks are unreferenced still,
     # and maybe gone from the bucket, so the next upload of their bytes must not skip the PUT.
     tx.exec("UPDATE objects SET deleting=0, uploaded=0 WHERE deleting=?", (session,))
+    # After every server-side operation of the session in flight (they hold the fence shared),
+    # before any that would come: they then find no row (pg_functions).
+    tx.exec("SELECT pg_advisory_xact_lock(?::int, ?::int)", (server.SESSION_FENCE, session % 2147483647))
     tx.exec("DELETE FROM sessions WHERE id=?", (session,))
     # Its scratch files were readable nowhere else: their names go with it.
     freed.keys += ops.purge_scratch(tx, session).keys
