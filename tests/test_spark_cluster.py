@@ -166,6 +166,41 @@ def test_a_worker_daemon_killed_alone_does_not_fail_the_query(cluster: Cluster, 
 
 
 @pytest.mark.slow
+def test_the_driver_daemon_killed_alone_and_the_query_resumed(cluster: Cluster, local_reference: Path,
+                                                             tmp_path: Path) -> None:
+    """SIGKILL the driver node's daemon alone after batch 2: the query stops with one line that
+    names the mount and the node, the node mounts again, and the pipeline resumes the query
+    from the last committed batch: every batch in the output once, the end result as in a
+    fault-free run."""
+    cluster.start(workers=2)
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    driver = cluster.start_driver([*pipeline_args(out, report, cluster.checkpoint("q")), "--json",
+                                   "--wait-for-remount", "180"])
+    batches = DriverBatches(driver.log)
+    deadline = time.monotonic() + PIPELINE_TIMEOUT
+    while not any(b["batch"] == 2 for b in batches.new()):  # batch 2 committed and reported
+        assert driver.alive() and time.monotonic() < deadline, tail(driver)
+        time.sleep(0.2)
+    driver.kill_daemon()
+    finish(driver)
+    result = json.loads(report.read_text())
+    (restart,) = result["restarts"]
+    assert restart["after_batch"] == 2
+    assert f"the fusestate mount {cluster.mountpoint} on this node (driver1) died" in restart["cause"]
+    (line,) = [ln for ln in driver.log.read_text().splitlines() if ln.startswith("fusestate: ")]
+    assert line.startswith(f"fusestate: the query stopped: {restart['cause']}")
+    # Resumed after batch 2, not from 0: every batch once in the report and in the output.
+    ids = [b["batch"] for b in result["batches"]]
+    assert ids == list(range(len(ids))) and ids[-1] >= BATCHES - 2, ids
+    output = read_output(out)
+    assert sorted(output) == ids
+    expected = read_output(local_reference)
+    assert all(output[b] == expected[b] for b in range(3))
+    assert final_view(out) == final_view(local_reference)
+    assert "mounted" in driver.log.read_text() and "again after" in driver.log.read_text()
+
+
+@pytest.mark.slow
 def test_losing_a_worker_node_mid_stream(cluster: Cluster, local_reference: Path, tmp_path: Path) -> None:
     """Kill one worker node (its JVMs and its fusestate daemon at once) and wipe its cache:
     the query goes on with the other worker, no batch lost or doubled, and the lost node's

@@ -475,13 +475,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start a cluster, run the pipeline on it (optionally losing a worker, or killing a node's
     daemon alone), show its batches as they complete and a summary; the report goes to a file,
     and to stdout with ``--json``."""
+    faults = planned_faults(args)
     root = Path(args.root or tempfile.mkdtemp(prefix="fusestate-cluster-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     kept = args.keep or args.root is not None
     output = Path(args.output).resolve() if args.output else _default_output(root, kept)
     report_path = Path(args.report).resolve() if args.report else output / REPORT_NAME
     say = partial(print, file=sys.stderr if args.json else sys.stdout, flush=True)  # stdout: JSON only
-    faults = planned_faults(args)
     server = None
     try:
         meta = args.meta
