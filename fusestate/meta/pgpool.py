@@ -22,8 +22,10 @@ read-write service) is followed as libpq follows it: a multi-host URL
 turn (psycopg makes one attempt per host, each within the connect timeout) and keeps the
 first that accepts writes. On top of that the pool
 
-- tries the server it just lost last, so a reconnect reaches a promoted standby without
-  first waiting out the old primary's connect timeout;
+- tries every server of such a URL at once and keeps the first that takes writes, so a
+  reconnect reaches a promoted standby as soon as it is promoted, not after the old
+  primary's connect timeout (without ``target_session_attrs``, it tries them in the URL's
+  order, the server it just lost last);
 - closes its idle connections when one of them finds the server gone: they lead there too;
 - refuses a server on an older timeline than one it has already written to (an old
   primary that came back from a freeze and has not yet been demoted), and drops its
@@ -147,6 +149,11 @@ class PgPool:
         if not params.get("application_name"):
             self._connect_params["application_name"] = APPLICATION_NAME  # what pg_stat_activity shows
         self._servers = _server_list(params)
+        # Servers of which only one may answer (the primary): tried all at once.
+        self._parallel = len(self._servers) > 1 and str(params.get("target_session_attrs") or "") in (
+            "read-write", "primary")
+        self._connect_deadline = (int(float(params.get("connect_timeout") or CONNECT_TIMEOUT)) + STALL_PROBE_AFTER
+                                  + PROBE_TIMEOUT + 2)
         self.timeline = 0  # the newest timeline written to (0: none yet, or a single server's)
         self._busy: dict[int, _Busy] = {}
         self._busy_lock = threading.Lock()
@@ -281,33 +288,81 @@ class PgPool:
         return self._connect()
 
     def _connect(self) -> psycopg.Connection:
-        """A new connection (blocking: a worker thread's job on the loop), to the first of
-        the servers, in the pool's order, that takes it, and on no older timeline than
-        this pool has written to."""
+        """A new connection (blocking: a worker thread's job on the loop) to a server that
+        takes it, on no older timeline than this pool has written to. Several servers
+        that must take writes are tried at once, and the first to answer wins: a promoted
+        standby is reached at once, not after a frozen server's connect timeout."""
+        if self._parallel:
+            return self._connect_to_first()
+        conn = self._open(self._order())
+        if conn.timeline < self.timeline:  # type: ignore[attr-defined]
+            self._discard(conn)
+            self._demote(conn.server)  # type: ignore[attr-defined]
+            raise psycopg.OperationalError(
+                f"{_where(conn.server, conn.timeline)} is on an older timeline than "  # type: ignore[attr-defined]
+                f"{self.timeline}: a former primary not yet demoted")
+        return self._accept(conn)
+
+    def _open(self, where: dict[str, str]) -> psycopg.Connection:
+        """Connect (to the servers ``where`` names, or the URL's) and read the timeline."""
         # No automatic preparing by psycopg: it deallocates every prepared statement of
         # the connection after a ROLLBACK, those of ``pgpipeline`` too, which prepares its own.
         conn = LoopConnection.connect(self.url, autocommit=True, prepare_threshold=None,
-                                      **self._connect_params, **self._order())
-        conn.server = server = _server_of(conn)  # type: ignore[attr-defined]
+                                      **self._connect_params, **where)
+        conn.server = _server_of(conn)  # type: ignore[attr-defined]
         try:
             with self._watched(conn):
-                timeline = int(conn.execute(TIMELINE_QUERY).fetchone()[0])
+                conn.timeline = int(conn.execute(TIMELINE_QUERY).fetchone()[0])  # type: ignore[attr-defined]
         except BaseException:
             self._discard(conn)
             raise
-        conn.timeline = timeline  # type: ignore[attr-defined]
-        if timeline < self.timeline:
-            self._discard(conn)
-            self._demote(server)
-            raise psycopg.OperationalError(
-                f"{_where(server, timeline)} is on an older timeline than {self.timeline}: a former primary "
-                "not yet demoted")
+        return conn
+
+    def _accept(self, conn: psycopg.Connection) -> psycopg.Connection:
+        timeline = conn.timeline  # type: ignore[attr-defined]
         if timeline > self.timeline:
             if self.timeline:
                 log.warning("metadata database %s: now on %s (was timeline %d)", self.redacted,
-                            _where(server, timeline), self.timeline)
+                            _where(conn.server, timeline), self.timeline)  # type: ignore[attr-defined]
             self.timeline = timeline  # connections to older timelines are dropped as they come back
         return conn
+
+    def _connect_to_first(self) -> psycopg.Connection:
+        """One attempt per server, all at once; the first connection on a current timeline
+        wins, the others are closed as they come."""
+        answers: queue.Queue[tuple[Optional[psycopg.Connection], str]] = queue.Queue()
+
+        def attempt(server: tuple[str, str]) -> None:
+            try:
+                answers.put((self._open({"host": server[0], "port": server[1]}), ""))
+            except psycopg.Error as exc:
+                answers.put((None, f"{server[0]}:{server[1]}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}"))
+
+        for server in self._servers:
+            threading.Thread(target=attempt, args=(server,), name="pgpool-connect", daemon=True).start()
+        deadline = time.monotonic() + self._connect_deadline
+        failures: list[str] = []
+        waiting = len(self._servers)
+        chosen: Optional[psycopg.Connection] = None
+        while waiting and chosen is None:
+            try:
+                conn, failure = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            waiting -= 1
+            if conn is None:
+                failures.append(failure)
+            elif conn.timeline < self.timeline:  # type: ignore[attr-defined]
+                failures.append(f"{_where(conn.server, conn.timeline)} is on an older timeline than "  # type: ignore[attr-defined]
+                                f"{self.timeline}: a former primary not yet demoted")
+                self._discard(conn)
+            else:
+                chosen = conn
+        if waiting:
+            threading.Thread(target=_close_answers, args=(answers, waiting), name="pgpool-connect", daemon=True).start()
+        if chosen is None:
+            raise psycopg.OperationalError("no server takes writes: " + ("; ".join(failures) or "none answered"))
+        return self._accept(chosen)
 
     def _order(self) -> dict[str, str]:
         """Connection parameters that list the URL's servers in the pool's current order."""
@@ -430,6 +485,14 @@ def _server_of(conn: psycopg.Connection) -> Optional[tuple[str, str]]:
 def _where(server: Optional[tuple[str, str]], timeline: int) -> str:
     place = f"{server[0]}:{server[1]}" if server else "the server"
     return f"{place}, timeline {timeline}" if timeline else place
+
+
+def _close_answers(answers: "queue.Queue[tuple[Optional[psycopg.Connection], str]]", count: int) -> None:
+    """Close the connections of attempts that answered after another had won."""
+    for _ in range(count):
+        conn, _failure = answers.get()
+        if conn is not None:
+            PgPool._discard(conn)
 
 
 def _shut_down(conn: psycopg.Connection) -> None:
