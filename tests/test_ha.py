@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, Optional
 
-from conftest import Bucket, assert_one_line_error, fusestate
+import pytest
+
+from conftest import Bucket, Mount, assert_one_line_error, fusestate, wait_for
+from fusestate.meta.local_ha import LocalHA
 from fusestate.meta.local_postgres import free_port
 
 
@@ -51,3 +59,205 @@ def test_every_command_takes_a_multi_host_url(make_mount, file_bucket: Bucket, p
     bad = make_mount(file_bucket, name="node-d", cache="cache-d",
                      extra=["--meta", pg_url, "--meta-outage-budget", "0"])
     assert_one_line_error(bad.try_mount(), "--meta-outage-budget")
+
+
+# --- a primary and a synchronous standby under Patroni --------------------------------------
+
+@pytest.fixture
+def ha(tmp_path: Path) -> Iterator[LocalHA]:
+    """Patroni, a three-member etcd cluster and two PostgreSQL servers on loopback
+    addresses. Ask for it before make_mount: it must outlive the mounts."""
+    cluster = LocalHA()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@dataclass
+class Writer:
+    """A node writing files the way RocksDB and Spark commit them (write a temporary
+    file, fsync, rename, fsync the directory) in a thread, until told to stop. A file
+    is acknowledged once the directory's fsync returned."""
+
+    root: Path
+    name: str
+    acked: dict[str, bytes] = field(default_factory=dict)
+    ops: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each commit
+    error: Optional[BaseException] = None
+    step: str = ""
+    lost_names: list[str] = field(default_factory=list)  # creates lost before any fsync of the directory
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Writer":
+        (self.root / self.name).mkdir()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        directory = self.root / self.name
+        n = 0
+        try:
+            while not self.stop.is_set():
+                data = os.urandom(random.randint(1, 300_000))
+                started = time.monotonic()
+                self.step = f"write and fsync {n:05d}.tmp"
+                write_synced(directory / f"{n:05d}.tmp", data)
+                self.step = f"rename {n:05d}.tmp"
+                try:
+                    os.rename(directory / f"{n:05d}.tmp", directory / f"{n:05d}.sst")
+                except FileNotFoundError:
+                    # Its create, not yet covered by an fsync of the directory, was lost
+                    # with the primary (fsync of a file does not make its name durable).
+                    self.lost_names.append(f"{n:05d}.sst")
+                    n += 1
+                    continue
+                self.step = "fsync the directory"
+                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self.ops.append((started, time.monotonic()))
+                self.acked[f"{n:05d}.sst"] = data
+                n += 1
+                time.sleep(0.02)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+            exc.add_note(f"at {time.strftime('%H:%M:%S')}, {self.step}")
+            try:
+                exc.add_note(f"the directory then: {sorted(os.listdir(directory))[-4:]}")
+            except OSError as again:
+                exc.add_note(f"the directory then: {again!r}")
+
+    def wait_for_more(self, count: int, timeout: float = 120) -> None:
+        target = len(self.acked) + count
+        wait_for(lambda: len(self.acked) >= target or self.error is not None, timeout,
+                 f"{self.name} to commit {count} more files")
+        assert self.error is None, f"{self.name}: {self.error!r} {getattr(self.error, '__notes__', '')}"
+
+    def finish(self) -> None:
+        self.stop.set()
+        assert self.thread is not None
+        self.thread.join(timeout=180)
+        assert not self.thread.is_alive(), f"{self.name} is stuck"
+        assert self.error is None, f"{self.name}: {self.error!r} {getattr(self.error, '__notes__', '')}"
+
+    def stall_after(self, moment: float) -> float:
+        """Seconds from ``moment`` to the end of the first commit that began after it:
+        how long this node went without a file operation completing."""
+        return min(end for start, end in self.ops if start >= moment) - moment
+
+    def longest(self) -> float:
+        return max(end - start for start, end in self.ops)
+
+
+class AcknowledgedLost(AssertionError):
+    """A file whose directory's fsync returned is not there after the failover."""
+
+
+# The engine retries a durable commit (the end of fsync and fsyncdir) that was in flight
+# when the primary was lost on the new primary, where it succeeds whether or not the
+# namespace changes committed just before it on the old primary reached the standby
+# (docs/semantics.md#a-failover-of-the-database): about one failover in ten here loses a
+# file renamed a moment before. The engine has to fail such an fsync with EIO; until it
+# does, that one outcome is expected, and every other failure still fails these tests.
+FSYNC_RETRIED_ACROSS_FAILOVER = pytest.mark.xfail(
+    raises=AcknowledgedLost, strict=False,
+    reason="an fsync in flight during the failover is retried on the new primary and may vouch for lost changes")
+
+
+def check_whole_everywhere(writers: list[Writer], mounts: list[Mount]) -> None:
+    """Every acknowledged file is there, whole, on every node; nothing else is."""
+    for m in mounts:
+        for w in writers:
+            names = sorted(n for n in os.listdir(m.path / w.name) if n.endswith(".sst") and n not in w.lost_names)
+            if set(w.acked) - set(names):
+                raise AcknowledgedLost(f"{w.name} on {m.path.name}: missing {sorted(set(w.acked) - set(names))[:5]}")
+            assert names == sorted(w.acked), f"{w.name} on {m.path.name}: unexpected {sorted(set(names) - set(w.acked))[:5]}"
+            for name, data in w.acked.items():
+                assert (m.path / w.name / name).read_bytes() == data, f"{w.name}/{name} on {m.path.name}"
+
+
+def failover_while_writing(ha: LocalHA, make_mount, bucket: Bucket, lose: str) -> None:
+    """Two nodes commit files; the primary's machine is lost (``kill``) or frozen
+    (``freeze``); the synchronous standby is promoted; both nodes go on; every
+    acknowledged file reads back whole on both; fsck is clean; the old primary rejoins
+    as the synchronous standby."""
+    url = ha.create_database("vol")
+    # A session outlives the failover (about ttl + a few seconds here): see docs/deploy.md.
+    opts = ["--meta", url, "--metrics-addr", "off", "--session-timeout", "60", "--meta-outage-budget", "90"]
+    a = make_mount(bucket, name="node-a", cache="cache-a", extra=opts).mount()
+    b = make_mount(bucket, name="node-b", cache="cache-b", extra=opts).mount()
+    writers = [Writer(a.path, "a").start(), Writer(b.path, "b").start()]
+    for w in writers:
+        w.wait_for_more(10)  # before
+    old = ha.primary()
+    assert old is not None
+    lost_at = time.monotonic()
+    getattr(ha, lose)(old)
+    new = ha.wait_primary(timeout=90, other_than=old)
+    promoted_after = time.monotonic() - lost_at
+    for w in writers:
+        w.wait_for_more(10)  # during and after
+    stalls = [round(w.stall_after(lost_at), 1) for w in writers]
+    # The old primary comes back and rejoins as the synchronous standby.
+    (ha.start if lose == "kill" else ha.thaw)(old)
+    ha.wait_healthy(timeout=120)
+    assert ha.primary() is new
+    assert {s["name"]: s["role"] for s in ha.cluster()}[old.name] == "sync_standby"
+    for w in writers:
+        w.wait_for_more(5)  # with the old primary back as the standby
+        w.finish()
+    check_whole_everywhere(writers, [a, b])
+    report = json.loads(fusestate("fsck", bucket.url, "--meta", url, "--json").stdout)
+    assert report["healthy"] and not report["problems"], report
+    assert report["referenced"] >= sum(len(w.acked) for w in writers) - sum(
+        1 for w in writers for d in w.acked.values() if not d)
+    print(f"{lose}: standby promoted after {promoted_after:.1f} s; first commit after the loss "
+          f"on each node: {stalls} s; longest commit: {[round(w.longest(), 1) for w in writers]} s; "
+          f"files: {[len(w.acked) for w in writers]}; creates lost: {[w.lost_names for w in writers]}")
+    a.umount()
+    b.umount()
+
+
+@FSYNC_RETRIED_ACROSS_FAILOVER
+def test_mounts_follow_the_primary_when_its_machine_is_lost(ha: LocalHA, make_mount, file_bucket: Bucket) -> None:
+    failover_while_writing(ha, make_mount, file_bucket, "kill")
+
+
+@pytest.mark.slow
+@FSYNC_RETRIED_ACROSS_FAILOVER
+def test_mounts_follow_the_primary_when_it_freezes(ha: LocalHA, make_mount, file_bucket: Bucket) -> None:
+    """SIGSTOP of the primary's PostgreSQL processes (postmaster and children: each child
+    has a session of its own): its connections hang rather than fail, until the pool finds
+    the server no longer answers; its Patroni stops renewing the leader key, and once
+    thawed, finds the standby promoted and rejoins as its standby."""
+    failover_while_writing(ha, make_mount, file_bucket, "freeze_server")
+
+
+def test_an_fsync_returns_only_once_the_synchronous_standby_has_it(ha: LocalHA, make_mount,
+                                                                  file_bucket: Bucket) -> None:
+    """fsync and fsyncdir wait for a commit made with synchronous_commit on, which with a
+    synchronous standby returns once the standby has flushed it: with the standby's
+    server frozen, an fsync waits (a namespace change, committed without that wait, does
+    not), and returns when the standby is back."""
+    url = ha.create_database("vol")
+    m = make_mount(file_bucket, extra=["--meta", url, "--metrics-addr", "off"]).mount()
+    write_synced(m.path / "before", b"1")
+    standby = next(x for x in ha.members if x is not ha.primary())
+    ha.freeze_server(standby)
+    try:
+        started = time.monotonic()
+        (m.path / "made-meanwhile").mkdir()
+        assert time.monotonic() - started < 2
+        done = threading.Event()
+        threading.Thread(target=lambda: (write_synced(m.path / "during", b"2"), done.set()), daemon=True).start()
+        assert not done.wait(5), "fsync returned while the synchronous standby could not have the commit"
+    finally:
+        ha.thaw(standby)
+    assert done.wait(30)
+    assert sorted(os.listdir(m.path)) == ["before", "during", "made-meanwhile"]
+    m.umount()
