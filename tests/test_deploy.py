@@ -571,6 +571,8 @@ def test_daemonset_contract(rendered):
         args = container["args"][1:]
         assert [args[i + 1] for i, a in enumerate(args) if a == "--scratch"] == ["blockmgr-*", "spark-*-*-*-*-*"]
         assert args[args.index("--session-timeout") + 1] == "20"
+        assert args[args.index("--meta-outage-budget") + 1] == "60"
+        assert args[args.index("--meta-connections") + 1] == "8"
         return
     # A volume of its own per node: the URL ends in the node's name.
     assert env["FUSESTATE_URL"]["value"] == values["volume"]["url"].rstrip("/") + "/$(NODE_NAME)"
