@@ -5,8 +5,8 @@ on its local disk, the checkpoint on one JuiceFS volume mounted at the same path
 fusestate mount, each node's Spark local dir on local disk) with its checkpoint at
 ``file://<mountpoint>/checkpoints``: Spark's RocksDB state store copies each snapshot's files
 there and back through Hadoop's local file system, as it does to any shared directory. Each
-node (its own mount and PID namespace) runs its own JuiceFS client: this module, run as
-``python -m bench.juicefs_cluster`` in front of the node's command, mounts the volume
+node (its own mount and PID namespace) runs its own JuiceFS client: this module, run as a
+script in front of the node's command, mounts the volume
 (``juicefs mount -d``, the node's cache dir), runs the command, and unmounts once it ends.
 Losing the node kills the namespace's processes, the JuiceFS client among them, at once.
 """
@@ -45,7 +45,8 @@ class JuiceFSNode(Node):
     def start(self, command: list[str], env: Optional[dict[str, str]] = None,
               timeout: float = MOUNT_TIMEOUT) -> None:
         self.mounted_file.unlink(missing_ok=True)
-        wrapped = [sys.executable, "-m", "bench.juicefs_cluster", "--juicefs", self.juicefs, "--meta", self.meta_url,
+        # By its path: the node's processes need not start in the repository's root.
+        wrapped = [sys.executable, str(Path(__file__).resolve()), "--juicefs", self.juicefs, "--meta", self.meta_url,
                    "--mountpoint", self.mountpoint, "--cache-dir", str(self.cache_dir),
                    "--log", str(self.root / "juicefs.log"), "--mounted", str(self.mounted_file), RUN, *command]
         super().start(wrapped, env, timeout)
@@ -81,15 +82,16 @@ class JuiceFSCluster(Cluster):
 
 # --- in the node's namespace ---------------------------------------------------------------
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.juicefs_cluster",
+    p = argparse.ArgumentParser(prog="bench/juicefs_cluster.py",
                                 usage="%(prog)s --juicefs BIN --meta URL --mountpoint DIR --cache-dir DIR "
                                       f"--log FILE --mounted FILE {RUN} COMMAND...")
     for flag in ("--juicefs", "--meta", "--mountpoint", "--cache-dir", "--log", "--mounted"):
         p.add_argument(flag, required=True)
     argv = list(argv)
-    if RUN not in argv or argv.index(RUN) == len(argv) - 1:
+    cut = argv.index(RUN) if RUN in argv else len(argv)
+    if cut >= len(argv) - 1:
+        p.parse_args(argv[:cut])  # --help, or what else is missing
         p.error(f"a command to run after {RUN} is required")
-    cut = argv.index(RUN)
     args = p.parse_args(argv[:cut])
     args.command = argv[cut + 1:]
     return args
