@@ -18,7 +18,7 @@ import trio
 
 from fusestate.meta.engine import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, FsError, Inode,
                                    MetaEngine, NewNode)
-from fusestate.meta.pg_functions import SESSION_FENCE
+from fusestate.meta.pg_functions import COLLECTED_MARGIN, SESSION_FENCE
 from fusestate.meta.postgres_engine import PostgresEngine
 from fusestate.meta.sqlite_engine import SQLiteEngine
 
@@ -620,24 +620,21 @@ def test_a_dead_session_is_cleaned_and_cannot_publish_again(new_engine) -> None:
 
 
 @shared_only
-def test_a_cleaned_up_node_registers_no_upload_that_outlives_it(new_engine) -> None:
-    """A node whose session was cleaned up may register an upload before it learns so: the
-    other nodes release that registration, so the block is collected like any upload whose
-    commit will not come. Once the node knows, it registers nothing more."""
+def test_a_cleaned_up_node_commits_no_upload(new_engine) -> None:
+    """A node whose session was cleaned up may upload a block before it learns so: its
+    commit is refused, the block stays unknown to the database (the sweep of unknown
+    objects takes it), and once the node knows it uploads nothing more."""
     async def body(a: MetaEngine, b: MetaEngine) -> None:
+        f = await a.create(ROOT_INODE, b"f", FILE)
         await trio.sleep(1.5)  # a stops beating
         await b.heartbeat()
         await b.clean_dead_sessions()
         assert await a.begin_upload(key(7), BS) is False  # a has not noticed yet
-        assert await b.claim_garbage(time.time() + 1, FAR_FUTURE) == []  # registered: left alone
-        await b.clean_dead_sessions()
-        info = await b.object_info(key(7))
-        assert info is not None and info.refcount == 0 and not info.uploaded
-        assert await b.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(7)]
-        await raises(errno.EIO, a.heartbeat())
+        await raises(errno.EIO, a.commit_blocks(f.id, {0: (key(7), BS)}, BS, 1, uploads_began=time.monotonic()))
         assert a.lost
+        assert await b.object_info(key(7)) is None
+        assert await b.sweep_unknown([key(7)]) == [key(7)]
         await raises(errno.EIO, a.begin_upload(key(8), BS))
-        assert await b.object_info(key(8)) is None
 
     drive(new_engine, body, nodes=2, session_ttl=1.0)
 
@@ -690,23 +687,24 @@ def test_an_fsync_does_not_wait_for_the_nodes_writes_in_flight(new_engine, pg_ur
 
 
 @shared_only
-def test_an_upload_in_flight_keeps_gc_away_from_its_block(new_engine) -> None:
-    """The collector never claims a block some node registered an upload of, and an upload
-    of bytes being deleted waits until the deletion is done."""
+def test_a_block_collected_while_it_was_uploaded_is_put_again_before_its_commit(new_engine) -> None:
+    """Uploads are not registered: a commit of a block the collector claimed, or deleted
+    from the bucket after the upload began, is refused with EAGAIN and changes nothing;
+    the same commit after the bytes were put again goes through."""
     async def body(a: MetaEngine, b: MetaEngine) -> None:
         f = await a.create(ROOT_INODE, b"f", FILE)
-        await a.begin_upload(key(1), BS)
-        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
+        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1, uploads_began=time.monotonic())
         await a.commit_blocks(f.id, {0: None}, BS, 2)  # key(1) now unreferenced
-        assert await b.begin_upload(key(1), BS) is True   # b is about to commit the same bytes
-        assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == []
-        await b.end_upload(key(1))                        # b's commit will not come after all
-        assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(1)]
-        assert await b.begin_upload(key(1), BS) is None   # being deleted: ask again later
-        await a.garbage_deleted([key(1)])
-        assert await b.begin_upload(key(1), BS) is False  # gone: upload it again
         g = await b.create(ROOT_INODE, b"g", FILE)
-        await b.commit_blocks(g.id, {0: (key(1), BS)}, BS, 3)
+        began = time.monotonic()  # b begins to upload the same bytes
+        assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(1)]
+        await raises(errno.EAGAIN, b.commit_blocks(g.id, {0: (key(1), BS)}, BS, 3, uploads_began=began))
+        await a.garbage_deleted([key(1)])
+        await raises(errno.EAGAIN, b.commit_blocks(g.id, {0: (key(1), BS)}, BS, 3, uploads_began=began))
+        await raises(errno.EAGAIN, b.commit_blocks(g.id, {0: (key(1), BS)}, BS, 3))  # began: not known
+        assert await a.object_info(key(1)) is None and await a.block_map(g.id) == {}
+        await trio.sleep(COLLECTED_MARGIN + 0.2)
+        await b.commit_blocks(g.id, {0: (key(1), BS)}, BS, 3, uploads_began=time.monotonic())  # put again
         assert (await a.object_info(key(1))).refcount == 1
         assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == []
 
@@ -715,9 +713,9 @@ def test_an_upload_in_flight_keeps_gc_away_from_its_block(new_engine) -> None:
 
 @shared_only
 def test_blocks_nobody_will_commit_become_garbage(new_engine) -> None:
-    """An upload superseded before its commit, the uploads of a node that died, and the
-    deletions it had claimed: each ends as an unreferenced block the collector takes, and
-    a block that may be gone is never taken for present."""
+    """An upload superseded before its commit, and the deletions a node that died had
+    claimed: each ends as an unreferenced block the collector takes, and a block that
+    may be gone is never taken for present."""
     async def body(a: MetaEngine, b: MetaEngine) -> None:
         assert await a.begin_upload(key(1), BS) is False
         await a.end_upload(key(1))
@@ -727,33 +725,36 @@ def test_blocks_nobody_will_commit_become_garbage(new_engine) -> None:
         await b.garbage_deleted([key(1)])
 
         f = await a.create(ROOT_INODE, b"f", FILE)
-        await a.begin_upload(key(3), BS)
-        await a.commit_blocks(f.id, {0: (key(3), BS)}, BS, 1)
+        await a.commit_blocks(f.id, {0: (key(3), BS)}, BS, 1, uploads_began=time.monotonic())
         await a.unlink(ROOT_INODE, b"f")
         assert await a.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(3)]  # a dies mid-deletion
-        assert await a.begin_upload(key(2), BS) is False                     # and mid-upload
+        began = time.monotonic()  # b begins to upload the same bytes
         await trio.sleep(1.5)
         await b.heartbeat()
         await b.clean_dead_sessions()
-        two, three = await b.object_info(key(2)), await b.object_info(key(3))
-        assert (two.refcount, two.uploaded, three.refcount, three.uploaded) == (0, False, 0, False)
-        assert await b.begin_upload(key(3), BS) is False  # maybe deleted: upload it again
-        await b.end_upload(key(3))
-        assert sorted(await b.claim_garbage(time.time() + 1, FAR_FUTURE)) == [key(2), key(3)]
+        three = await b.object_info(key(3))
+        assert (three.refcount, three.uploaded) == (0, False)
+        g = await b.create(ROOT_INODE, b"g", FILE)
+        # The deletion may have come after b's upload began: b must put the bytes again.
+        await raises(errno.EAGAIN, b.commit_blocks(g.id, {0: (key(3), BS)}, BS, 1, uploads_began=began))
+        assert await b.claim_garbage(time.time() + 1, FAR_FUTURE) == [key(3)]
 
     drive(new_engine, body, nodes=2, session_ttl=1.0)
 
 
 @shared_only
-def test_a_sweep_of_unknown_blocks_holds_back_uploads_of_the_same_bytes(new_engine) -> None:
+def test_a_sweep_of_unknown_blocks_holds_back_commits_of_the_same_bytes(new_engine) -> None:
     async def body(a: MetaEngine, b: MetaEngine) -> None:
-        assert await a.begin_upload(key(1), BS) is False  # registered: not unknown
         f = await a.create(ROOT_INODE, b"f", FILE)
-        await a.commit_blocks(f.id, {0: (key(2), BS)}, BS, 1)  # known
-        assert await b.sweep_unknown([key(1), key(2), key(3)]) == [key(3)]
-        assert await a.begin_upload(key(3), BS) is None  # being deleted: wait
-        await b.garbage_deleted([key(3)])
-        assert await a.begin_upload(key(3), BS) is False
+        await a.commit_blocks(f.id, {0: (key(2), BS)}, BS, 1, uploads_began=time.monotonic())  # known
+        began = time.monotonic()  # a begins to upload key(3)'s bytes
+        assert await b.sweep_unknown([key(1), key(2), key(3)]) == [key(1), key(3)]
+        await raises(errno.EAGAIN, a.commit_blocks(f.id, {1: (key(3), BS)}, 2 * BS, 2, uploads_began=began))
+        await b.garbage_deleted([key(1), key(3)])
+        await raises(errno.EAGAIN, a.commit_blocks(f.id, {1: (key(3), BS)}, 2 * BS, 2, uploads_began=began))
+        await trio.sleep(COLLECTED_MARGIN + 0.2)
+        await a.commit_blocks(f.id, {1: (key(3), BS)}, 2 * BS, 2, uploads_began=time.monotonic())
+        assert await a.block_map(f.id) == {0: key(2), 1: key(3)}
 
     drive(new_engine, body, nodes=2)
 
@@ -798,3 +799,41 @@ def test_a_nodes_own_writes_answer_its_getattr_for_the_attribute_timeout(new_eng
         assert node.mode & 0o777 == 0o600 and (await a.getattr(f.id)).mode & 0o777 == 0o600
 
     drive(new_engine, body, nodes=2, attr_cache_seconds=1.0)
+
+
+@shared_only
+def test_an_fsyncs_durable_commit_leaves_its_sync_nothing_to_do(new_engine, pg_url: str) -> None:
+    """fsync commits a file's last blocks with the WAL flushed (the server's own
+    synchronous_commit), so the sync that follows sends nothing; a namespace change after
+    it (the rename of a commit pattern) makes the next sync flush again."""
+    async def body(a: MetaEngine) -> None:
+        sent = []
+        run = a.pool.run
+
+        async def counting(fn, *args, **kw):
+            sent.append(fn)
+            return await run(fn, *args, **kw)
+
+        a.pool.run = counting
+        f = await a.create(ROOT_INODE, b"tmp", FILE)
+        await a.sync()
+        assert len(sent) == 2  # the create committed without waiting for the WAL flush
+        await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1, durable=True)
+        await a.sync()
+        assert len(sent) == 3
+        await a.rename(ROOT_INODE, b"tmp", ROOT_INODE, b"final")
+        await a.sync()
+        await a.sync()
+        assert len(sent) == 5
+
+    drive(new_engine, body)
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:  # the commit mode each call sets
+        session = conn.execute("INSERT INTO sessions (host, pid, mountpoint, started, heartbeat)"
+                               " VALUES ('t', 1, '/t', 0, 0) RETURNING id").fetchone()[0]
+        ino = conn.execute("SELECT inode FROM entries WHERE name = 'final'").fetchone()[0]
+        for durable, mode in ((False, "off"), (True, "on")):
+            with conn.transaction(force_rollback=True):
+                conn.execute("SELECT * FROM fs_commit_v1(%s, %s, '{}', '{}', '{}', 1, 1, 0, false, %s, NULL)",
+                             (session, ino, durable))
+                assert conn.execute("SELECT current_setting('synchronous_commit')").fetchone()[0] == mode

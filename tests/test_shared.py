@@ -547,3 +547,21 @@ def test_a_node_whose_session_was_cleaned_up_says_so_and_a_restart_serves_the_vo
     write_synced(a.path / "after", b"the node is back")
     assert (b.path / "after").read_bytes() == b"the node is back"
     assert shared_fsck(file_bucket, pg_url) == []
+
+
+def test_bytes_collected_while_a_node_uploads_them_again_are_put_again(make_mount, file_bucket: Bucket,
+                                                                        pg_url: str) -> None:
+    """Uploads are not registered with the database: when ``fusestate gc`` deletes a block
+    whose bytes a node is writing again at that moment, the node's commit is refused and
+    it puts the bytes again. The file then reads whole on a node with an empty cache."""
+    a, b = shared_pair(make_mount, file_bucket, pg_url, "--block-size", "64K")
+    data = random.Random(7).randbytes(64 * 1024)
+    write_synced(a.path / "old", data)
+    (a.path / "old").unlink()
+    out = fusestate("gc", file_bucket.url, "--meta", pg_url, "--grace", "0").stdout
+    assert re.search(r"deleted 1 unreferenced", out), out
+    write_synced(a.path / "new", data)  # within the collection's margin: refused once at least
+    assert a.status()["writeback"]["put_again"] >= 1
+    a.umount()
+    assert (b.path / "new").read_bytes() == data
+    assert shared_fsck(file_bucket, pg_url) == []

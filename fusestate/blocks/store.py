@@ -101,6 +101,7 @@ class BlockStore:
         self._waiting_for_room = 0  # staging writes waiting for a full cache disk to make room
         # Blocks refused because the cache disk was full and nothing could make room.
         self.disk_full_failures = 0
+        self.put_again_blocks = 0  # collected from the bucket while uploaded, put again before the commit
         # Sealed blocks whose bytes the volume already had: neither staged nor uploaded.
         self.deduplicated_blocks = 0
         self.deduplicated_bytes = 0
@@ -185,23 +186,36 @@ class BlockStore:
             return True
         return await trio.to_thread.run_sync(self.staging.has_room, self.block_size, limiter=self._local_io)
 
-    async def upload_before_commit(self, key: str, size: int) -> None:
+    async def upload_before_commit(self, key: str, size: int) -> float:
         """A shared engine commits a block only once it is in the bucket: queue it, wait.
-        Then ``committed`` or ``abandon`` the key."""
+        Then ``committed`` or ``abandon`` the key. Returns when (monotonic) its upload
+        began, for the commit (``commit_blocks(uploads_began=...)``)."""
         self.expect_commit(key)
-        await self.upload_expected([(key, size)])
+        return await self.upload_expected([(key, size)])
+
+    async def put_again(self, key: str, data: BlockData) -> float:
+        """Put a block's bytes in the bucket again, now: the collector deleted them while
+        they were uploaded (a shared engine refused the commit). Returns when it began."""
+        began = time.monotonic()
+        await self.remote.aput(object_name(key), bytes(data))
+        self.put_again_blocks += 1
+        return began
 
     def expect_commit(self, key: str) -> None:
         """A sealed key that a commit will reference (shared engines): from now on it is
         this node's until ``committed`` or ``abandon``. Call it right after ``seal``."""
         self._awaiting_commit[key] += 1
 
-    async def upload_expected(self, blocks: list[tuple[str, int]]) -> None:
-        """Upload blocks held by ``expect_commit``, all at once; on failure they are let go."""
+    async def upload_expected(self, blocks: list[tuple[str, int]]) -> float:
+        """Upload blocks held by ``expect_commit``, all at once; on failure they are let go.
+        Returns when (monotonic) the first of their uploads began."""
+        began = time.monotonic()
         try:
             for key, size in blocks:
                 self.uploader.add(key, size)
+                began = min(began, self.uploader.queued_at(key))
             await self.uploader.wait_uploaded([key for key, _ in blocks])
+            return began
         except BaseException:
             for key, _ in blocks:
                 await self._stop_awaiting(key)

@@ -114,6 +114,11 @@ class Uploader:
         self.staged_bytes += size
         self._push(key, now + delay)
 
+    def queued_at(self, key: str) -> float:
+        """When (monotonic) a block was queued: its upload began no earlier."""
+        p = self._pending.get(key)
+        return p.staged_at if p is not None else time.monotonic()
+
     def _push(self, key: str, ready_at: float) -> None:
         heapq.heappush(self._heap, (ready_at, next(self._seq), key))
         self._wakeup.set()

@@ -188,12 +188,17 @@ class MetaEngine(Protocol):
         """Fresh attributes and block map of a file this node holds already (a read)."""
         ...
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
-                            size: int, mtime_ns: int) -> Freed:
+                            size: int, mtime_ns: int, durable: bool = False,
+                            uploads_began: Optional[float] = None) -> Freed:
         """Point block indexes at objects (key, size), or at holes (None), and set the size
-        and mtime, in one transaction. ENOENT if the inode is gone."""
+        and mtime, in one transaction. ENOENT if the inode is gone. ``durable``: an fsync
+        waits for it, so an engine may make it (and what it committed before) durable
+        now, and the ``sync`` that follows cheap. ``uploads_began``: when (monotonic) the
+        uploads of these blocks began; a shared engine answers EAGAIN when the collector
+        deleted one of them from the bucket since: put it again, then commit again."""
         ...
     async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
-                      size: int, mtime_ns: int) -> Freed:
+                      size: int, mtime_ns: int, uploads_began: Optional[float] = None) -> Freed:
         """Make this node's scratch file a file of the volume with this block map (every
         block uploaded first on a shared engine), in one transaction. EXDEV if it is no
         scratch file of this node, ENOENT if it is gone."""

@@ -20,6 +20,14 @@ in how, it says why.
   diagnoses ENOENT or ENOTDIR only when the UPDATE found nothing.
 - **Commit mode.** Namespace changes commit without waiting for the WAL flush (as every
   engine transaction does, see ``PostgresEngine.sync``).
+- **Blocks collected during their upload.** A node does not register its uploads (a
+  durable transaction per block): the commit finds out instead. A block the collector
+  has claimed (``objects.deleting``) is refused, and so is one whose deletion from the
+  bucket may have happened since the upload began (a row in ``collected``, written by
+  ``garbage_deleted`` and by the clean-up of a collector's session, younger than the
+  upload plus ``COLLECTED_MARGIN``): SQLSTATE FS011 (EAGAIN), and the node puts the bytes
+  again and commits again. The upload's age is measured on the node, the deletion's time
+  on the database's clock: no two clocks are compared.
 - **Versions.** Names end in ``_v<N>``: a node of the next release installs its own next to
   these, so nodes of two releases can share a volume during an upgrade.
 """
@@ -28,6 +36,8 @@ from __future__ import annotations
 
 from fusestate.meta.operations import INODE_COLUMNS
 
+COLLECTED_KEEP = 3600.0  # seconds a collected block's row is kept: uploads older than this are put again
+COLLECTED_MARGIN = 3.0  # seconds added to an upload's age: the commit's trip to the server, scheduling
 SESSION_FENCE = 0x66757368  # advisory lock class of the session fence: (SESSION_FENCE, session key)
 LOST_SQLSTATE = "FSLST"
 
@@ -35,7 +45,7 @@ LOST_SQLSTATE = "FSLST"
 _SESSION_KEY = "(p_session % 2147483647)::int"
 
 INSTALL = f"""
-CREATE OR REPLACE FUNCTION fs_session_v1(p_session bigint) RETURNS void
+CREATE OR REPLACE FUNCTION fs_session_v1(p_session bigint, p_durable boolean) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
   IF p_session <> 0 THEN
@@ -44,7 +54,9 @@ BEGIN
       RAISE EXCEPTION 'metadata session % is gone', p_session USING ERRCODE = '{LOST_SQLSTATE}';
     END IF;
   END IF;
-  PERFORM set_config('synchronous_commit', 'off', true);
+  IF NOT p_durable THEN
+    PERFORM set_config('synchronous_commit', 'off', true);
+  END IF;
 END $$;
 
 -- operations.create: two rows back, the new inode, then its parent as changed.
@@ -60,7 +72,7 @@ DECLARE
   v_mode int := p_mode;
   v_gid bigint := p_gid;
 BEGIN
-  PERFORM fs_session_v1(p_session);
+  PERFORM fs_session_v1(p_session, false);
   UPDATE inodes SET nlink = nlink + v_isdir::int, mtime_ns = p_now, ctime_ns = p_now
    WHERE id = p_parent AND (mode & 61440) = 16384 AND nlink > 0 AND (scratch = 0 OR scratch = p_session)
    RETURNING * INTO par;
@@ -102,8 +114,11 @@ END $$;
 -- operations.commit_blocks (and with p_promote, operations.promote), plus the end of the
 -- blocks' upload registrations: the inode as changed, the keys whose last reference went,
 -- and the change of the bytes in use. p_keys[i] NULL: block p_idx[i] is gone (a hole).
+-- p_durable: an fsync waits for it; committed with the server's own synchronous_commit.
+-- p_upload_age: seconds since the upload of these blocks began (NULL: not known).
 CREATE OR REPLACE FUNCTION fs_commit_v1(p_session bigint, p_ino bigint, p_idx bigint[], p_keys text[],
-    p_sizes bigint[], p_size bigint, p_mtime bigint, p_now double precision, p_promote boolean)
+    p_sizes bigint[], p_size bigint, p_mtime bigint, p_now double precision, p_promote boolean,
+    p_durable boolean, p_upload_age double precision)
 RETURNS TABLE (node inodes, freed text[], used_delta bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -119,7 +134,7 @@ DECLARE
   v_dropped text[] := '{{}}';
   i int;
 BEGIN
-  PERFORM fs_session_v1(p_session);
+  PERFORM fs_session_v1(p_session, p_durable);
   UPDATE inodes SET size = p_size, mtime_ns = p_mtime, ctime_ns = greatest(ctime_ns, p_mtime),
          scratch = CASE WHEN p_promote THEN 0 ELSE scratch END
    WHERE id = p_ino AND (NOT p_promote OR (scratch = p_session AND (mode & 61440) = 32768))
@@ -149,10 +164,21 @@ BEGIN
   -- zero. A scratch file's blocks never leave its node: not recorded as in the bucket.
   v_uploaded := (v_node.scratch = 0)::int;
   FOR i IN 1 .. coalesce(array_length(v_added, 1), 0) LOOP
+    IF v_uploaded = 1 AND (p_upload_age > {COLLECTED_KEEP - 2 * 60} OR EXISTS (
+        SELECT 1 FROM collected WHERE key = v_added[i]
+           AND at > extract(epoch from clock_timestamp()) - coalesce(p_upload_age, {COLLECTED_KEEP}) - {COLLECTED_MARGIN})) THEN
+      RAISE EXCEPTION 'block % was collected while it was uploaded', v_added[i] USING ERRCODE = 'FS011';
+    END IF;
+    -- A row with no reference left (an abandoned upload's) takes this size.
     INSERT INTO objects AS o (key, size, refcount, uploaded) VALUES (v_added[i], v_added_sizes[i], 1, v_uploaded)
     ON CONFLICT (key) DO UPDATE SET refcount = o.refcount + 1, unreferenced_since = NULL,
-       uploaded = CASE WHEN excluded.uploaded = 1 THEN 1 ELSE o.uploaded END
+       uploaded = CASE WHEN excluded.uploaded = 1 THEN 1 ELSE o.uploaded END,
+       size = CASE WHEN o.refcount <= 0 THEN excluded.size ELSE o.size END
+     WHERE o.deleting = 0 OR v_uploaded = 0
     RETURNING refcount, size INTO v_rc, v_bytes;
+    IF NOT FOUND THEN
+      RAISE EXCEPTION 'block % is being collected', v_added[i] USING ERRCODE = 'FS011';
+    END IF;
     IF v_rc = 1 THEN v_used := v_used + v_bytes; END IF;
   END LOOP;
   FOR i IN 1 .. coalesce(array_length(v_dropped, 1), 0) LOOP
@@ -178,4 +204,4 @@ CREATE = (f"SELECT {INODE_COLUMNS} FROM fs_create_v1(?::bigint, ?::bigint, ?::by
           " ?::bigint, ?::bytea, ?::boolean, ?::boolean, ?::bigint)")
 COMMIT = ("SELECT " + ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", ")) + ", freed, used_delta"
           " FROM fs_commit_v1(?::bigint, ?::bigint, ?::bigint[], ?::text[], ?::bigint[], ?::bigint, ?::bigint,"
-          " ?::float8, ?::boolean)")
+          " ?::float8, ?::boolean, ?::boolean, ?::float8)")

@@ -10,8 +10,9 @@ one round trip each.
 
 Each mount is a *session*: a row with a heartbeat. A session holds the files its node
 has open (``holds``), so a file unlinked on one node stays readable where it is open
-and is deleted with its last holder; it registers the blocks it is uploading
-(``uploads``), so the garbage collector never deletes a block whose commit is coming.
+and is deleted with its last holder. Its uploads are not registered: a commit of a block
+the collector deleted while it was uploaded is refused, and the node puts it again
+(``pg_functions``; ``uploads`` holds only registrations of earlier releases).
 Every publishing transaction checks that its own session is still alive: a node that
 was declared dead and comes back cannot publish. The sessions of dead nodes are cleaned
 up by the others. Counters for statfs are kept per session (no hot row).
@@ -106,6 +107,11 @@ CREATE TABLE IF NOT EXISTS uploads (
     PRIMARY KEY (session_id, key)
 );
 CREATE INDEX IF NOT EXISTS uploads_by_key ON uploads (key);
+-- Blocks deleted from the bucket (or maybe deleted) since COLLECTED_KEEP: a commit of one
+-- whose upload began before that is refused, and the node puts it again (pg_functions).
+CREATE TABLE IF NOT EXISTS collected (
+    key TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL
+);
 CREATE TABLE IF NOT EXISTS counters (
     session_id BIGINT PRIMARY KEY, inodes BIGINT NOT NULL DEFAULT 0, used BIGINT NOT NULL DEFAULT 0
 );
@@ -261,6 +267,10 @@ class PostgresEngine:
         # the kernel's cache.
         self.attr_cache_seconds = attr_cache_seconds
         self._recent: dict[int, tuple[float, Inode]] = {}
+        # Commits that did not wait for the WAL flush, and how many of them a durable
+        # commit has covered since: sync has nothing to do while the two are equal.
+        self._async_commits = 0
+        self._durable_through = 0
         self.pool.run_sync(self._create_schema)
 
     # --- setup ----------------------------------------------------------------
@@ -328,6 +338,7 @@ class PostgresEngine:
                 pipe.queue(_ADD_COUNTERS, (tx.inodes_delta, tx.used_delta, self.session_id))
             pipe.queue("COMMIT")
         self._remember(tx.saved_rows)
+        self._async_commits += 1
         return result, tx.inodes_delta, tx.used_delta
 
     def _remember(self, rows: dict[int, Optional[Inode]]) -> None:
@@ -342,22 +353,29 @@ class PostgresEngine:
         while len(self._recent) > RECENT_ROWS_MAX:
             del self._recent[next(iter(self._recent))]
 
-    async def _call(self, statement: str, args: tuple) -> list[tuple]:
+    async def _call(self, statement: str, args: tuple, durable: bool = False) -> list[tuple]:
         """One server-side operation (``pg_functions``): one statement, one round trip, one
-        transaction; its POSIX errors come back as :class:`RefusedByServer`."""
+        transaction; its POSIX errors come back as :class:`RefusedByServer`. ``durable``:
+        it committed with the WAL flushed up to it, every earlier commit of this node too."""
         if self.read_only:
             raise FsError(errno.EROFS)
+        covered = self._async_commits
 
         def call(cur: Any) -> list[tuple]:
             with Pipeline(cur.connection) as pipe:
                 return pipe.query(statement, args)
 
         try:
-            return await self.pool.run(call, explicit=True)
+            rows = await self.pool.run(call, explicit=True)
         except RefusedByServer as exc:
             if exc.sqlstate == server.LOST_SQLSTATE:
                 raise self._lose() from None
             raise
+        if durable:
+            self._durable_through = max(self._durable_through, covered)
+        else:
+            self._async_commits += 1
+        return rows
 
     def _count(self, inodes: int, used: int) -> None:
         if inodes or used:
@@ -437,21 +455,25 @@ class PostgresEngine:
         return await self._write(lambda tx: [ops.close_file(tx, ino) for ino in sorted(inodes)])
 
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
-                            size: int, mtime_ns: int) -> Freed:
-        return await self._commit(ino, blocks, size, mtime_ns, promote=False)
+                            size: int, mtime_ns: int, durable: bool = False,
+                            uploads_began: Optional[float] = None) -> Freed:
+        return await self._commit(ino, blocks, size, mtime_ns, promote=False, durable=durable,
+                                  uploads_began=uploads_began)
 
     async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
-                      size: int, mtime_ns: int) -> Freed:
-        return await self._commit(ino, blocks, size, mtime_ns, promote=True)
+                      size: int, mtime_ns: int, uploads_began: Optional[float] = None) -> Freed:
+        return await self._commit(ino, blocks, size, mtime_ns, promote=True, uploads_began=uploads_began)
 
     async def _commit(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]], size: int, mtime_ns: int,
-                      promote: bool) -> Freed:
-        """The blocks, size and mtime in one call, which also ends the blocks' upload registrations."""
+                      promote: bool, durable: bool = False, uploads_began: Optional[float] = None) -> Freed:
+        """The blocks, size and mtime in one call. EAGAIN: a block was collected while it
+        was uploaded (``uploads_began``, monotonic; None: not known): put it again."""
+        age = None if uploads_began is None else max(0.0, time.monotonic() - uploads_began)
         order = sorted(blocks)
         found = [blocks[i] for i in order]
         (row,) = await self._call(server.COMMIT, (
             self.session_id, ino, order, [b[0] if b else None for b in found], [b[1] if b else 0 for b in found],
-            size, mtime_ns, time.time(), promote))
+            size, mtime_ns, time.time(), promote, durable, age), durable=durable)
         *columns, freed, used = row
         self._count(0, used)
         node = ops.inode_of_row(tuple(columns))
@@ -469,40 +491,21 @@ class PostgresEngine:
         return await self._read(ops.object_info, key)
 
     async def begin_upload(self, key: str, size: int) -> Optional[bool]:
-        """Register this session's upload of a block, so gc leaves it alone until its commit.
-        True: the block is in the bucket already; False: upload it; None: the collector is
-        deleting it right now: ask again shortly.
-
-        One round trip, committed without waiting for the WAL flush: the collector can
-        only act on what it sees, and its claim (a durable commit) flushes the WAL up to
-        itself, this registration included; a server crash that loses the registration
-        loses every later commit of this node with it."""
+        """Always False (put the block): uploads are not registered. The commit that follows
+        finds out whether the collector deleted these bytes meanwhile (EAGAIN: put them
+        again, see ``pg_functions``), which costs nothing when it did not, where a
+        registration cost every block a transaction before its upload."""
         if self.lost:
             raise SessionLost()  # its commit could never come
-
-        def register(cur: Any) -> Optional[bool]:
-            with Pipeline(cur.connection) as pipe:
-                pipe.queue("BEGIN")
-                # Against the sweep of objects the database does not know (``sweep_unknown``),
-                # which cannot lock a row that is not there.
-                pipe.queue(f"SELECT pg_advisory_xact_lock_shared({GC_LOCK}),"
-                           " set_config('synchronous_commit', 'off', true)")
-                state = pipe.queue("SELECT uploaded, deleting FROM objects WHERE key=? FOR SHARE", (key,), rows=True)
-                pipe.queue("INSERT INTO uploads (session_id, key, size) SELECT ?, ?, ? WHERE NOT EXISTS"
-                           " (SELECT 1 FROM objects WHERE key=? AND deleting<>0) ON CONFLICT DO NOTHING",
-                           (self.session_id, key, size, key))
-                pipe.queue("COMMIT")
-                rows = pipe.rows(state)
-            if rows and rows[0][1]:
-                return None
-            return bool(rows and rows[0][0])
-
-        return await self.pool.run(register, explicit=True)
+        return False
 
     async def end_upload(self, key: str) -> None:
         """An upload whose commit will not come (the block was superseded): the block is
-        recorded as unreferenced, so the collector deletes it in time."""
-        await self._write(_end_uploads, "session_id=? AND key=?", (self.session_id, key))
+        recorded as unreferenced, so the collector deletes it in time. uploaded=0: the PUT
+        may not have happened."""
+        await self._write(lambda tx: tx.exec(
+            "INSERT INTO objects (key, size, refcount, uploaded, unreferenced_since) VALUES (?, 0, 0, 0, ?)"
+            " ON CONFLICT DO NOTHING", (key, tx.now_ns / 1e9)))
 
     async def mark_uploaded(self, key: str) -> None:
         pass  # a shared engine records a block when it is committed, after its upload
@@ -528,8 +531,8 @@ class PostgresEngine:
     async def claim_garbage(self, older_than: float, covered_seq: int) -> list[str]:
         """Mark unreferenced blocks for deletion: those no commit references since before
         ``older_than`` and no session is uploading. A marked block is deleted from the
-        bucket, then forgotten (``garbage_deleted``); an upload of the same bytes meanwhile
-        waits for that (``begin_upload``)."""
+        bucket, then forgotten (``garbage_deleted``); a commit of the same bytes meanwhile
+        is refused, and its node puts them again (``pg_functions``)."""
         def claim(cur: Any) -> list[str]:
             cur.execute("SELECT key FROM objects WHERE refcount<=0 AND deleting=0 AND unreferenced_since<=%s"
                         " ORDER BY key LIMIT 1000", (older_than,))
@@ -551,9 +554,16 @@ class PostgresEngine:
         return await self.pool.run(claim)
 
     async def garbage_deleted(self, keys: list[str]) -> None:
+        """Deleted from the bucket: the rows go, and each key is recorded as collected, so a
+        commit of the same bytes uploaded before the deletion is refused (``pg_functions``)."""
+        def forget(cur: Any) -> None:
+            cur.execute(f"WITH gone AS (DELETE FROM objects WHERE key = ANY(%s) AND deleting=%s RETURNING key)"
+                        f" INSERT INTO collected (key, at) SELECT key, {_NOW} FROM gone"
+                        f" ON CONFLICT (key) DO UPDATE SET at = excluded.at", (keys, self.session_id))
+            cur.execute(f"DELETE FROM collected WHERE at < {_NOW} - %s", (server.COLLECTED_KEEP,))
+
         if keys:
-            await self.pool.run(lambda cur: cur.execute(
-                "DELETE FROM objects WHERE key = ANY(%s) AND deleting=%s", (keys, self.session_id)))
+            await self.pool.run(forget)
 
     async def unknown(self, keys: list[str]) -> list[str]:
         """The keys the database has no row and no upload registered for."""
@@ -694,12 +704,19 @@ class PostgresEngine:
         transaction that writes and commits with ``synchronous_commit = on`` waits until the
         WAL is flushed up to its commit record, which is after every commit before it, this
         node's and the others'. Its write is this session's heartbeat (a transaction that
-        writes nothing commits without a WAL record, and does not wait)."""
+        writes nothing commits without a WAL record, and does not wait). Nothing is sent when
+        this node committed nothing since its last durable commit (an fsync commits the
+        file's last blocks durably in place): what it saw other nodes commit is theirs to
+        make durable."""
         def flush(cur: Any) -> None:  # one round trip
             cur.execute(f"BEGIN; SET LOCAL synchronous_commit = on;"
                         f" UPDATE sessions SET heartbeat={_NOW} WHERE id={int(self.session_id)}; COMMIT")
 
+        covered = self._async_commits
+        if covered == self._durable_through:
+            return  # nothing committed since the last durable commit (an fsync's own block commit)
         await self.pool.run(flush, explicit=True)
+        self._durable_through = max(self._durable_through, covered)
 
     def close(self) -> None:
         if self.session_id and not self.lost and not self.read_only:
@@ -717,7 +734,10 @@ def _clean_session(tx: ops.Tx, session: int) -> Freed:
     held = [r[0] for r in tx.all("DELETE FROM holds WHERE session_id=? RETURNING inode", (session,))]
     _end_uploads(tx, "session_id=?", (session,))
     # Deletions it claimed may or may not have happened: the blocks are unreferenced still,
-    # and maybe gone from the bucket, so the next upload of their bytes must not skip the PUT.
+    # and maybe gone from the bucket, so the next upload of their bytes must not skip the
+    # PUT, and a commit of an upload that began before now must put them again.
+    tx.exec(f"INSERT INTO collected (key, at) SELECT key, {_NOW} FROM objects WHERE deleting=?"
+            " ON CONFLICT (key) DO UPDATE SET at = excluded.at", (session,))
     tx.exec("UPDATE objects SET deleting=0, uploaded=0 WHERE deleting=?", (session,))
     # After every server-side operation of the session in flight (they hold the fence shared),
     # before any that would come: they then find no row (pg_functions).

@@ -375,11 +375,12 @@ class SQLiteEngine:
         return self._run(ops.close_file, ino)
 
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
-                            size: int, mtime_ns: int) -> Freed:
+                            size: int, mtime_ns: int, durable: bool = False,
+                            uploads_began: Optional[float] = None) -> Freed:
         return self._run(ops.commit_blocks, ino, blocks, size, mtime_ns)
 
     async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
-                      size: int, mtime_ns: int) -> Freed:
+                      size: int, mtime_ns: int, uploads_began: Optional[float] = None) -> Freed:
         return self._run(ops.promote, ino, blocks, size, mtime_ns)
 
     async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:

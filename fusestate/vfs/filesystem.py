@@ -66,6 +66,10 @@ class Handle:
 
 CACHED_CONTENT_MAX = 100_000  # files whose cached content a shared mount remembers
 HOLD_RELEASE_DELAY = 0.1  # seconds a closed file's hold waits to go with others (shared engines)
+# A shared engine refused a commit because the collector deleted the block while it was
+# uploaded: wait this long (past the deletion in progress), put it again, up to this often.
+PUT_AGAIN_AFTER = 4.0  # longer than the engine's margin (pg_functions.COLLECTED_MARGIN)
+PUT_AGAIN_TRIES = 20
 DELETED_REMEMBERED_MAX = 10_000  # deleted files whose last attributes answer the kernel's late SETATTR
 
 
@@ -464,13 +468,26 @@ class FileSystem:
                 if key is not None and self.meta.shared:
                     self.blocks.expect_commit(key)
                     sealed.append((key, nbytes))
+            began: Optional[float] = None
             if sealed:
                 try:
-                    await self.blocks.upload_expected(sealed)
+                    began = await self.blocks.upload_expected(sealed)
                 except BaseException:
                     sealed = []  # let go by upload_expected
                     raise
-            freed = await self.meta.promote(f.inode, blocks, size, f.node.mtime_ns)
+            for attempt in range(PUT_AGAIN_TRIES + 1):
+                try:
+                    freed = await self.meta.promote(f.inode, blocks, size, f.node.mtime_ns, uploads_began=began)
+                    break
+                except FsError as exc:
+                    if exc.errno != errno.EAGAIN or attempt == PUT_AGAIN_TRIES:
+                        raise
+                await trio.sleep(PUT_AGAIN_AFTER)  # collected while uploaded: put them again
+                began = time.monotonic()
+                for index, block in blocks.items():
+                    if block is not None:
+                        data = await trio.to_thread.run_sync(self.scratch.read_block, f.inode, index * bs, block[1])
+                        await self.blocks.put_again(block[0], data)
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 for key, _ in sealed:
@@ -780,8 +797,9 @@ class FileSystem:
                 # still in f.sealing; held here too, it throttled writers per upload.
                 staged = True
                 self._sealing_done(size)
+                began: Optional[float] = None
                 if key is not None and self.meta.shared:
-                    await self.blocks.upload_before_commit(key, len(data))
+                    began = await self.blocks.upload_before_commit(key, len(data))
                     awaiting_commit = True
                 # One commit of this file at a time, so the generation checked is still the
                 # newest when the block map changes (an older seal never overwrites a newer).
@@ -792,8 +810,7 @@ class FileSystem:
                         return
                     try:
                         size_mtime = (f.node.size, f.node.mtime_ns)
-                        freed = await self.meta.commit_blocks(
-                            f.inode, {index: (key, len(data)) if key else None}, *size_mtime)
+                        freed = await self._commit_block(f, index, key, data, size_mtime, began)
                         awaiting_commit = False
                         if (f.node.size, f.node.mtime_ns) == size_mtime:
                             f.attrs_dirty = False  # recorded with the block: no commit of its own
@@ -827,6 +844,23 @@ class FileSystem:
             if not staged:
                 self._sealing_done(size)
 
+    async def _commit_block(self, f: OpenFile, index: int, key: Optional[str], data: BlockData,
+                            size_mtime: tuple[int, int], began: Optional[float]) -> Freed:
+        """Commit one sealed block; on a shared engine that answers EAGAIN (the collector
+        deleted these bytes from the bucket while they were uploaded) put them again."""
+        for attempt in range(PUT_AGAIN_TRIES + 1):
+            try:
+                return await self.meta.commit_blocks(
+                    f.inode, {index: (key, len(data)) if key else None}, *size_mtime,
+                    durable=f.syncing > 0, uploads_began=began)
+            except FsError as exc:
+                if exc.errno != errno.EAGAIN or key is None or attempt == PUT_AGAIN_TRIES:
+                    raise
+            log.info("block %s was collected while it was uploaded: putting it again", key[:16])
+            await trio.sleep(PUT_AGAIN_AFTER)  # past a deletion in progress
+            began = await self.blocks.put_again(key, data)
+        raise AssertionError("unreachable")
+
     @staticmethod
     def _seal_error(f: OpenFile, index: int, exc: Exception, quiet: bool = False) -> FsError:
         """What flush and fsync report for a block that could not be stored (write, too, for
@@ -853,7 +887,8 @@ class FileSystem:
             f.attrs_dirty = False
             try:
                 async with f.commit_lock:
-                    await self.meta.commit_blocks(f.inode, {}, f.node.size, f.node.mtime_ns)
+                    await self.meta.commit_blocks(f.inode, {}, f.node.size, f.node.mtime_ns,
+                                                  durable=f.syncing > 0)
             except FsError as exc:
                 if exc.errno != errno.ENOENT:  # deleted meanwhile: nothing left to record
                     raise
@@ -940,7 +975,11 @@ class FileSystem:
 
     async def fsync(self, fh: int, datasync: bool = False) -> None:
         f = self._handle(fh).file
-        await self._flush_file(f)
+        f.syncing += 1  # the file's last commits are made durable in place
+        try:
+            await self._flush_file(f)
+        finally:
+            f.syncing -= 1
         if f.node.scratch:
             return  # on the cache disk, and gone at the next mount whatever is synced
         keys = [k for k in f.keys.values() if self.uploader.is_pending(k)]

@@ -47,6 +47,7 @@ class OpenFile:
     users: int = 0                             # tasks working on it without a handle (a truncate by path)
     page_cache_valid: bool = True              # shared engines: the kernel's cached pages hold this content
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one block-map commit at a time
+    syncing: int = 0                           # fsyncs in progress: their commits are durable in place
 
     def __post_init__(self) -> None:
         self.idle.set()
