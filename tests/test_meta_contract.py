@@ -397,6 +397,9 @@ def test_an_open_file_outlives_its_last_name(new_engine) -> None:
         freed = await m.close_file(f.id)
         assert freed.keys == [key(1)] and freed.deleted_inode == f.id
         await raises(errno.ENOENT, m.getattr(f.id))
+        await raises(errno.ENOENT, m.open_file(f.id))
+        empty = await m.create(ROOT_INODE, b"empty", FILE)
+        assert (await m.open_file(empty.id))[1] == {}
 
     drive(new_engine, body)
 

@@ -42,6 +42,8 @@ from fusestate.remote.store import RemoteError, RemoteStore
 log = logging.getLogger(__name__)
 
 RANGE_READ_MEMORY_SHARE = 4  # remember 1/4 as many range-read blocks as the disk cache holds
+# Blocks this small are hashed on the event loop (tens of microseconds): a thread hop costs more.
+HASH_ON_LOOP_BYTES = 64 * 1024
 
 
 @contextlib.contextmanager
@@ -122,13 +124,16 @@ class BlockStore:
         awaiting in between, so the object cannot be discarded under it. Raises
         OSError(ENOSPC) when the cache disk is full and nothing will free it.
         """
-        key = await trio.to_thread.run_sync(seal_digest, data, limiter=self._local_io)
+        if len(data) <= HASH_ON_LOOP_BYTES:
+            key = seal_digest(data)
+        else:
+            key = await trio.to_thread.run_sync(seal_digest, data, limiter=self._local_io)
         if key is None:
             return None
         self.memory.put(key, data)
         if self.meta.shared:
-            # Staged whatever the volume holds: the upload asks the engine (one round trip,
-            # registering it against the collector) and skips the PUT if the bytes are there.
+            # Staged whatever the volume holds: the upload puts it (the same bytes, the same
+            # key), and its commit finds out whether the collector took them meanwhile.
             while key in self._staging_inflight:
                 await self._staging_inflight[key].wait()
             if self.uploader.is_pending(key):

@@ -111,6 +111,23 @@ BEGIN
   RETURN NEXT par;
 END $$;
 
+-- operations.open_file: the inode, its block map, and this session's hold on it.
+CREATE OR REPLACE FUNCTION fs_open_v1(p_session bigint, p_ino bigint)
+RETURNS TABLE (node inodes, idx bigint[], keys text[])
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_node inodes;
+BEGIN
+  PERFORM fs_session_v1(p_session, false);
+  SELECT * INTO v_node FROM inodes WHERE id = p_ino;
+  IF NOT FOUND THEN
+    RAISE EXCEPTION 'no such file' USING ERRCODE = 'FS002';
+  END IF;
+  INSERT INTO holds (session_id, inode) VALUES (p_session, p_ino) ON CONFLICT DO NOTHING;
+  RETURN QUERY SELECT v_node, coalesce(array_agg(b.idx), '{{}}'), coalesce(array_agg(b.key), '{{}}')
+                 FROM blocks b WHERE b.inode = p_ino;
+END $$;
+
 -- operations.commit_blocks (and with p_promote, operations.promote), plus the end of the
 -- blocks' upload registrations: the inode as changed, the keys whose last reference went,
 -- and the change of the bytes in use. p_keys[i] NULL: block p_idx[i] is gone (a hole).
@@ -202,6 +219,8 @@ END $$;
 
 CREATE = (f"SELECT {INODE_COLUMNS} FROM fs_create_v1(?::bigint, ?::bigint, ?::bytea, ?::int, ?::bigint, ?::bigint,"
           " ?::bigint, ?::bytea, ?::boolean, ?::boolean, ?::bigint)")
+_NODE_COLUMNS = ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", "))
+OPEN = f"SELECT {_NODE_COLUMNS}, idx, keys FROM fs_open_v1(?::bigint, ?::bigint)"
 COMMIT = ("SELECT " + ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", ")) + ", freed, used_delta"
           " FROM fs_commit_v1(?::bigint, ?::bigint, ?::bigint[], ?::text[], ?::bigint[], ?::bigint, ?::bigint,"
           " ?::float8, ?::boolean, ?::boolean, ?::float8)")

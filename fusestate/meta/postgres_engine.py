@@ -442,7 +442,9 @@ class PostgresEngine:
         if self.read_only:
             return await self.read_file(ino)
         self._recent.pop(ino, None)  # close-to-open: the row as it is now, and nothing older after
-        return await self._write(ops.open_file, ino)
+        (row,) = await self._call(server.OPEN, (self.session_id, ino))
+        *columns, indexes, keys = row
+        return ops.inode_of_row(tuple(columns)), dict(zip(indexes, keys))
 
     async def close_file(self, ino: int) -> Freed:
         if self.read_only:
