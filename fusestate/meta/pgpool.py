@@ -77,6 +77,7 @@ READ_ONLY_SQLSTATE = "25006"
 STALL_PROBE_AFTER = 2.0  # seconds a transaction waits before its server is asked whether it is alive
 PROBE_TIMEOUT = 2        # seconds a new connection may take to prove the server alive (libpq's minimum)
 PROBE_AGAIN_AFTER = 5.0  # seconds before a server that answered is asked again about the same wait
+RETRY_REFUSED = 0.5      # seconds (jittered) before a server that refused is asked again during a reconnect
 # The timeline of a primary; 0 for a standby (a plain URL may reach one).
 TIMELINE_QUERY = ("SELECT CASE WHEN pg_is_in_recovery() THEN 0"
                   " ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END")
@@ -157,6 +158,7 @@ class PgPool:
         self.timeline = 0  # the newest timeline written to (0: none yet, or a single server's)
         self._busy: dict[int, _Busy] = {}
         self._busy_lock = threading.Lock()
+        self._connecting = threading.Lock()
         self._watchdog: Optional[threading.Thread] = None
         self._closing = threading.Event()
 
@@ -293,7 +295,8 @@ class PgPool:
         that must take writes are tried at once, and the first to answer wins: a promoted
         standby is reached at once, not after a frozen server's connect timeout."""
         if self._parallel:
-            return self._connect_to_first()
+            with self._connecting:  # one search at a time: the others then find the primary at once
+                return self._connect_to_first()
         conn = self._open(self._order())
         if conn.timeline < self.timeline:  # type: ignore[attr-defined]
             self._discard(conn)
@@ -328,40 +331,62 @@ class PgPool:
         return conn
 
     def _connect_to_first(self) -> psycopg.Connection:
-        """One attempt per server, all at once; the first connection on a current timeline
-        wins, the others are closed as they come."""
-        answers: queue.Queue[tuple[Optional[psycopg.Connection], str]] = queue.Queue()
+        """One attempt per server at once; the first connection on a current timeline wins,
+        the others are closed as they come. While an attempt hangs (a frozen server, until
+        its connect timeout), a server that refused is asked again every
+        :data:`RETRY_REFUSED` seconds: a standby being promoted is taken the moment it is."""
+        answers: queue.Queue[tuple[tuple[str, str], Optional[psycopg.Connection], str]] = queue.Queue()
 
         def attempt(server: tuple[str, str]) -> None:
             try:
-                answers.put((self._open({"host": server[0], "port": server[1]}), ""))
+                answers.put((server, self._open({"host": server[0], "port": server[1]}), ""))
             except psycopg.Error as exc:
-                answers.put((None, f"{server[0]}:{server[1]}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc}"))
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                answers.put((server, None, f"{server[0]}:{server[1]}: {reason}"))
 
-        for server in self._servers:
+        def launch(server: tuple[str, str]) -> None:
+            pending.add(server)
             threading.Thread(target=attempt, args=(server,), name="pgpool-connect", daemon=True).start()
+
         deadline = time.monotonic() + self._connect_deadline
-        failures: list[str] = []
-        waiting = len(self._servers)
+        pending: set[tuple[str, str]] = set()
+        again: dict[tuple[str, str], float] = {}  # refused servers: when to ask again
+        failures: dict[tuple[str, str], str] = {}
         chosen: Optional[psycopg.Connection] = None
-        while waiting and chosen is None:
-            try:
-                conn, failure = answers.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+        for server in self._servers:
+            launch(server)
+        while pending and chosen is None:
+            now = time.monotonic()
+            for server, when in list(again.items()):
+                if when <= now:
+                    del again[server]
+                    launch(server)
+            wait = min([deadline, *again.values()]) - now
+            if now >= deadline:
                 break
-            waiting -= 1
+            try:
+                server, conn, failure = answers.get(timeout=max(0.01, wait))
+            except queue.Empty:
+                continue
+            pending.discard(server)
             if conn is None:
-                failures.append(failure)
+                failures[server] = failure
+                if pending:  # another attempt still hangs: this server may be promoted meanwhile
+                    again[server] = time.monotonic() + RETRY_REFUSED * random.uniform(0.5, 1.5)
             elif conn.timeline < self.timeline:  # type: ignore[attr-defined]
-                failures.append(f"{_where(conn.server, conn.timeline)} is on an older timeline than "  # type: ignore[attr-defined]
-                                f"{self.timeline}: a former primary not yet demoted")
+                failures[server] = (f"{_where(server, conn.timeline)} is on an older timeline than "  # type: ignore[attr-defined]
+                                    f"{self.timeline}: a former primary not yet demoted")
                 self._discard(conn)
+                if pending:
+                    again[server] = time.monotonic() + RETRY_REFUSED * random.uniform(0.5, 1.5)
             else:
                 chosen = conn
-        if waiting:
-            threading.Thread(target=_close_answers, args=(answers, waiting), name="pgpool-connect", daemon=True).start()
+        if pending:
+            threading.Thread(target=_close_answers, args=(answers, len(pending)), name="pgpool-connect",
+                             daemon=True).start()
         if chosen is None:
-            raise psycopg.OperationalError("no server takes writes: " + ("; ".join(failures) or "none answered"))
+            raise psycopg.OperationalError("no server takes writes: " + ("; ".join(failures.values())
+                                                                         or "none answered"))
         return self._accept(chosen)
 
     def _order(self) -> dict[str, str]:
@@ -463,6 +488,14 @@ class _Watched:
             self.pool._busy.pop(id(self.busy.conn), None)
 
 
+def timeline_of(cur: psycopg.Cursor) -> int:
+    """The timeline of the server a transaction runs on (in ``fn(cur)`` of :meth:`PgPool.run`):
+    it goes up by one at each promotion of a standby. A durable commit on a newer timeline
+    than this node's commits since its last durable one cannot vouch for them: they may
+    have been lost with the old primary."""
+    return int(getattr(cur.connection, "timeline", 0))
+
+
 def _server_list(params: dict[str, Any]) -> list[tuple[str, str]]:
     """The (host, port) pairs a URL names, in its order; empty where the pool should pass
     the URL as it is (a single server, or addresses given as hostaddr)."""
@@ -487,10 +520,11 @@ def _where(server: Optional[tuple[str, str]], timeline: int) -> str:
     return f"{place}, timeline {timeline}" if timeline else place
 
 
-def _close_answers(answers: "queue.Queue[tuple[Optional[psycopg.Connection], str]]", count: int) -> None:
+def _close_answers(answers: "queue.Queue[tuple[tuple[str, str], Optional[psycopg.Connection], str]]",
+                   count: int) -> None:
     """Close the connections of attempts that answered after another had won."""
     for _ in range(count):
-        conn, _failure = answers.get()
+        _server, conn, _failure = answers.get()
         if conn is not None:
             PgPool._discard(conn)
 
