@@ -91,6 +91,13 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-daemon-of", default=None, metavar="NODE",
                    help="whose daemon --kill-daemon-after kills: a worker (worker1, worker2, ...; default the "
                         "last) or the driver (driver)")
+    p.add_argument("--meta-ha", action="store_true",
+                   help="keep the volume's metadata in a highly available PostgreSQL the run starts (Patroni, three "
+                        "etcd members, a primary and a synchronous standby on 127.0.0.x) instead of one server")
+    p.add_argument("--fail-over-after", type=int, default=None, metavar="BATCH",
+                   help="with --meta-ha: lose the database's primary (its Patroni and server, SIGKILL) once this "
+                        "batch has completed; the standby is promoted, the nodes follow it, and the old primary "
+                        "rejoins as its standby")
     p.add_argument("--keep", action="store_true", help="keep --root (logs, caches) after the run")
     report_arguments(p, "the pipeline's report, with the cluster's workers and lost node")
 

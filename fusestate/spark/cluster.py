@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -485,7 +486,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     server = None
     try:
         meta = args.meta
-        if meta is None:
+        if meta is None and args.meta_ha:
+            from fusestate.meta.local_ha import LocalHA
+
+            say("== starting PostgreSQL with a synchronous standby under Patroni (etcd) for the volume's metadata")
+            server = LocalHA()
+            meta = server.create_database("fusestate")
+            for fault in faults:
+                fault.database = server
+        elif meta is None:
             from fusestate.meta.local_postgres import LocalPostgres
 
             say("== starting a PostgreSQL server for the volume's metadata")
@@ -496,7 +505,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (root / "bucket").mkdir(exist_ok=True)
             bucket = f"file://{root / 'bucket'}"
         query = f"q{uuid.uuid4().hex[:8]}"
-        with Cluster(root, bucket, meta, mountpoint=args.mountpoint) as cluster:
+        # A session must outlive a failover of the database (docs/deploy.md): 1.5 times it, at least.
+        outlive = {"session_timeout": HA_SESSION_TIMEOUT} if args.meta_ha else {}
+        with Cluster(root, bucket, meta, mountpoint=args.mountpoint, **outlive) as cluster:
             nodes = "1 worker node" if args.workers == 1 else f"{args.workers} worker nodes"
             say(f"== starting a Spark master and {nodes} on {bucket} at {args.mountpoint}")
             cluster.start(args.workers)
@@ -536,6 +547,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 REMOUNT_WAIT = 300  # seconds the driver's pipeline waits for its mount to come back (--wait-for-remount)
 LOSE_NODE = "lose-node"      # the node's every process at once, its cache wiped: a lost machine
 KILL_DAEMON = "kill-daemon"  # the node's fusestate daemon alone (SIGKILL): the node stays
+FAIL_OVER = "fail-over"      # the database's primary machine (--meta-ha): its standby is promoted
+HA_SESSION_TIMEOUT = 30.0    # with --meta-ha: Patroni here fails over in 10-13 s
 
 
 class Fault:
@@ -549,6 +562,7 @@ class Fault:
         self.back_after_s: Optional[float] = None  # until the node served again (a killed daemon)
         self.survived_ids: set[str] = set()
         self.nodes_before: dict[str, dict[str, int]] = {}  # Traffic.totals() just before it
+        self.database: Any = None  # FAIL_OVER: the LocalHA whose primary goes
 
     @property
     def done(self) -> bool:
@@ -574,6 +588,10 @@ def planned_faults(args: argparse.Namespace) -> list[Fault]:
         if any(f.kind == LOSE_NODE and f.node == name for f in faults):
             raise ClusterError(f"--kill-daemon-of {name}: that node is lost (--lose-worker-after): kill another's daemon")
         faults.append(Fault(KILL_DAEMON, name, args.kill_daemon_after))
+    if args.fail_over_after is not None:
+        if not args.meta_ha or args.meta:
+            raise ClusterError("--fail-over-after needs --meta-ha (the database the run starts)")
+        faults.append(Fault(FAIL_OVER, "database", args.fail_over_after))
     return faults
 
 
@@ -621,7 +639,7 @@ def follow_driver(cluster: "Cluster", driver: Node, faults: Sequence[Fault], sho
                     if traffic is not None:  # what the node's daemon did, before it goes
                         traffic.sample(list(nodes.values()))
                         fault.nodes_before = traffic.totals()
-                    inject(cluster, nodes[fault.node], fault, say)
+                    inject(cluster, nodes.get(fault.node), fault, say)  # type: ignore[arg-type]
         for restart in batches.restarts[restarts_seen:]:
             restarts_seen += 1
             say(f"== {driver.name}: {restart['cause']}; the query resumed from its checkpoint after "
@@ -644,6 +662,9 @@ def follow_driver(cluster: "Cluster", driver: Node, faults: Sequence[Fault], sho
 
 
 def inject(cluster: "Cluster", node: Node, fault: Fault, say: Callable[..., None]) -> None:
+    if fault.kind == FAIL_OVER:
+        fail_over(fault, say)
+        return
     if fault.kind == LOSE_NODE:
         node.kill()
         node.wipe_cache()
@@ -654,6 +675,25 @@ def inject(cluster: "Cluster", node: Node, fault: Fault, say: Callable[..., None
         say(f"== killed the fusestate daemon of {node.name} ({node.host}, pid {pid}) after batch {fault.after}; "
             "the node stays")
     fault.done_at = time.monotonic()
+
+
+def fail_over(fault: Fault, say: Callable[..., None]) -> None:
+    """Lose the database's primary machine; once the standby is promoted, bring the old
+    primary back as its standby (in the background: the query goes on meanwhile)."""
+    ha = fault.database
+    old = ha.primary()
+    ha.kill(old)
+    fault.done_at = time.monotonic()
+    say(f"== lost the database's primary {old.name} ({old.address}) after batch {fault.after}")
+
+    def rejoin() -> None:
+        new = ha.wait_primary(timeout=120, other_than=old)
+        assert fault.done_at is not None
+        fault.back_after_s = round(time.monotonic() - fault.done_at, 1)
+        say(f"== {new.name} ({new.address}) promoted {fault.back_after_s:.1f} s after; {old.name} rejoins as its standby")
+        ha.start(old)
+
+    threading.Thread(target=rejoin, name="fail-over", daemon=True).start()
 
 
 def rejoined(cluster: "Cluster", node: Node, fault: Fault) -> bool:
@@ -701,6 +741,10 @@ def fault_row(report: dict[str, Any], fault: dict[str, Any], nodes: dict[str, di
     moved = (f"after it {loaded:,} state stores loaded from the checkpoint by links"
              + (f"; {', '.join(others)} fetched {_mib(fetched)} from the bucket" if others else "")
              + (f" and filled {_mib(filled)} into the page cache" if others and filled else ""))
+    if fault["kind"] == FAIL_OVER:
+        back = (f"its standby promoted {fault['back_after_s']:.1f} s later" if fault["back_after_s"] is not None
+                else "no standby promoted before the query ended")
+        return ("database", f"its primary lost after batch {fault['after_batch']}: {back}; the nodes followed it")
     if fault["kind"] == LOSE_NODE:
         return ("lost node", f"{fault['node']} after batch {fault['after_batch']}: its partitions moved to the "
                              f"remaining workers; {moved}")
