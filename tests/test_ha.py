@@ -261,3 +261,20 @@ def test_an_fsync_returns_only_once_the_synchronous_standby_has_it(ha: LocalHA, 
     assert done.wait(30)
     assert sorted(os.listdir(m.path)) == ["before", "during", "made-meanwhile"]
     m.umount()
+
+
+@pytest.mark.slow
+def test_a_spark_query_goes_on_through_a_failover_of_the_database(tmp_path: Path) -> None:
+    """`fusestate spark-cluster --meta-ha --fail-over-after 2`: two workers and a driver on
+    one shared volume whose database loses its primary after batch 2; the query goes on,
+    and every batch is in its output once."""
+    from fusestate.spark.pipeline import read_output
+
+    output = tmp_path / "output"
+    proc = fusestate("spark-cluster", "--meta-ha", "--fail-over-after", "2", "--batches", "5", "--workers", "2",
+                     "--root", str(tmp_path / "cluster"), "--output", str(output), "--json", timeout=1200)
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [b["batch"] for b in report["batches"]] == [0, 1, 2, 3, 4]
+    assert sorted(read_output(output)) == [0, 1, 2, 3, 4]
+    fault = report["cluster"]["faults"][0]
+    assert fault["kind"] == "fail-over" and fault["injected"] and fault["back_after_s"] is not None, fault
