@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 RANGE_READ_MEMORY_SHARE = 4  # remember 1/4 as many range-read blocks as the disk cache holds
 # Blocks this small are hashed on the event loop (tens of microseconds): a thread hop costs more.
 HASH_ON_LOOP_BYTES = 64 * 1024
+# On a shared engine, blocks this small go from memory straight to the bucket before their
+# commit (``upload_before_commit``): no staging file, no uploader queue, no thread hops.
+DIRECT_PUT_BYTES = 256 * 1024
 
 
 @contextlib.contextmanager
@@ -117,12 +120,14 @@ class BlockStore:
         self._background.close()
 
     # --- write side --------------------------------------------------------
-    async def seal(self, data: BlockData) -> Optional[str]:
+    async def seal(self, data: BlockData, direct: bool = False) -> Optional[str]:
         """Store a block's final bytes; returns its key (None for an all-zero hole).
 
         The caller must reference the key in the metadata (set_block) without
         awaiting in between, so the object cannot be discarded under it. Raises
         OSError(ENOSPC) when the cache disk is full and nothing will free it.
+        ``direct``: the caller passes the bytes to ``upload_before_commit`` (a shared
+        engine), which puts a small block from memory: it is not staged.
         """
         if len(data) <= HASH_ON_LOOP_BYTES:
             key = seal_digest(data)
@@ -139,6 +144,8 @@ class BlockStore:
             if self.uploader.is_pending(key):
                 self.deduplicated_blocks += 1
                 self.deduplicated_bytes += len(data)
+                return key
+            if direct and len(data) <= DIRECT_PUT_BYTES:
                 return key
             with _in_flight(self._staging_inflight, key):
                 await self._write_staging(key, data)
@@ -191,12 +198,29 @@ class BlockStore:
             return True
         return await trio.to_thread.run_sync(self.staging.has_room, self.block_size, limiter=self._local_io)
 
-    async def upload_before_commit(self, key: str, size: int) -> float:
-        """A shared engine commits a block only once it is in the bucket: queue it, wait.
-        Then ``committed`` or ``abandon`` the key. Returns when (monotonic) its upload
+    async def upload_before_commit(self, key: str, data: BlockData) -> float:
+        """A shared engine commits a block only once it is in the bucket: put it (a small
+        one sealed ``direct`` from memory, now; else through the uploader's queue) and
+        wait. Then ``committed`` or ``abandon`` the key. Returns when (monotonic) its upload
         began, for the commit (``commit_blocks(uploads_began=...)``)."""
         self.expect_commit(key)
-        return await self.upload_expected([(key, size)])
+        if len(data) > DIRECT_PUT_BYTES or self.uploader.is_pending(key):
+            return await self.upload_expected([(key, len(data))])
+        began = time.monotonic()
+        try:
+            await self.remote.aput(object_name(key), bytes(data))
+        except BaseException:
+            await self._stop_awaiting(key)
+            raise
+        self.uploader.stats.uploaded_blocks += 1
+        self.uploader.stats.uploaded_bytes += len(data)
+        if self._nursery is not None:  # for reads once the memory cache lets it go; off the commit's path
+            self._nursery.start_soon(self._keep_on_disk, key, data)
+        return began
+
+    async def _keep_on_disk(self, key: str, data: BlockData) -> None:
+        with contextlib.suppress(OSError):  # a full cache disk must not fail anything: it is in the bucket
+            await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
 
     async def put_again(self, key: str, data: BlockData) -> float:
         """Put a block's bytes in the bucket again, now: the collector deleted them while

@@ -790,7 +790,7 @@ class FileSystem:
         awaiting_commit = False  # shared engines: uploaded, and registered for a commit
         try:
             try:
-                key = await self.blocks.seal(data) if data else None
+                key = await self.blocks.seal(data, direct=True) if data else None
                 # Staged (or a hole, or bytes already staged): the sealing bound is about
                 # memory being hashed and staged. A shared engine's wait for the upload and
                 # the commit counts against --max-dirty, as staged bytes and as the block
@@ -799,7 +799,7 @@ class FileSystem:
                 self._sealing_done(size)
                 began: Optional[float] = None
                 if key is not None and self.meta.shared:
-                    began = await self.blocks.upload_before_commit(key, len(data))
+                    began = await self.blocks.upload_before_commit(key, data)
                     awaiting_commit = True
                 # One commit of this file at a time, so the generation checked is still the
                 # newest when the block map changes (an older seal never overwrites a newer).
