@@ -16,6 +16,13 @@ in how, it says why.
   the session row is still there; the clean-up of a session takes that lock exclusively
   before it deletes the row (``SESSION_FENCE``). Either the call commits first, or it
   waits and then finds no row. Unlike ``SELECT ... FOR KEY SHARE`` this writes no WAL.
+- **Unknown outcomes.** A create holds one of its session's lanes (``PostgresEngine``'s
+  ``_Attempts``) for all its attempts: it takes the lane's advisory lock first
+  (``LANE_FENCE``) and records its number (``op``) and its inode (``made``) in the lane's
+  row of ``counters``, which it updates anyway. A retry after a connection that broke with
+  the call in flight (``p_retry``) takes the same lock, so it waits for an attempt the
+  server is still running, then finds the number if that attempt committed, and returns
+  its inode instead of making another (or EEXIST).
 - **Locks.** A single-inode operation locks the row with the UPDATE that changes it, and
   diagnoses ENOENT or ENOTDIR only when the UPDATE found nothing.
 - **Commit mode.** Namespace changes commit without waiting for the WAL flush (as every
@@ -29,7 +36,11 @@ in how, it says why.
   again and commits again. The upload's age is measured on the node, the deletion's time
   on the database's clock: no two clocks are compared.
 - **Versions.** Names end in ``_v<N>``: a node of the next release installs its own next to
-  these, so nodes of two releases can share a volume during an upgrade.
+  these, so nodes of two releases can share a volume during an upgrade. ``fs_create_v2``
+  and ``fs_commit_v2`` count into a session's lane 0 (``counters`` has a row per session
+  and lane since then); the ``_v1`` of earlier releases, which count into every row of
+  their session, stay in a volume they used and are right for their own sessions, which
+  have one row.
 """
 
 from __future__ import annotations
@@ -39,10 +50,18 @@ from fusestate.meta.operations import INODE_COLUMNS
 COLLECTED_KEEP = 3600.0  # seconds a collected block's row is kept: uploads older than this are put again
 COLLECTED_MARGIN = 3.0  # seconds added to an upload's age: the commit's trip to the server, scheduling
 SESSION_FENCE = 0x66757368  # advisory lock class of the session fence: (SESSION_FENCE, session key)
+LANE_FENCE = 0x66757369  # advisory lock class of a session's lanes: (LANE_FENCE, lane key)
+LANES_PER_SESSION = 4096  # lane numbers a session key is spread over (more lanes share keys: a wait, no harm)
 LOST_SQLSTATE = "FSLST"
 
 # The session key of the fence: advisory locks take two int4 keys.
 _SESSION_KEY = "(p_session % 2147483647)::int"
+_LANE_KEY = f"((p_session * {LANES_PER_SESSION} + p_lane) % 2147483647)::int"
+
+
+def lane_key(session: int, lane: int) -> int:
+    """The second key of a lane's advisory lock, as ``_LANE_KEY`` computes it on the server."""
+    return (session * LANES_PER_SESSION + lane) % 2147483647
 
 INSTALL = f"""
 CREATE OR REPLACE FUNCTION fs_session_v1(p_session bigint, p_durable boolean) RETURNS void
@@ -59,10 +78,13 @@ BEGIN
   END IF;
 END $$;
 
--- operations.create: two rows back, the new inode, then its parent as changed.
-CREATE OR REPLACE FUNCTION fs_create_v1(p_session bigint, p_parent bigint, p_name bytea, p_mode int,
-    p_uid bigint, p_gid bigint, p_rdev bigint, p_target bytea, p_scratch_name boolean, p_hold boolean,
-    p_now bigint)
+-- operations.create: two rows back, the new inode, then its parent as changed (just the
+-- inode if the parent is gone: a retry that finds its create done, see the module docstring).
+-- p_lane, p_op: the session's lane this call holds, and the operation's number, recorded
+-- with the lane's counters; p_retry: an earlier attempt may have committed.
+CREATE OR REPLACE FUNCTION fs_create_v2(p_session bigint, p_lane int, p_op bigint, p_retry boolean,
+    p_parent bigint, p_name bytea, p_mode int, p_uid bigint, p_gid bigint, p_rdev bigint, p_target bytea,
+    p_scratch_name boolean, p_hold boolean, p_now bigint)
 RETURNS SETOF inodes
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -71,8 +93,25 @@ DECLARE
   v_isdir boolean := (p_mode & 61440) = 16384;
   v_mode int := p_mode;
   v_gid bigint := p_gid;
+  v_made bigint;
 BEGIN
   PERFORM fs_session_v1(p_session, false);
+  PERFORM pg_advisory_xact_lock({LANE_FENCE}, {_LANE_KEY});
+  IF p_retry THEN
+    SELECT made INTO v_made FROM counters WHERE session_id = p_session AND lane = p_lane AND op = p_op;
+    IF FOUND THEN  -- done by an earlier attempt: its file, as it is now
+      SELECT * INTO node FROM inodes WHERE id = v_made;
+      IF NOT FOUND THEN  -- removed since by another node: as it was made, without a name
+        node.id := v_made; node.mode := p_mode; node.uid := p_uid; node.gid := p_gid;
+        node.size := coalesce(length(p_target), 0); node.nlink := 0; node.atime_ns := p_now;
+        node.mtime_ns := p_now; node.ctime_ns := p_now; node.rdev := p_rdev; node.symlink_target := p_target;
+        node.scratch := 0;
+      END IF;
+      RETURN NEXT node;
+      RETURN QUERY SELECT * FROM inodes WHERE id = p_parent;
+      RETURN;
+    END IF;
+  END IF;
   UPDATE inodes SET nlink = nlink + v_isdir::int, mtime_ns = p_now, ctime_ns = p_now
    WHERE id = p_parent AND (mode & 61440) = 16384 AND nlink > 0 AND (scratch = 0 OR scratch = p_session)
    RETURNING * INTO par;
@@ -106,7 +145,7 @@ BEGIN
   IF p_hold THEN
     INSERT INTO holds (session_id, inode) VALUES (p_session, node.id);
   END IF;
-  UPDATE counters SET inodes = inodes + 1 WHERE session_id = p_session;
+  UPDATE counters SET inodes = inodes + 1, op = p_op, made = node.id WHERE session_id = p_session AND lane = p_lane;
   RETURN NEXT node;
   RETURN NEXT par;
 END $$;
@@ -133,7 +172,7 @@ END $$;
 -- and the change of the bytes in use. p_keys[i] NULL: block p_idx[i] is gone (a hole).
 -- p_durable: an fsync waits for it; committed with the server's own synchronous_commit.
 -- p_upload_age: seconds since the upload of these blocks began (NULL: not known).
-CREATE OR REPLACE FUNCTION fs_commit_v1(p_session bigint, p_ino bigint, p_idx bigint[], p_keys text[],
+CREATE OR REPLACE FUNCTION fs_commit_v2(p_session bigint, p_ino bigint, p_idx bigint[], p_keys text[],
     p_sizes bigint[], p_size bigint, p_mtime bigint, p_now double precision, p_promote boolean,
     p_durable boolean, p_upload_age double precision)
 RETURNS TABLE (node inodes, freed text[], used_delta bigint)
@@ -211,16 +250,16 @@ BEGIN
     DELETE FROM uploads WHERE session_id = p_session AND key = ANY(p_keys);
   END IF;
   IF v_used <> 0 THEN
-    UPDATE counters SET used = used + v_used WHERE session_id = p_session;
+    UPDATE counters SET used = used + v_used WHERE session_id = p_session AND lane = 0;
   END IF;
   RETURN QUERY SELECT v_node, v_freed, v_used;
 END $$;
 """
 
-CREATE = (f"SELECT {INODE_COLUMNS} FROM fs_create_v1(?::bigint, ?::bigint, ?::bytea, ?::int, ?::bigint, ?::bigint,"
-          " ?::bigint, ?::bytea, ?::boolean, ?::boolean, ?::bigint)")
+CREATE = (f"SELECT {INODE_COLUMNS} FROM fs_create_v2(?::bigint, ?::int, ?::bigint, ?::boolean, ?::bigint, ?::bytea,"
+          " ?::int, ?::bigint, ?::bigint, ?::bigint, ?::bytea, ?::boolean, ?::boolean, ?::bigint)")
 _NODE_COLUMNS = ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", "))
 OPEN = f"SELECT {_NODE_COLUMNS}, idx, keys FROM fs_open_v1(?::bigint, ?::bigint)"
 COMMIT = ("SELECT " + ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", ")) + ", freed, used_delta"
-          " FROM fs_commit_v1(?::bigint, ?::bigint, ?::bigint[], ?::text[], ?::bigint[], ?::bigint, ?::bigint,"
+          " FROM fs_commit_v2(?::bigint, ?::bigint, ?::bigint[], ?::text[], ?::bigint[], ?::bigint, ?::bigint,"
           " ?::float8, ?::boolean, ?::boolean, ?::float8)")

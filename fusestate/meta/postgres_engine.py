@@ -15,7 +15,9 @@ the collector deleted while it was uploaded is refused, and the node puts it aga
 (``pg_functions``; ``uploads`` holds only registrations of earlier releases).
 Every publishing transaction checks that its own session is still alive: a node that
 was declared dead and comes back cannot publish. The sessions of dead nodes are cleaned
-up by the others. Counters for statfs are kept per session (no hot row).
+up by the others. Counters for statfs are kept per session and lane (no hot row). A
+create, link, rename, unlink or rmdir whose connection broke with its commit in flight is
+run again without being applied twice (``_Attempts``).
 
 Blocks are committed only once they are in the bucket (``shared = True``): the shared
 metadata never points at a block another node cannot read, except a scratch file's
@@ -25,15 +27,17 @@ node and are recorded as not uploaded, and its names go when that session ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
+import itertools
 import logging
 import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence, TypeVar
 
 import trio
 from psycopg import sql
@@ -59,12 +63,18 @@ SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clea
 # but the session's own rows is at stake (the other nodes clean them up after SESSION_TTL).
 CLOSE_OUTAGE_BUDGET = 5.0
 RECENT_ROWS_MAX = 10_000  # rows of this node's own writes that getattr answers (attr_cache_seconds)
-# Durable at fsync (sync), visible at once: SET LOCAL as a SELECT, to join the session check.
-NAMESPACE_COMMIT = "SELECT set_config('synchronous_commit', 'off', true)"
 
-# A session's row is made when it registers (``start``): an UPDATE writes one WAL record,
-# the upsert it replaces two (a row lock, then the update).
-_ADD_COUNTERS = "UPDATE counters SET inodes = inodes + ?, used = used + ? WHERE session_id = ?"
+# A session's rows are made when it registers (``start``): an UPDATE writes one WAL record,
+# the upsert it replaces two (a row lock, then the update). Lane 0 takes the counts of
+# operations that hold no lane.
+_ADD_COUNTERS = "UPDATE counters SET inodes = inodes + ?, used = used + ? WHERE session_id = ? AND lane = 0"
+# What an operation that holds a lane writes instead: its counts and its number, in one
+# update of a row no other transaction writes (see ``_Attempts``).
+_MARK = "UPDATE counters SET inodes = inodes + ?, used = used + ?, op = ? WHERE session_id = ? AND lane = ?"
+_DONE = "SELECT 1 FROM counters WHERE session_id = ? AND lane = ? AND op = ?"
+_LANE_LOCK = "SELECT pg_advisory_xact_lock(?::int, ?::int)"
+# The session fence (``pg_functions``) and the commit mode of a namespace change, at once.
+_SESSION_CHECK = "SELECT fs_session_v1(?::bigint, false)"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes (
@@ -112,9 +122,19 @@ CREATE INDEX IF NOT EXISTS uploads_by_key ON uploads (key);
 CREATE TABLE IF NOT EXISTS collected (
     key TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL
 );
+-- Per session and lane (see _Attempts): the counts of inodes and bytes its transactions
+-- added, and the number (op) of the lane's last operation, with what it made.
 CREATE TABLE IF NOT EXISTS counters (
-    session_id BIGINT PRIMARY KEY, inodes BIGINT NOT NULL DEFAULT 0, used BIGINT NOT NULL DEFAULT 0
+    session_id BIGINT NOT NULL, inodes BIGINT NOT NULL DEFAULT 0, used BIGINT NOT NULL DEFAULT 0,
+    lane INTEGER NOT NULL DEFAULT 0, op BIGINT NOT NULL DEFAULT 0, made BIGINT NOT NULL DEFAULT 0,
+    PRIMARY KEY (session_id, lane)
 );
+DO $$ BEGIN  -- a volume made by an earlier release: one row per session
+  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'counters'::regclass AND attname = 'lane') THEN
+    ALTER TABLE counters ADD COLUMN lane INTEGER NOT NULL DEFAULT 0, ADD COLUMN op BIGINT NOT NULL DEFAULT 0,
+      ADD COLUMN made BIGINT NOT NULL DEFAULT 0, DROP CONSTRAINT counters_pkey, ADD PRIMARY KEY (session_id, lane);
+  END IF;
+END $$;
 """
 
 _UNKNOWN = ("SELECT k FROM unnest(%s::text[]) AS k WHERE NOT EXISTS (SELECT 1 FROM objects WHERE key=k)"
@@ -162,6 +182,55 @@ class _SessionHolds:
         return tx.one("SELECT 1 FROM holds WHERE inode=? LIMIT 1", (ino,)) is not None
 
 
+class _Lanes:
+    """A session's lanes, 1 to ``count``: each is held by one operation at a time, for all
+    of that operation's attempts, so the lane's row in ``counters`` is written by no other
+    transaction meanwhile. Lane 0 counts what operations that hold no lane add."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._free = list(range(count, 0, -1))
+        self._available = trio.Semaphore(count)
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[int]:
+        try:  # a free lane is the common case: taken without a scheduling round
+            self._available.acquire_nowait()
+        except trio.WouldBlock:
+            await self._available.acquire()
+        lane = self._free.pop()
+        try:
+            yield lane
+        finally:
+            self._free.append(lane)
+            self._available.release()
+
+
+@dataclass
+class _Attempts:
+    """The attempts of one operation whose outcome may become unknown.
+
+    The pool runs an operation again on a new connection when its connection breaks; if
+    that happened after the commit was sent, the commit may or may not have happened.
+    Such an operation holds a lane (``_Lanes``) and has a number (``op``, unique within
+    the session); each attempt takes the lane's advisory lock first (``LANE_FENCE``) and
+    writes the number into the lane's counters row in the same transaction (the row a
+    create updates anyway, and an update that a namespace change pays for by taking no
+    row lock on its session). An attempt after one that sent its commit takes the lock
+    (so it waits for an earlier attempt the server is still running), then looks for the
+    number: found, the earlier attempt committed, and its result is returned; not found,
+    nothing of it happened, and the operation runs again. Other nodes never write a
+    session's lanes, so what they did meanwhile cannot make the answer wrong."""
+
+    lane: int
+    op: int  # 0: a call that only needs to know whether it is a retry (``_call``)
+    sent: bool = False  # an attempt sent its commit, and its answer never came
+    retried: bool = False  # the last attempt came after one that was sent
+    # What the last attempt that sent its commit would have returned, had the answer come:
+    # the result, the counter deltas, the rows it wrote.
+    done: Optional[tuple[Any, int, int, dict[int, Optional[Inode]]]] = None
+
+
 class _PgTx:
     """One transaction on a connection, its statements in a :class:`Pipeline`: a statement
     whose result nobody reads (``exec``) is only queued, and goes to the server with the
@@ -170,9 +239,9 @@ class _PgTx:
 
     commits_uploaded = True
 
-    def __init__(self, pipe: Pipeline, engine: "PostgresEngine") -> None:
+    def __init__(self, pipe: Pipeline, engine: "PostgresEngine", now_ns: Optional[int] = None) -> None:
         self._pipe = pipe
-        self.now_ns = time.time_ns()
+        self.now_ns = time.time_ns() if now_ns is None else now_ns
         self.block_size = engine.block_size
         self.holds = engine._holds
         self.inodes_delta = 0
@@ -255,6 +324,8 @@ class PostgresEngine:
         self.mountpoint = mountpoint
         self.session_ttl = session_ttl
         self.pool = PgPool(url, size=pool_size, outage_budget=outage_budget)
+        self._lanes = _Lanes(pool_size)
+        self._ops = itertools.count(1)  # numbers of this session's operations (_Attempts)
         self.session_id = 0
         self.lost = False  # the other nodes cleaned up this session: nothing more may be published
         self._holds = _SessionHolds(lambda: self.session_id)
@@ -293,53 +364,79 @@ class PostgresEngine:
         return self.session_id
 
     async def _write(self, operation: Callable[..., T], *args: Any,
-                     after: Optional[Callable[[ops.Tx], None]] = None) -> T:
+                     after: Optional[Callable[[ops.Tx], None]] = None, once: bool = False) -> T:
         """One namespace operation in one transaction that first checks this session is alive.
 
         It commits without waiting for the WAL flush (see :meth:`sync`): what POSIX makes
         durable only at fsync is durable only at fsync here too, and a create or rename does
         not wait for the database's disk. Transactions of the garbage collector, of uploads
         and of sessions keep the server's own setting: a deletion from the bucket must never
-        follow a claim the database could still lose."""
+        follow a claim the database could still lose.
+
+        ``once``: the operation would not do the same again (a link, a rename, an unlink):
+        it holds a lane, so that a retry after a connection lost with the commit in flight
+        finds out whether the commit happened (``_Attempts``). Every attempt keeps the
+        operation's first time."""
         if self.read_only:
             raise FsError(errno.EROFS)
+        now_ns = time.time_ns()
+        if not once or not self.session_id:
+            return await self._attempt(operation, args, after, None, now_ns)
+        async with self._lanes.hold() as lane:
+            return await self._attempt(operation, args, after, _Attempts(lane, next(self._ops)), now_ns)
+
+    async def _attempt(self, operation: Callable[..., T], args: tuple, after: Optional[Callable[[ops.Tx], None]],
+                       attempts: Optional[_Attempts], now_ns: int) -> T:
         while True:
             try:
-                result, inodes, used = await self.pool.run(self._txn, operation, args, after, explicit=True)
+                result, inodes, used = await self.pool.run(self._txn, operation, args, after, attempts, now_ns,
+                                                           explicit=True)
             except ops.Restart:
                 continue
+            except RefusedByServer as exc:
+                if exc.sqlstate == server.LOST_SQLSTATE:
+                    raise self._lose() from None
+                raise
             self._count(inodes, used)
             return result
 
-    def _txn(self, cur: Any, operation: Callable[..., T], args: tuple,
-             after: Optional[Callable[[ops.Tx], None]]) -> tuple[T, int, int]:
+    def _txn(self, cur: Any, operation: Callable[..., T], args: tuple, after: Optional[Callable[[ops.Tx], None]],
+             attempts: Optional[_Attempts], now_ns: int) -> tuple[T, int, int]:
         # Pipelined: BEGIN, the session check and the commit mode go out with the
         # operation's first query, and its last writes with the counters and COMMIT. The
-        # session row is locked from the start, its answer read at the end: FOR KEY SHARE,
-        # which the clean-up's DELETE waits for, but a heartbeat (the UPDATE that every
-        # fsync commits, see sync) does not: under FOR SHARE each fsync waited for this
-        # node's write transactions in flight, and they for it.
+        # session is fenced as the server-side operations fence it (``pg_functions``: an
+        # advisory lock, no row lock and no WAL record); a session cleaned up meanwhile
+        # fails the statement (FSLST), and the transaction with it.
         with Pipeline(cur.connection) as pipe:
             pipe.queue("BEGIN")
-            check = None
-            if self.session_id:
-                check = pipe.queue(f"{NAMESPACE_COMMIT} FROM sessions WHERE id=? FOR KEY SHARE", (self.session_id,),
-                                   rows=True)
+            pipe.queue(_SESSION_CHECK, (self.session_id,))
+            if attempts is not None and self._done_before(pipe, attempts):
+                assert attempts.done is not None
+                outcome = attempts.done  # committed by the attempt whose answer was lost
+                pipe.queue("COMMIT")  # this one wrote nothing
             else:
-                pipe.queue(NAMESPACE_COMMIT)
-            tx = _PgTx(pipe, self)
-            result = operation(tx, *args)
-            if after is not None:
-                after(tx)
-            if check is not None:
-                if not pipe.rows(check):
-                    raise self._lose()
-            if tx.inodes_delta or tx.used_delta:
-                pipe.queue(_ADD_COUNTERS, (tx.inodes_delta, tx.used_delta, self.session_id))
-            pipe.queue("COMMIT")
-        self._remember(tx.saved_rows)
+                tx = _PgTx(pipe, self, now_ns)
+                result = operation(tx, *args)
+                if after is not None:
+                    after(tx)
+                if attempts is not None:
+                    pipe.queue(_MARK, (tx.inodes_delta, tx.used_delta, attempts.op, self.session_id, attempts.lane))
+                elif tx.inodes_delta or tx.used_delta:
+                    pipe.queue(_ADD_COUNTERS, (tx.inodes_delta, tx.used_delta, self.session_id))
+                pipe.queue("COMMIT")
+                outcome = (result, tx.inodes_delta, tx.used_delta, tx.saved_rows)
+                if attempts is not None:
+                    attempts.sent, attempts.done = True, outcome
+        result, inodes, used, rows = outcome
+        self._remember(rows)
         self._async_commits += 1
-        return result, tx.inodes_delta, tx.used_delta
+        return result, inodes, used
+
+    def _done_before(self, pipe: Pipeline, attempts: _Attempts) -> bool:
+        """Take the operation's lane (waiting for an earlier attempt the server still runs);
+        whether an earlier attempt committed, asked only after one sent its commit."""
+        pipe.queue(_LANE_LOCK, (server.LANE_FENCE, server.lane_key(self.session_id, attempts.lane)))
+        return attempts.sent and bool(pipe.query(_DONE, (self.session_id, attempts.lane, attempts.op)))
 
     def _remember(self, rows: dict[int, Optional[Inode]]) -> None:
         """After a commit: the rows it wrote answer getattr for ``attr_cache_seconds``."""
@@ -353,17 +450,26 @@ class PostgresEngine:
         while len(self._recent) > RECENT_ROWS_MAX:
             del self._recent[next(iter(self._recent))]
 
-    async def _call(self, statement: str, args: tuple, durable: bool = False) -> list[tuple]:
+    async def _call(self, statement: str, args: tuple, durable: bool = False,
+                    attempts: Optional[_Attempts] = None) -> list[tuple]:
         """One server-side operation (``pg_functions``): one statement, one round trip, one
         transaction; its POSIX errors come back as :class:`RefusedByServer`. ``durable``:
-        it committed with the WAL flushed up to it, every earlier commit of this node too."""
+        it committed with the WAL flushed up to it, every earlier commit of this node too.
+        ``attempts``: records whether the last call was a retry after one that was sent;
+        with a number (``op``), the statement's first arguments after the session are the
+        lane, the number and that (``_Attempts``)."""
         if self.read_only:
             raise FsError(errno.EROFS)
         covered = self._async_commits
 
         def call(cur: Any) -> list[tuple]:
+            values = args
+            if attempts is not None:
+                attempts.retried, attempts.sent = attempts.sent, True
+                if attempts.op:
+                    values = (args[0], attempts.lane, attempts.op, attempts.retried, *args[1:])
             with Pipeline(cur.connection) as pipe:
-                return pipe.query(statement, args)
+                return pipe.query(statement, values)
 
         try:
             rows = await self.pool.run(call, explicit=True)
@@ -399,27 +505,34 @@ class PostgresEngine:
         return node
 
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
+        """One call of ``fs_create_v2``, holding a lane: a retry after its answer was lost
+        returns the inode the call made rather than EEXIST (``_Attempts``)."""
         ops.check_name(name)
-        made, parent_now = await self._call(server.CREATE, (
-            self.session_id, parent, name, node.mode, node.uid, node.gid, node.rdev, node.symlink_target,
-            node.scratch_name, hold, time.time_ns()))
+        args = (self.session_id, parent, name, node.mode, node.uid, node.gid, node.rdev, node.symlink_target,
+                node.scratch_name, hold, time.time_ns())
+        if not self.session_id:  # no session yet: lane 0, and nothing to look for on a retry
+            rows = await self._call(server.CREATE, (args[0], 0, 0, False, *args[1:]))
+        else:
+            async with self._lanes.hold() as lane:
+                rows = await self._call(server.CREATE, args, attempts=_Attempts(lane, next(self._ops)))
         self._count(1, 0)
-        new, changed = ops.inode_of_row(made), ops.inode_of_row(parent_now)
-        self._remember({changed.id: changed, new.id: new})
+        new = ops.inode_of_row(rows[0])
+        changed = [ops.inode_of_row(row) for row in rows[1:]]  # none if a retry found the parent gone
+        self._remember({**{c.id: c for c in changed}, new.id: new})
         return dataclasses.replace(new)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
-        return await self._write(ops.link, ino, parent, name)
+        return await self._write(ops.link, ino, parent, name, once=True)
 
     async def unlink(self, parent: int, name: bytes) -> Freed:
-        return await self._write(ops.unlink, parent, name)
+        return await self._write(ops.unlink, parent, name, once=True)
 
     async def rmdir(self, parent: int, name: bytes) -> Freed:
-        return await self._write(ops.rmdir, parent, name)
+        return await self._write(ops.rmdir, parent, name, once=True)
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
                      flags: int = 0) -> Freed:
-        return await self._write(ops.rename, src_parent, src_name, dst_parent, dst_name, flags)
+        return await self._write(ops.rename, src_parent, src_name, dst_parent, dst_name, flags, once=True)
 
     async def setattr(self, ino: int, change: AttrChange) -> Inode:
         return await self._write(ops.setattr, ino, change)
@@ -469,13 +582,26 @@ class PostgresEngine:
     async def _commit(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]], size: int, mtime_ns: int,
                       promote: bool, durable: bool = False, uploads_began: Optional[float] = None) -> Freed:
         """The blocks, size and mtime in one call. EAGAIN: a block was collected while it
-        was uploaded (``uploads_began``, monotonic; None: not known): put it again."""
+        was uploaded (``uploads_began``, monotonic; None: not known): put it again.
+
+        Run again after a lost answer, a commit finds its blocks in place and changes
+        nothing more; a promotion finds the file no longer scratch and refuses (EXDEV),
+        which is its success when the file is this node's blocks as a file of the volume."""
         age = None if uploads_began is None else max(0.0, time.monotonic() - uploads_began)
         order = sorted(blocks)
         found = [blocks[i] for i in order]
-        (row,) = await self._call(server.COMMIT, (
-            self.session_id, ino, order, [b[0] if b else None for b in found], [b[1] if b else 0 for b in found],
-            size, mtime_ns, time.time(), promote, durable, age), durable=durable)
+        attempts = _Attempts(0, 0)
+        try:
+            (row,) = await self._call(server.COMMIT, (
+                self.session_id, ino, order, [b[0] if b else None for b in found], [b[1] if b else 0 for b in found],
+                size, mtime_ns, time.time(), promote, durable, age), durable=durable, attempts=attempts)
+        except RefusedByServer as exc:
+            if not (promote and exc.errno == errno.EXDEV and attempts.retried):
+                raise
+            node, keys = await self.read_file(ino)
+            if node.scratch or not node.is_reg or keys != {i: b[0] for i, b in blocks.items() if b is not None}:
+                raise
+            return Freed()  # promoted by the attempt whose answer was lost
         *columns, freed, used = row
         self._count(0, used)
         node = ops.inode_of_row(tuple(columns))
@@ -605,7 +731,8 @@ class PostgresEngine:
                             f" VALUES (%s, %s, %s, {_NOW}, {_NOW}, %s) RETURNING id",
                             (socket.gethostname(), os.getpid(), self.mountpoint, self.session_ttl))
                 session_id = cur.fetchone()[0]
-                cur.execute("INSERT INTO counters (session_id) VALUES (%s) ON CONFLICT DO NOTHING", (session_id,))
+                cur.execute("INSERT INTO counters (session_id, lane) SELECT %s, generate_series(0, %s)"
+                            " ON CONFLICT DO NOTHING", (session_id, self._lanes.count))
                 return session_id
 
             self.session_id = await self.pool.run(register)
@@ -701,8 +828,8 @@ class PostgresEngine:
         """Make every namespace change committed so far durable (fsync, fsyncdir).
 
         Namespace operations commit without waiting for the database's WAL flush
-        (:data:`NAMESPACE_COMMIT`): they are visible to every node when they return, and
-        durable within the server's WAL writer delay, or at the next durable commit. A
+        (``fs_session_v1`` sets ``synchronous_commit = off``): they are visible to every
+        node when they return, and durable within the server's WAL writer delay, or at the next durable commit. A
         transaction that writes and commits with ``synchronous_commit = on`` waits until the
         WAL is flushed up to its commit record, which is after every commit before it, this
         node's and the others'. Its write is this session's heartbeat (a transaction that
@@ -745,6 +872,11 @@ def _clean_session(tx: ops.Tx, session: int) -> Freed:
     # before any that would come: they then find no row (pg_functions).
     tx.exec("SELECT pg_advisory_xact_lock(?::int, ?::int)", (server.SESSION_FENCE, session % 2147483647))
     tx.exec("DELETE FROM sessions WHERE id=?", (session,))
+    # Its lanes' counts go into its row of lane 0: one row stays per ended session, as before lanes.
+    tx.exec("WITH lanes AS (DELETE FROM counters WHERE session_id=? AND lane<>0 RETURNING inodes, used)"
+            " UPDATE counters SET inodes = inodes + (SELECT COALESCE(SUM(inodes), 0) FROM lanes),"
+            " used = used + (SELECT COALESCE(SUM(used), 0) FROM lanes) WHERE session_id=? AND lane=0",
+            (session, session))
     # Its scratch files were readable nowhere else: their names go with it.
     freed.keys += ops.purge_scratch(tx, session).keys
     for ino in sorted(held):
