@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sqlite3
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import trio
 from fusestate.errors import FsError
 from fusestate.meta import journal
 from fusestate.meta.engine import ROOT_INODE, NewNode
+from fusestate.meta.postgres_engine import PostgresEngine
 from fusestate.meta.sqlite_engine import SQLiteEngine
 
 
@@ -229,3 +231,21 @@ def test_restore_stops_before_a_segment_whose_new_blocks_never_landed(tmp_path: 
     assert names() == ["old"]
     remote.put(object_name("k" * 64), b"12345")
     assert names() == ["new", "old"]
+
+
+def test_a_durable_commit_after_a_failover_does_not_vouch_for_commits_before_it() -> None:
+    """Async commits on timeline 1, then a durable one on timeline 2 (the standby promoted):
+    EIO once, as a lost writeback is reported; commits on one timeline are covered quietly."""
+    engine = PostgresEngine.__new__(PostgresEngine)
+    engine._async_commits, engine._durable_through, engine._timelines = 0, 0, []
+    for _ in range(3):
+        engine._committed_async(1)
+    engine._made_durable(engine._async_commits, 1)  # same timeline: covered
+    engine._committed_async(1)
+    engine._committed_async(2)
+    with pytest.raises(FsError) as lost:
+        engine._made_durable(engine._async_commits, 2)
+    assert lost.value.errno == errno.EIO and "timeline 1 to 2" in str(lost.value)
+    engine._committed_async(2)
+    engine._made_durable(engine._async_commits, 2)  # reported once; the new timeline is fine
+    assert engine._timelines == [(5, 2)]

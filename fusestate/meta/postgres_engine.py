@@ -49,7 +49,7 @@ from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats
                                    ObjectInfo)
 from fusestate.meta import pg_functions as server
 from fusestate.meta.pgpipeline import Pipeline, Slot
-from fusestate.meta.pgpool import PgPool, RefusedByServer
+from fusestate.meta.pgpool import PgPool, RefusedByServer, timeline_of
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +342,9 @@ class PostgresEngine:
         # commit has covered since: sync has nothing to do while the two are equal.
         self._async_commits = 0
         self._durable_through = 0
+        # (number of the first async commit, the timeline it and those after it ran on):
+        # a durable commit on a newer timeline (a failover) does not cover them.
+        self._timelines: list[tuple[int, int]] = []
         self.pool.run_sync(self._create_schema)
 
     # --- setup ----------------------------------------------------------------
@@ -429,8 +432,30 @@ class PostgresEngine:
                     attempts.sent, attempts.done = True, outcome
         result, inodes, used, rows = outcome
         self._remember(rows)
-        self._async_commits += 1
+        self._committed_async(timeline_of(cur))
         return result, inodes, used
+
+    def _committed_async(self, timeline: int) -> None:
+        self._async_commits += 1
+        if not self._timelines or self._timelines[-1][1] != timeline:
+            self._timelines.append((self._async_commits, timeline))
+
+    def _made_durable(self, covered: int, timeline: int) -> None:
+        """A durable commit on ``timeline`` covered this node's async commits up to number
+        ``covered``. Those of them that ran on an older timeline may not have reached the
+        server that took over (a failover): EIO, once, as Linux reports a lost writeback."""
+        uncovered_from = self._durable_through + 1
+        lost = []
+        for i, (first, on) in enumerate(self._timelines):
+            last = self._timelines[i + 1][0] - 1 if i + 1 < len(self._timelines) else covered
+            if on < timeline and first <= covered and last >= uncovered_from:
+                lost.append(on)
+        self._durable_through = max(self._durable_through, covered)
+        while len(self._timelines) > 1 and self._timelines[1][0] <= self._durable_through + 1:
+            self._timelines.pop(0)
+        if lost:
+            raise FsError(errno.EIO, f"the metadata database failed over (timeline {max(lost)} to {timeline}): "
+                                     "changes this node committed just before may be lost")
 
     def _done_before(self, pipe: Pipeline, attempts: _Attempts) -> bool:
         """Take the operation's lane (waiting for an earlier attempt the server still runs);
@@ -462,7 +487,10 @@ class PostgresEngine:
             raise FsError(errno.EROFS)
         covered = self._async_commits
 
+        timelines: list[int] = []
+
         def call(cur: Any) -> list[tuple]:
+            timelines.append(timeline_of(cur))
             values = args
             if attempts is not None:
                 attempts.retried, attempts.sent = attempts.sent, True
@@ -478,9 +506,9 @@ class PostgresEngine:
                 raise self._lose() from None
             raise
         if durable:
-            self._durable_through = max(self._durable_through, covered)
+            self._made_durable(covered, timelines[-1])
         else:
-            self._async_commits += 1
+            self._committed_async(timelines[-1])
         return rows
 
     def _count(self, inodes: int, used: int) -> None:
@@ -836,16 +864,17 @@ class PostgresEngine:
         writes nothing commits without a WAL record, and does not wait). Nothing is sent when
         this node committed nothing since its last durable commit (an fsync commits the
         file's last blocks durably in place): what it saw other nodes commit is theirs to
-        make durable."""
-        def flush(cur: Any) -> None:  # one round trip
+        make durable. EIO when some of this node's commits since the last durable one ran
+        on a primary that has been replaced since (a failover): they may be lost."""
+        def flush(cur: Any) -> int:  # one round trip
             cur.execute(f"BEGIN; SET LOCAL synchronous_commit = on;"
                         f" UPDATE sessions SET heartbeat={_NOW} WHERE id={int(self.session_id)}; COMMIT")
+            return timeline_of(cur)
 
         covered = self._async_commits
         if covered == self._durable_through:
             return  # nothing committed since the last durable commit (an fsync's own block commit)
-        await self.pool.run(flush, explicit=True)
-        self._durable_through = max(self._durable_through, covered)
+        self._made_durable(covered, await self.pool.run(flush, explicit=True))
 
     def close(self) -> None:
         if self.session_id and not self.lost and not self.read_only:
