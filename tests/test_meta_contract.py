@@ -840,3 +840,28 @@ def test_an_fsyncs_durable_commit_leaves_its_sync_nothing_to_do(new_engine, pg_u
                 conn.execute("SELECT * FROM fs_commit_v2(%s, %s, '{}', '{}', '{}', 1, 1, 0, false, %s, NULL)",
                              (session, ino, durable))
                 assert conn.execute("SELECT current_setting('synchronous_commit')").fetchone()[0] == mode
+
+
+@shared_only
+def test_after_an_outage_no_node_is_cleaned_up_before_it_could_beat_again(new_engine, postgres_server) -> None:
+    """The database is away longer than the session timeout (a failover, a restart): the
+    first node back must not take the others, whose heartbeats were held up as long as its
+    own, for dead; a node that stays silent once the database is back is cleaned up."""
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        await a.heartbeat()
+        await b.heartbeat()
+        await trio.to_thread.run_sync(postgres_server.stop, "fast")
+        try:
+            await trio.sleep(2.5)  # longer than the session timeout
+        finally:
+            await trio.to_thread.run_sync(postgres_server.start)
+        await b.heartbeat()  # b is back first, and waits for its connection through the outage
+        assert (await b.clean_dead_sessions()).keys == [] and b.sessions_cleaned == 0
+        await a.heartbeat()  # a beats again: alive
+        await trio.sleep(2.2)  # now a is silent for longer than its timeout, with the database up
+        await b.heartbeat()
+        await b.clean_dead_sessions()
+        assert b.sessions_cleaned == 1
+        await raises(errno.EIO, a.heartbeat())
+
+    drive(new_engine, body, nodes=2, session_ttl=2.0)

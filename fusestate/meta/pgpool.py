@@ -144,6 +144,10 @@ class PgPool:
         self.retries = 0
         self.reconnects = 0
         self.stalls_broken = 0  # connections broken because their server stopped answering
+        # When (monotonic) the database answered again after an outage (None: never lost):
+        # the other nodes' heartbeats were held up as long as this node's were.
+        self.back_since: Optional[float] = None
+        self._gave_up = False  # an outage outlasted the budget: the next success ends it
         params = conninfo_to_dict(url)
         self._connect_params: dict[str, Any] = {} if params.get("connect_timeout") else {
             "connect_timeout": CONNECT_TIMEOUT}
@@ -202,10 +206,12 @@ class PgPool:
                         with conn.transaction(), conn.cursor() as cur:
                             result = fn(cur, *args)
                 self._give(conn)
-                if outage_started is not None:
+                if outage_started is not None or self._gave_up:
                     log.warning("metadata database %s is back (%s)", self.redacted,
                                 _where(getattr(conn, "server", None), self.timeline))
                     self._outage_logged = False
+                    self._gave_up = False
+                    self.back_since = time.monotonic()
                 return result
             except psycopg.OperationalError as exc:
                 if exc.sqlstate in RETRIED_SQLSTATES:
@@ -249,6 +255,7 @@ class PgPool:
         now = time.monotonic()
         started = started or now
         if now - started > self.outage_budget:
+            self._gave_up = True
             raise DatabaseUnavailable(self.url, now - started, exc) from exc
         if not self._outage_logged:
             log.warning("metadata database %s unreachable (%s); retrying", self.redacted,

@@ -808,11 +808,18 @@ class PostgresEngine:
         Also ended: upload registrations of sessions no longer there, which a node whose
         session was cleaned up made before it learnt so (the block then waits for the
         collector like any upload whose commit will not come)."""
+        # After an outage (a failover, a restart), every node's heartbeats were held up as
+        # long as this one's: a session is judged again only once this node has been back
+        # for that session's whole timeout, time enough for its node to beat again.
+        back = self.pool.back_since
+        back_for = 1e12 if back is None else time.monotonic() - back
+
         def dead(cur: Any) -> list[tuple[int, Optional[float]]]:
             cur.execute(f"SELECT id, timeout FROM sessions WHERE heartbeat < {_NOW} - timeout AND id <> %s"
+                        " AND timeout <= %s"
                         " UNION SELECT DISTINCT session_id, NULL::float8 FROM uploads u"
                         " WHERE NOT EXISTS (SELECT 1 FROM sessions s WHERE s.id = u.session_id)",
-                        (self.session_id,))
+                        (self.session_id, back_for))
             return [(r[0], r[1]) for r in cur.fetchall()]
 
         freed = Freed()
