@@ -164,6 +164,10 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--meta-connections", type=int, default=unset, metavar="N",
                    help="with --meta: the most connections this daemon opens to the database, made as "
                         f"operations need them and kept (default {_default('meta_connections')})")
+    m.add_argument("--meta-pooler", choices=("none", "session", "transaction"), default=unset,
+                   help="with --meta: the connection pooler between this daemon and the database, if any; "
+                        "'transaction' (PgBouncer's pool_mode = transaction) runs every statement unprepared "
+                        f"(default {_default('meta_pooler')})")
     m.add_argument("--foreground", "-f", action="store_true", default=unset, help="stay in the foreground")
     m.add_argument("--attr-timeout", type=float, default=unset,
                    help="seconds the kernel caches names and attributes (default 10, or 1 with --meta: "

@@ -114,6 +114,7 @@ class MountConfig:
     session_timeout: float = 30.0            # shared engine: seconds without a heartbeat before others clean up
     meta_outage_budget: float = 60.0         # shared engine: seconds an operation waits for the database (EIO after)
     meta_connections: int = 8                # shared engine: most connections this daemon opens to the database
+    meta_pooler: str = "none"                # shared engine: "transaction" behind PgBouncer's transaction mode
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
 
@@ -126,6 +127,8 @@ class MountConfig:
             raise UserError(f"bad --meta-outage-budget {self.meta_outage_budget:g}: expected seconds, more than 0")
         if self.meta_connections < 2:
             raise UserError(f"bad --meta-connections {self.meta_connections}: expected 2 or more")
+        if self.meta_pooler not in ("none", "session", "transaction"):
+            raise UserError(f"bad --meta-pooler {self.meta_pooler!r}: expected none, session or transaction")
         if self.meta_url is not None:
             if self.takeover:
                 raise UserError("--takeover is for the embedded engine's single writer; with --meta every node "

@@ -66,7 +66,8 @@ def open_volume(url: str, endpoint_url: Optional[str], meta_url: Optional[str]) 
 def _shared_engine(meta_url: str, info: volume.VolumeInfo, label: str) -> Any:
     from fusestate.meta.postgres_engine import PostgresEngine
 
-    return PostgresEngine(meta_url, info.block_size, mountpoint=label, pool_size=2)
+    # Unprepared: a maintenance command runs few statements, and so works behind any pooler.
+    return PostgresEngine(meta_url, info.block_size, mountpoint=label, pool_size=2, prepare=False)
 
 
 def _referenced(db: sqlite3.Connection) -> set[str]:

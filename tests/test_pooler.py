@@ -16,18 +16,6 @@ from conftest import Bucket, Mount, fusestate
 from fusestate.meta.local_pgbouncer import LocalPgBouncer
 from fusestate.meta.local_postgres import LocalPostgres
 
-# The engine's statement pipeline prepares a statement it runs a second time on a
-# connection, under a name of its own (fusestate/meta/pgpipeline.py). Behind a pooler in
-# transaction mode consecutive transactions of one client land on different server
-# connections, where that name is unknown, already taken, or another statement. The engine
-# has no switch for this yet; the daemons of the test that needs it load this module
-# (PYTHONPATH), which turns preparing off.
-UNPREPARED = '''
-import fusestate.meta.pgpipeline as pipeline
-pipeline.MAX_PREPARED = 0
-'''
-
-
 @pytest.fixture
 def server() -> Iterator[LocalPostgres]:
     """A server of the test's own: its connections are counted."""
@@ -109,19 +97,15 @@ def test_each_connection_of_a_node_is_a_server_connection_in_session_mode(server
 
 
 def test_transaction_pooling_shares_a_few_server_connections_once_statements_are_unprepared(
-        server: LocalPostgres, bouncer, make_mount, file_bucket: Bucket, tmp_path: Path) -> None:
+        server: LocalPostgres, bouncer, make_mount, file_bucket: Bucket) -> None:
     """Transaction pooling in front of two nodes: with the pipeline's named prepared
     statements off, 16 writers on two nodes go through two server connections, and the
     volume is sound; with them on, operations fail."""
     server.create_database("vol")
-    hook = tmp_path / "unprepared"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(UNPREPARED)
-    env = {"PYTHONPATH": str(hook)}
     pooler = bouncer("transaction", 2)
     opts = ["--meta", pooler.url("vol"), "--metrics-addr", "off"]
-    a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=opts).mount(env=env)
-    b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=opts).mount(env=env)
+    a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=[*opts, "--meta-pooler", "transaction"]).mount()
+    b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=[*opts, "--meta-pooler", "transaction"]).mount()
     on_b = threading.Thread(target=commit_files, args=(b.path, "node-b", 15, 8))
     on_b.start()
     commit_files(a.path, "node-a", 15, 8)
@@ -135,8 +119,7 @@ def test_transaction_pooling_shares_a_few_server_connections_once_statements_are
     assert server_connections(server, "vol") <= 2
     print(f"transaction mode: 16 writers on two nodes, {clients} client connections, "
           f"{server_connections(server, 'vol')} on the server")
-    report = json.loads(fusestate("fsck", file_bucket.url, "--meta", pooler.url("vol"), "--json",
-                                  env=dict(os.environ, **env)).stdout)
+    report = json.loads(fusestate("fsck", file_bucket.url, "--meta", pooler.url("vol"), "--json").stdout)
     assert report["healthy"], report
     b.umount()
 

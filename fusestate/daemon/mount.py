@@ -135,7 +135,8 @@ class Daemon:
             return PostgresEngine(cfg.meta_url, self.volume.block_size, mountpoint=cfg.mountpoint,
                                   read_only=cfg.read_only, session_ttl=cfg.session_timeout,
                                   attr_cache_seconds=cfg.attr_timeout or 0.0,
-                                  outage_budget=cfg.meta_outage_budget, pool_size=cfg.meta_connections)
+                                  outage_budget=cfg.meta_outage_budget, pool_size=cfg.meta_connections,
+                                  prepare=cfg.meta_pooler != "transaction")
         known: dict[str, Any] = {}
         with contextlib.suppress(FileNotFoundError, ValueError), open(layout.volume_file) as f:
             known = json.load(f)

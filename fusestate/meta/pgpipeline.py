@@ -47,7 +47,8 @@ class _Prepared:
     """What one connection has prepared: statement text to name, and how often unprepared
     statements were seen (a statement run once is not worth a plan of its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled  # off behind a pooler in transaction mode (see ``never_prepare``)
         self.names: dict[bytes, bytes] = {}
         self.seen: dict[bytes, int] = {}
         self.generation = 0  # a new one after the server lost some: names never collide
@@ -55,6 +56,13 @@ class _Prepared:
     def forget(self) -> None:
         self.names.clear()
         self.generation += 1
+
+
+def never_prepare(conn: psycopg.Connection) -> None:
+    """Run every statement of this connection unprepared: behind a pooler in transaction
+    mode (PgBouncer) consecutive transactions reach different server connections, where a
+    name prepared on another is unknown, or names another statement."""
+    conn._fusestate_prepared = _Prepared(enabled=False)  # type: ignore[attr-defined]
 
 
 _CONVERTED: dict[str, bytes] = {}
@@ -164,7 +172,7 @@ class Pipeline:
         pgconn = self._pgconn
         prepared = self._prepared
         name = prepared.names.get(query) or self._preparing.get(query)
-        if name is None and args and len(prepared.names) + len(self._preparing) < MAX_PREPARED:
+        if name is None and args and prepared.enabled and len(prepared.names) + len(self._preparing) < MAX_PREPARED:
             seen = prepared.seen.get(query, 0) + 1
             if seen >= 2:
                 prepared.seen.pop(query, None)

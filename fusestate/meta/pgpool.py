@@ -59,6 +59,7 @@ from psycopg.conninfo import conninfo_to_dict
 from fusestate.config import redact_url
 from fusestate.errors import FsError, UserError
 from fusestate.meta.loop_io import LoopConnection, await_, on_loop, run_on_loop
+from fusestate.meta.pgpipeline import never_prepare
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,9 @@ class _Busy:
 class PgPool:
     """A bounded set of connections; ``run`` executes one transaction on the event loop."""
 
-    def __init__(self, url: str, size: int = 8, outage_budget: float = 60.0) -> None:
+    def __init__(self, url: str, size: int = 8, outage_budget: float = 60.0, prepare: bool = True) -> None:
         self.url = url
+        self.prepare = prepare  # False behind a pooler in transaction mode
         self.redacted = redact(url)
         self.size = size
         self.outage_budget = outage_budget
@@ -320,6 +322,8 @@ class PgPool:
         conn = LoopConnection.connect(self.url, autocommit=True, prepare_threshold=None,
                                       **self._connect_params, **where)
         conn.server = _server_of(conn)  # type: ignore[attr-defined]
+        if not self.prepare:
+            never_prepare(conn)
         try:
             with self._watched(conn):
                 conn.timeline = int(conn.execute(TIMELINE_QUERY).fetchone()[0])  # type: ignore[attr-defined]

@@ -317,13 +317,13 @@ class PostgresEngine:
 
     def __init__(self, url: str, block_size: int = DEFAULT_BLOCK_SIZE, *, mountpoint: str = "",
                  read_only: bool = False, pool_size: int = 8, session_ttl: float = SESSION_TTL,
-                 attr_cache_seconds: float = 0.0, outage_budget: float = 60.0) -> None:
+                 attr_cache_seconds: float = 0.0, outage_budget: float = 60.0, prepare: bool = True) -> None:
         self.url = url
         self.block_size = block_size
         self.read_only = read_only
         self.mountpoint = mountpoint
         self.session_ttl = session_ttl
-        self.pool = PgPool(url, size=pool_size, outage_budget=outage_budget)
+        self.pool = PgPool(url, size=pool_size, outage_budget=outage_budget, prepare=prepare)
         self._lanes = _Lanes(pool_size)
         self._ops = itertools.count(1)  # numbers of this session's operations (_Attempts)
         self.session_id = 0
