@@ -113,8 +113,8 @@ def test_run_list() -> None:
     proc = subprocess.run([*RUN, "--list"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    assert names == ["rocksdb", "files", "daemon-cpu", "parallel", "bigstate", "checkpoint", "restore", "spark",
-                     "spark-restart", "spark-cluster"]
+    assert names == ["rocksdb", "files", "daemon-cpu", "parallel", "failover", "bigstate", "checkpoint", "restore",
+                     "spark", "spark-restart", "spark-cluster"]
 
 
 def test_docs_cite_only_listed_scenarios_and_show_every_one() -> None:
@@ -536,3 +536,56 @@ def test_spark_cluster_juicefs_setup_tiny(tmp_path: Path) -> None:
         assert not _juicefs_processes_under(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def failover_doc(stalls: tuple[float, float], promoted: float, missing: int = 0) -> dict:
+    """A failover result as the scenario writes it: one repetition, the three setups' costs."""
+    from bench.scenarios import failover as fo
+
+    runs = [record(fo.SYNC, 0, "failover", {"promoted_s": promoted, "stall_a_s": stalls[0], "stall_b_s": stalls[1],
+                                            "eio_fsyncs": 2, "lost_creates": 0, "acked_files": 40,
+                                            "acked_missing": missing}, lost="pg1", promoted="pg2")]
+    runs += [record(s, 0, "cost", {"commit_p50": 10.0 + i, "commit_p90": 20.0, "create": 100.0, "rename": 500.0,
+                                   "unlink": 500.0}) for i, s in enumerate(fo.SETUPS)]
+    costs = [r for r in runs if r["variant"] == "cost"]
+    return {"params": {**fo.SIZES["quick"], "mount_args": fo.MOUNT_ARGS, "grace_s": fo.GRACE}, "systems": fo.SETUPS,
+            "summary": summarize(costs, fo.COST_METRICS, fo.SETUPS, ["cost"], baseline=fo.SINGLE), "runs": runs}
+
+
+def test_failover_goals_and_block() -> None:
+    """The goal holds when each node's stall is at most Patroni's failover time plus 2 s, and
+    fails past it or with an acknowledged file missing; the block shows both tables."""
+    from bench.scenarios import failover as fo
+
+    assert [g["met"] for g in fo.goals(failover_doc((11.2, 12.8), 10.9))] == [True, True]
+    assert [g["met"] for g in fo.goals(failover_doc((11.2, 13.0), 10.9, missing=1))] == [False, False]
+    block = fo.render(failover_doc((11.2, 12.9), 10.9), Path("/nonexistent"), "img")
+    assert "| 1 | pg1 → pg2 | 10.9 | 11.2 | 12.9 | 2 | 0 | 0 of 40 |" in block
+    assert "| commit: write 4 KiB, fsync, rename, fsync dir (median) | ms | 10.0 (0.83) | 11.0 (0.92) | 12.0 |" in block
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("patroni") is None or shutil.which("etcd") is None,
+                    reason="Patroni or etcd not installed")
+def test_failover_scenario_tiny(tmp_path: Path) -> None:
+    """A tiny failover run: the primary is lost under two committing nodes, the standby is
+    promoted, each node's stall and Patroni's time are measured, no acknowledged file is
+    missing, the three setups' costs are there; no mount is left."""
+    from bench.scenarios import failover as fo
+
+    results, work = tmp_path / "results", tmp_path / "work"
+    env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(tmp_path / "run"))
+    proc = subprocess.run([*RUN, "--tiny", "--scenario", "failover", "--results", str(results),
+                           "--workdir", str(work), "--no-report"],
+                          capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path, doc), = load_results(results).values()
+    assert not [r["error"] for r in doc["runs"] if r["error"]], doc["runs"]
+    (fail,) = [r for r in doc["runs"] if r["variant"] == "failover"]
+    m = fail["metrics"]
+    assert m["promoted_s"] > 1 and m["stall_a_s"] > 1 and m["stall_b_s"] > 1, m
+    assert m["acked_files"] > 0 and m["acked_missing"] == 0, m
+    assert fail["lost"] != fail["promoted"]
+    for row in doc["summary"]:
+        assert all(row["systems"][s]["median"] > 0 for s in fo.SETUPS), row
+    assert not any(is_mounted(p) for p in work.rglob("mnt"))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from bench.scenarios import (bigstate, checkpoint, daemoncpu, files, parallel, restore, rocksdb, spark,
-                             sparkcluster, sparkrestart)
+from bench.scenarios import (bigstate, checkpoint, daemoncpu, failover, files, parallel, restore, rocksdb,
+                             spark, sparkcluster, sparkrestart)
 
-SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (rocksdb, files, daemoncpu, parallel, bigstate, checkpoint,
-                                                          restore, spark, sparkrestart, sparkcluster)}
+SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (rocksdb, files, daemoncpu, parallel, failover, bigstate,
+                                                          checkpoint, restore, spark, sparkrestart, sparkcluster)}
