@@ -204,9 +204,14 @@ BEGIN
   FOR i IN 1 .. coalesce(array_length(p_idx, 1), 0) LOOP
     v_old := (SELECT key FROM blocks WHERE inode = p_ino AND idx = p_idx[i]);
     CONTINUE WHEN p_keys[i] IS NOT NULL AND p_keys[i] = v_old;
+    -- Plain statements, no upsert (which logs a speculative insert's confirmation): the
+    -- inode's row, locked above, keeps every other commit of its block map out.
+    IF p_keys[i] IS NOT NULL AND v_old IS NULL THEN
+      INSERT INTO blocks (inode, idx, key, size) VALUES (p_ino, p_idx[i], p_keys[i], p_sizes[i]);
+    ELSIF p_keys[i] IS NOT NULL THEN
+      UPDATE blocks SET key = p_keys[i], size = p_sizes[i] WHERE inode = p_ino AND idx = p_idx[i];
+    END IF;
     IF p_keys[i] IS NOT NULL THEN
-      INSERT INTO blocks (inode, idx, key, size) VALUES (p_ino, p_idx[i], p_keys[i], p_sizes[i])
-      ON CONFLICT (inode, idx) DO UPDATE SET key = excluded.key, size = excluded.size;
       v_added := v_added || p_keys[i];
       v_added_sizes := v_added_sizes || p_sizes[i];
     ELSIF v_old IS NOT NULL THEN
@@ -225,15 +230,21 @@ BEGIN
            AND at > extract(epoch from clock_timestamp()) - coalesce(p_upload_age, {COLLECTED_KEEP}) - {COLLECTED_MARGIN})) THEN
       RAISE EXCEPTION 'block % was collected while it was uploaded', v_added[i] USING ERRCODE = 'FS011';
     END IF;
-    -- A row with no reference left (an abandoned upload's) takes this size.
-    INSERT INTO objects AS o (key, size, refcount, uploaded) VALUES (v_added[i], v_added_sizes[i], 1, v_uploaded)
-    ON CONFLICT (key) DO UPDATE SET refcount = o.refcount + 1, unreferenced_since = NULL,
-       uploaded = CASE WHEN excluded.uploaded = 1 THEN 1 ELSE o.uploaded END,
-       size = CASE WHEN o.refcount <= 0 THEN excluded.size ELSE o.size END
-     WHERE o.deleting = 0 OR v_uploaded = 0
+    -- A row with no reference left (an abandoned upload's) takes this size. A new block
+    -- (the common case) is a plain insert: a node inserting the same bytes at the same
+    -- moment makes this call fail on the key (23505), and the pool runs it again.
+    UPDATE objects SET refcount = refcount + 1, unreferenced_since = NULL,
+           uploaded = CASE WHEN v_uploaded = 1 THEN 1 ELSE uploaded END,
+           size = CASE WHEN refcount <= 0 THEN v_added_sizes[i] ELSE size END
+     WHERE key = v_added[i] AND (deleting = 0 OR v_uploaded = 0)
     RETURNING refcount, size INTO v_rc, v_bytes;
     IF NOT FOUND THEN
-      RAISE EXCEPTION 'block % is being collected', v_added[i] USING ERRCODE = 'FS011';
+      IF EXISTS (SELECT 1 FROM objects WHERE key = v_added[i]) THEN
+        RAISE EXCEPTION 'block % is being collected', v_added[i] USING ERRCODE = 'FS011';
+      END IF;
+      INSERT INTO objects (key, size, refcount, uploaded) VALUES (v_added[i], v_added_sizes[i], 1, v_uploaded);
+      v_rc := 1;
+      v_bytes := v_added_sizes[i];
     END IF;
     IF v_rc = 1 THEN v_used := v_used + v_bytes; END IF;
   END LOOP;
@@ -246,9 +257,6 @@ BEGIN
     IF v_rc = 0 THEN v_used := v_used - v_bytes; END IF;
     IF v_rc <= 0 THEN v_freed := v_freed || v_dropped[i]; END IF;
   END LOOP;
-  IF p_session <> 0 AND array_length(p_keys, 1) > 0 THEN
-    DELETE FROM uploads WHERE session_id = p_session AND key = ANY(p_keys);
-  END IF;
   IF v_used <> 0 THEN
     UPDATE counters SET used = used + v_used WHERE session_id = p_session AND lane = 0;
   END IF;

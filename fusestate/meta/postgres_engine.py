@@ -96,7 +96,6 @@ CREATE TABLE IF NOT EXISTS blocks (
     inode BIGINT NOT NULL, idx BIGINT NOT NULL, key TEXT NOT NULL, size BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (inode, idx)
 );
-CREATE INDEX IF NOT EXISTS blocks_by_key ON blocks (key);
 CREATE TABLE IF NOT EXISTS objects (
     key TEXT PRIMARY KEY, size BIGINT NOT NULL, refcount BIGINT NOT NULL,
     uploaded INTEGER NOT NULL DEFAULT 1, unreferenced_since DOUBLE PRECISION, unreferenced_seq BIGINT,
@@ -108,10 +107,11 @@ CREATE TABLE IF NOT EXISTS sessions (
     timeout DOUBLE PRECISION NOT NULL DEFAULT 30  -- its own --session-timeout: others clean it up after that
 );
 ALTER TABLE sessions ADD COLUMN IF NOT EXISTS timeout DOUBLE PRECISION NOT NULL DEFAULT 30;
+-- Keyed by inode first: "does any node hold it" and "does this node" are both one index
+-- lookup, and a hold costs one index entry (volumes made before also have holds_by_inode).
 CREATE TABLE IF NOT EXISTS holds (
-    session_id BIGINT NOT NULL, inode BIGINT NOT NULL, PRIMARY KEY (session_id, inode)
+    session_id BIGINT NOT NULL, inode BIGINT NOT NULL, PRIMARY KEY (inode, session_id)
 );
-CREATE INDEX IF NOT EXISTS holds_by_inode ON holds (inode);
 CREATE TABLE IF NOT EXISTS uploads (
     session_id BIGINT NOT NULL, key TEXT NOT NULL, size BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, key)
