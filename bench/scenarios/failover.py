@@ -52,6 +52,8 @@ MOUNT_ARGS = ["--session-timeout", "60", "--meta-outage-budget", "90"]
 COST_METRICS = [
     Metric("commit_p50", "ms", higher_is_better=False, label="commit: write 4 KiB, fsync, rename, fsync dir (median)"),
     Metric("commit_p90", "ms", higher_is_better=False, label="commit (p90)"),
+    Metric("server_commit_p50", "ms", higher_is_better=False,
+           label="the server alone: one-row INSERT committed (median)"),
     Metric("create", "files/s", label="create 4 KiB file"),
     Metric("rename", "ops/s", label="rename"),
     Metric("unlink", "ops/s", label="unlink"),
@@ -174,6 +176,22 @@ def mount(work: Path, node: str, bucket: Path, meta: str, extra: list[str]) -> F
     return s
 
 
+def server_commit_ms(url: str, n: int) -> float:
+    """The server's own commit, without a mount: the median of ``n`` one-row INSERTs, each its
+    own transaction (``synchronous_commit`` on: with a synchronous standby, on the standby too)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+        conn.execute("CREATE TABLE bench_commit (x int)")
+        lat = []
+        for _ in range(n):
+            t = time.perf_counter()
+            conn.execute("INSERT INTO bench_commit VALUES (1)")
+            lat.append(time.perf_counter() - t)
+        conn.execute("DROP TABLE bench_commit")
+    return 1000 * percentile(lat, 0.5)
+
+
 def cost_run(server: Any, setup: str, work: Path, repeat: int, p: dict[str, Any],
              extra: list[str]) -> dict[str, Any]:
     """One mount on a fresh volume of ``server``: the commit pattern and the small-file rates."""
@@ -182,14 +200,17 @@ def cost_run(server: Any, setup: str, work: Path, repeat: int, p: dict[str, Any]
     (root / "bucket").mkdir(parents=True)
     node: Optional[FusestateSystem] = None
     try:
-        node = mount(root, "a", root / "bucket", server.create_database(db), extra)
+        meta = server.create_database(db)
+        server_commit = server_commit_ms(meta, p["commits"])
+        node = mount(root, "a", root / "bucket", meta, extra)
         meter = Meter([], None, 0.0)
         lat = commit_pattern(node.path / "commit", p["commits"], p["phase_seconds"], meter)
         rates = small_files(node.path / "small", p["files"], p["phase_seconds"], meter)
         metrics = {"commit_p50": 1000 * percentile(lat, 0.5), "commit_p90": 1000 * percentile(lat, 0.9),
-                   **{k: rates[k] for k in ("create", "rename", "unlink")}}
+                   "server_commit_p50": server_commit, **{k: rates[k] for k in ("create", "rename", "unlink")}}
         log(f"  {NAME} r{repeat + 1} {setup:<25} commit p50 {metrics['commit_p50']:.1f} ms "
-            f"p90 {metrics['commit_p90']:.1f} ms, {metrics['create']:.0f} creates/s")
+            f"p90 {metrics['commit_p90']:.1f} ms, {metrics['create']:.0f} creates/s; "
+            f"the server's commit {server_commit:.2f} ms")
         return record(setup, repeat, "cost", metrics, commits=len(lat))
     except Exception as exc:  # noqa: BLE001 - a failed run is a result
         log(f"  {NAME} r{repeat + 1} {setup}: ERROR {error_text(exc)}")
@@ -217,8 +238,11 @@ def failover_run(ha: Any, work: Path, repeat: int, p: dict[str, Any], extra: lis
         old = ha.primary()
         if old is None:
             raise RuntimeError("no primary before the loss")
-        lost_at = time.monotonic()
+        kill_started = time.monotonic()
         ha.kill(old)
+        # The loss is when the old primary's processes are gone: until then it still answers,
+        # and a commit it answers is on the standby (synchronous), not a stall.
+        lost_at = time.monotonic()
         new = ha.wait_primary(timeout=120, other_than=old)
         promoted = time.monotonic() - lost_at
         for w in writers:
@@ -239,7 +263,8 @@ def failover_run(ha: Any, work: Path, repeat: int, p: dict[str, Any], extra: lis
               f"acknowledged files missing {missing} of {metrics['acked_files']}")
         ha.start(old)
         ha.wait_healthy(timeout=180)
-        return record(SYNC, repeat, "failover", metrics, lost=old.name, promoted=new.name)
+        return record(SYNC, repeat, "failover", metrics, lost=old.name, promoted=new.name,
+                      kill_seconds=round(lost_at - kill_started, 3))
     except Exception as exc:  # noqa: BLE001 - a failed run is a result
         log(f"  {NAME} r{repeat + 1} failover: ERROR {error_text(exc)}")
         return record(SYNC, repeat, "failover", error=error_text(exc))
@@ -342,13 +367,14 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
             f"addresses; leader key ttl {p['ttl']} s, loop_wait 1 s). *Failover*: two mounts of one volume "
             f"(`{' '.join(p['mount_args'])}`) each commit 4 KiB files in a loop (write and fsync, rename, fsync "
             f"the directory); after {p['before']} commits on each, the primary's Patroni and PostgreSQL processes "
-            f"are SIGKILLed (its machine lost); once the synchronous standby takes writes, each node commits "
+            f"are SIGKILLed (its machine lost; the loss is the moment the last of them is gone); once the synchronous standby takes writes, each node commits "
             f"{p['after']} more; the lost member is started again and rejoins as the standby before the next "
             f"repetition, which loses the other member. A node's stall is the time from the loss to the end of "
             f"the first fsync (of a file or the directory) that began after it and was answered; Patroni's time "
             f"is the loss to the standby taking writes (polled every 0.2 s). Every acknowledged file is then read "
             f"on both nodes. *Cost*: one mount on a fresh volume, the commit pattern {p['commits']:,} times (or "
-            f"{p['phase_seconds']:g} s) and up to {p['files']:,} files of 4 KiB created, renamed, unlinked, on the "
+            f"{p['phase_seconds']:g} s) and up to {p['files']:,} files of 4 KiB created, renamed, unlinked (and, "
+            f"for the server alone, {p['commits']:,} one-row INSERTs from psycopg, each its own transaction), on the "
             f"HA cluster with its synchronous standby, with an asynchronous one (Patroni's synchronous mode off), "
             f"and on one PostgreSQL server (`fsync` on), in turn in each repetition; medians, ratio against one "
             f"server in brackets.")
