@@ -206,9 +206,8 @@ class BlockStore:
         self.expect_commit(key)
         if len(data) > DIRECT_PUT_BYTES or self.uploader.is_pending(key):
             return await self.upload_expected([(key, len(data))])
-        began = time.monotonic()
         try:
-            await self.remote.aput(object_name(key), bytes(data))
+            began = await self._put_now(key, data)
         except BaseException:
             await self._stop_awaiting(key)
             raise
@@ -225,9 +224,14 @@ class BlockStore:
     async def put_again(self, key: str, data: BlockData) -> float:
         """Put a block's bytes in the bucket again, now: the collector deleted them while
         they were uploaded (a shared engine refused the commit). Returns when it began."""
+        began = await self._put_now(key, data)
+        self.put_again_blocks += 1
+        return began
+
+    async def _put_now(self, key: str, data: BlockData) -> float:
+        """Put a block's bytes from memory; returns when (monotonic) the PUT began."""
         began = time.monotonic()
         await self.remote.aput(object_name(key), bytes(data))
-        self.put_again_blocks += 1
         return began
 
     def expect_commit(self, key: str) -> None:

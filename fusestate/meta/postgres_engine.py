@@ -57,7 +57,6 @@ T = TypeVar("T")
 
 SCHEMA_LOCK = 0x66757365  # advisory lock id taken while the schema is created
 MOVE_LOCK = 0x66757366    # advisory lock id that serializes directory moves between parents
-GC_LOCK = 0x66757367      # shared by upload registrations, exclusive for the sweep of unknown objects
 SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clean a session up
 # How long an unmount tries to end its session while the database is unreachable: nothing
 # but the session's own rows is at stake (the other nodes clean them up after SESSION_TTL).
@@ -736,11 +735,12 @@ class PostgresEngine:
 
     async def sweep_unknown(self, keys: list[str]) -> list[str]:
         """Claim blocks found in the bucket that the database knows nothing of (no row, no
-        upload registered): left by an upload whose node died before it could register
-        the block as unreferenced. Returns the keys to delete, then ``garbage_deleted``.
-        The caller passes only blocks older than its grace period."""
+        registration of an earlier release): left by a node that died between a PUT and its
+        commit. Returns the keys to delete, then ``garbage_deleted``. The caller passes only
+        blocks older than its grace period. A commit of the same bytes meanwhile finds the
+        claim, or the collected key, and puts them again (``pg_functions``); two sweeps
+        claiming one key meet on its primary key, and the second runs again."""
         def claim(cur: Any) -> list[str]:
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (GC_LOCK,))
             cur.execute(_UNKNOWN, (keys,))
             unknown = [r[0] for r in cur.fetchall()]
             for key in unknown:

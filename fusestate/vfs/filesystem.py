@@ -475,19 +475,19 @@ class FileSystem:
                 except BaseException:
                     sealed = []  # let go by upload_expected
                     raise
-            for attempt in range(PUT_AGAIN_TRIES + 1):
-                try:
-                    freed = await self.meta.promote(f.inode, blocks, size, f.node.mtime_ns, uploads_began=began)
-                    break
-                except FsError as exc:
-                    if exc.errno != errno.EAGAIN or attempt == PUT_AGAIN_TRIES:
-                        raise
-                await trio.sleep(PUT_AGAIN_AFTER)  # collected while uploaded: put them again
-                began = time.monotonic()
+
+            async def promote(uploads_began: Optional[float]) -> Freed:
+                return await self.meta.promote(f.inode, blocks, size, f.node.mtime_ns, uploads_began=uploads_began)
+
+            async def put_all_again() -> float:
+                again = time.monotonic()
                 for index, block in blocks.items():
                     if block is not None:
                         data = await trio.to_thread.run_sync(self.scratch.read_block, f.inode, index * bs, block[1])
                         await self.blocks.put_again(block[0], data)
+                return again
+
+            freed = await self._commit_putting_again(promote, put_all_again, began)
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 for key, _ in sealed:
@@ -846,19 +846,32 @@ class FileSystem:
 
     async def _commit_block(self, f: OpenFile, index: int, key: Optional[str], data: BlockData,
                             size_mtime: tuple[int, int], began: Optional[float]) -> Freed:
-        """Commit one sealed block; on a shared engine that answers EAGAIN (the collector
-        deleted these bytes from the bucket while they were uploaded) put them again."""
+        """Commit one sealed block (durably while an fsync of the file waits for it)."""
+        async def commit(uploads_began: Optional[float]) -> Freed:
+            return await self.meta.commit_blocks(f.inode, {index: (key, len(data)) if key else None}, *size_mtime,
+                                                 durable=f.syncing > 0, uploads_began=uploads_began)
+
+        async def put_again() -> float:
+            assert key is not None  # a hole is never refused
+            return await self.blocks.put_again(key, data)
+
+        return await self._commit_putting_again(commit, put_again, began)
+
+    @staticmethod
+    async def _commit_putting_again(commit: Callable[[Optional[float]], Awaitable[Freed]],
+                                    put_again: Callable[[], Awaitable[float]], began: Optional[float]) -> Freed:
+        """``commit(began)``; while a shared engine answers EAGAIN (the collector deleted
+        some of these bytes from the bucket while they were uploaded), wait past the
+        deletion in progress, put them again and commit again."""
         for attempt in range(PUT_AGAIN_TRIES + 1):
             try:
-                return await self.meta.commit_blocks(
-                    f.inode, {index: (key, len(data)) if key else None}, *size_mtime,
-                    durable=f.syncing > 0, uploads_began=began)
+                return await commit(began)
             except FsError as exc:
-                if exc.errno != errno.EAGAIN or key is None or attempt == PUT_AGAIN_TRIES:
+                if exc.errno != errno.EAGAIN or attempt == PUT_AGAIN_TRIES:
                     raise
-            log.info("block %s was collected while it was uploaded: putting it again", key[:16])
-            await trio.sleep(PUT_AGAIN_AFTER)  # past a deletion in progress
-            began = await self.blocks.put_again(key, data)
+            log.info("blocks were collected while they were uploaded: putting them again")
+            await trio.sleep(PUT_AGAIN_AFTER)
+            began = await put_again()
         raise AssertionError("unreachable")
 
     @staticmethod
