@@ -45,6 +45,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--mount-options", type=shlex.split, default=[], metavar="OPTIONS",
                    help="more `fusestate mount` options for every fusestate mount (one string, after the "
                         "scenario's own; not spark-cluster), e.g. --mount-options='--durability local'")
+    p.add_argument("--state-gb", type=gb_list, default=None, metavar="GB,...",
+                   help="spark-restart and spark-cluster: these state sizes (GB of keys × payload, "
+                        "comma-separated, e.g. 1,4,8) instead of the size's own; other scenarios ignore it")
     shape = Shape()
     p.add_argument("--shape-latency-ms", type=float, default=shape.latency_ms, metavar="MS",
                    help="fusestate-s3-shaped: time to first byte of every request (default %(default)s)")
@@ -69,6 +72,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown scenario(s) {', '.join(unknown)}; --list shows them")
     return args
+
+
+def gb_list(text: str) -> list[float]:
+    """--state-gb 1,4,8: positive sizes in GB."""
+    try:
+        sizes = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GB sizes such as 1,4,8, got {text!r}") from None
+    if not sizes or any(size <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"expected positive GB sizes such as 1,4,8, got {text!r}")
+    return sizes
 
 
 def list_scenarios() -> None:
@@ -100,7 +114,7 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
             budget = None if args.no_budget else mod.BUDGET.get(args.size)
             work = base / name
             ctx = Context(work=work, size=args.size, repeats=repeats, systems=systems, budget_seconds=budget,
-                          mount_options=args.mount_options,
+                          mount_options=args.mount_options, state_gb=args.state_gb,
                           shape=Shape(args.shape_latency_ms, args.shape_connection_mbps, args.shape_node_mbps))
             started = dt.datetime.now()
             log(f"== {name}: {mod.SUMMARY}")

@@ -97,6 +97,7 @@ class Context:
     budget_seconds: Optional[float] = None
     mount_options: list[str] = field(default_factory=list)  # more `fusestate mount` options, after the scenario's
     shape: Shape = field(default_factory=Shape)              # the shaped S3 endpoint's latency and bandwidth
+    state_gb: Optional[list[float]] = None                   # the Spark scenarios' state sizes, instead of the size's
     started: float = field(default_factory=time.monotonic)
     done_repeats: int = 0
     load_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
@@ -104,6 +105,13 @@ class Context:
     def pick(self, by_size: dict[str, T]) -> T:
         """The value for this run's size (tiny / quick / full)."""
         return by_size[self.size]
+
+    def state_keys(self, keys: list[int], payload_bytes: int) -> list[int]:
+        """A Spark scenario's key counts: ``keys`` (its size's), or with --state-gb as many keys of
+        ``payload_bytes`` as make each of those sizes (10^9 bytes per GB)."""
+        if not self.state_gb:
+            return list(keys)
+        return [max(1, round(gb * 1e9 / payload_bytes)) for gb in self.state_gb]
 
     def wanted(self, default: Iterable[str], supported: Optional[Iterable[str]] = None) -> list[str]:
         """The scenario's systems: ``default``, or those of ``supported`` (default: the same) that
@@ -290,6 +298,7 @@ def result_doc(scenario: str, ctx: Context, started: dt.datetime, machine: dict[
             "repeats_asked": ctx.repeats, "budget_seconds": ctx.budget_seconds, "mount_options": ctx.mount_options,
             "shape": ctx.shape.describe(),
             "loadavg_start": [round(x, 2) for x in ctx.load_start],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()], "state_gb": ctx.state_gb,
             "started": started.isoformat(timespec="seconds"),
             "duration_seconds": round(ctx.elapsed(), 1), "machine": machine, **body}
 

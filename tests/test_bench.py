@@ -141,6 +141,19 @@ def test_mount_options_are_split_like_a_shell() -> None:
     assert parse_args([]).mount_options == []
 
 
+def test_state_gb_sets_the_spark_scenarios_keys(tmp_path: Path) -> None:
+    from bench.__main__ import parse_args
+    from bench.common import Context
+
+    args = parse_args(["--state-gb", "1,4,8"])
+    assert args.state_gb == [1.0, 4.0, 8.0]
+    ctx = Context(work=tmp_path, size="full", state_gb=args.state_gb)
+    assert ctx.state_keys([125_000], 4096) == [244_141, 976_562, 1_953_125]
+    assert Context(work=tmp_path).state_keys([20_000, 80_000], 1024) == [20_000, 80_000]
+    with pytest.raises(SystemExit):
+        parse_args(["--state-gb", "1,-4"])
+
+
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
 def test_files_scenario_tiny(tmp_path: Path) -> None:
     results, work = tmp_path / "results", tmp_path / "work"

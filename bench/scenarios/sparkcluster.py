@@ -217,6 +217,7 @@ def _end_time(batch: dict[str, Any]) -> float:
 
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
+    p["keys"] = ctx.state_keys(p["keys"], p["payload_bytes"])  # --state-gb
     setups, no_s3a = fetch_connector(ctx.wanted(SETUPS))
     variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
     runs: list[dict[str, Any]] = [record(S3A, 0, v, error=no_s3a) for v in variants] if no_s3a else []

@@ -104,6 +104,7 @@ def seconds(ms: Optional[float]) -> Optional[float]:
 
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
+    p["keys"] = ctx.state_keys(p["keys"], p["payload_bytes"])  # --state-gb
     setups = chosen_setups(ctx, SETUPS)
     on_s3, no_s3a = fetch_connector(shaped_setups(ctx))
     variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
