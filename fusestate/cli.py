@@ -168,6 +168,9 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
                    help="with --meta: the connection pooler between this daemon and the database, if any; "
                         "'transaction' (PgBouncer's pool_mode = transaction) runs every statement unprepared "
                         f"(default {_default('meta_pooler')})")
+    m.add_argument("--inline-max", type=int, default=unset, metavar="BYTES",
+                   help="with --meta: a file of at most this size keeps its bytes in the database, not the "
+                        f"bucket: its close is one transaction, no upload (0: off; default {_default('inline_max')})")
     m.add_argument("--foreground", "-f", action="store_true", default=unset, help="stay in the foreground")
     m.add_argument("--attr-timeout", type=float, default=unset,
                    help="seconds the kernel caches names and attributes (default 10, or 1 with --meta: "

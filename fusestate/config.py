@@ -115,6 +115,7 @@ class MountConfig:
     meta_outage_budget: float = 60.0         # shared engine: seconds an operation waits for the database (EIO after)
     meta_connections: int = 8                # shared engine: most connections this daemon opens to the database
     meta_pooler: str = "none"                # shared engine: "transaction" behind PgBouncer's transaction mode
+    inline_max: int = 4096                   # shared engine: files up to this size keep their bytes in the database
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
 
@@ -127,6 +128,8 @@ class MountConfig:
             raise UserError(f"bad --meta-outage-budget {self.meta_outage_budget:g}: expected seconds, more than 0")
         if self.meta_connections < 2:
             raise UserError(f"bad --meta-connections {self.meta_connections}: expected 2 or more")
+        if not 0 <= self.inline_max <= 8192:
+            raise UserError(f"bad --inline-max {self.inline_max}: expected 0 (off) to 8192 bytes")
         if self.meta_pooler not in ("none", "session", "transaction"):
             raise UserError(f"bad --meta-pooler {self.meta_pooler!r}: expected none, session or transaction")
         if self.meta_url is not None:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from fusestate.blocks.keys import BLOCK_PREFIX, key_matches, key_of_object, object_name
+from fusestate.blocks.keys import BLOCK_PREFIX, is_inline, key_matches, key_of_object, object_name
 from fusestate.daemon import volume
 from fusestate.daemon.lease import epoch_starts, read_leases
 from fusestate.errors import UserError
@@ -141,7 +141,9 @@ def fsck(url: str, endpoint_url: Optional[str] = None, verify: bool = True,
 
 def _compare(remote: RemoteStore, report: FsckReport, referenced: set[str], stored: dict[str, float],
              verify: bool) -> None:
-    """Blocks the metadata references against those in the bucket; ``verify`` hashes them."""
+    """Blocks the metadata references against those in the bucket; ``verify`` hashes them.
+    Inline blocks live in the database, not the bucket: not compared."""
+    referenced = {k for k in referenced if not is_inline(k)}
     report.referenced = len(referenced)
     report.missing = sorted(k for k in referenced if k not in stored)
     report.unreferenced = sorted(k for k in stored if k not in referenced)
@@ -224,7 +226,8 @@ def _gc_shared(remote: RemoteStore, engine: Any, grace: float, dry_run: bool) ->
             return
         claimed = await engine.claim_garbage(cutoff, 0) + await engine.sweep_unknown(old)
         with ThreadPoolExecutor(max_workers=8) as pool:
-            await trio.to_thread.run_sync(lambda: list(pool.map(lambda k: remote.delete(object_name(k)), claimed)))
+            in_bucket = [k for k in claimed if not is_inline(k)]  # inline blocks: their rows only
+            await trio.to_thread.run_sync(lambda: list(pool.map(lambda k: remote.delete(object_name(k)), in_bucket)))
         await engine.garbage_deleted(claimed)
         report.deleted = sorted(claimed)
 

@@ -25,6 +25,7 @@ BS = 64 * 1024
 FILE = NewNode(stat.S_IFREG | 0o644, 1000, 1000)
 CUT_TIMEOUT = 10.0
 CREATE_CALL = r"fs_create_v\d"
+UNLINK_CALL = r"fs_unlink_v\d"
 COMMIT = r"^COMMIT$"  # the statement that ends a namespace operation's transaction
 
 
@@ -156,7 +157,7 @@ def test_an_unlink_whose_commit_answer_was_lost(pg_url: str, proxy: CuttingProxy
         async def remake() -> None:
             newer.append(await b.create(ROOT_INODE, b"f", FILE))
 
-        proxy.cut_reply(COMMIT)
+        proxy.cut_reply(UNLINK_CALL)
         freed = await broken(proxy, a.unlink(ROOT_INODE, b"f"), remake if other_node_acts else None)
         assert freed.deleted_inode == f.id
         assert await names(b) == ({b"f": newer[0].id} if other_node_acts else {})

@@ -565,3 +565,58 @@ def test_bytes_collected_while_a_node_uploads_them_again_are_put_again(make_moun
     a.umount()
     assert (b.path / "new").read_bytes() == data
     assert shared_fsck(file_bucket, pg_url) == []
+
+
+def inline_rows(pg_url: str) -> int:
+    """Blocks whose bytes the database keeps (``--inline-max``)."""
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        return conn.execute("SELECT count(*) FROM objects WHERE key LIKE 'db-%' AND data IS NOT NULL").fetchone()[0]
+
+
+def test_a_small_file_keeps_its_bytes_in_the_database(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    """A file of at most ``--inline-max`` bytes is closed without an upload: the other node
+    reads it from the database, so does a node with an empty cache; grown past the limit
+    it moves to the bucket, and back when it shrinks; fsck and gc know where it is."""
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    small = os.urandom(3000)
+    (a.path / "offsets").write_bytes(small)
+    write_synced(a.path / "commit", b"v1\n{}\n")  # the commit pattern: fsync, rename, fsync dir
+    os.rename(a.path / "commit", a.path / "0")
+    assert file_bucket.block_objects() == set()
+    assert inline_rows(pg_url) == 2
+    assert (b.path / "offsets").read_bytes() == small
+    assert (b.path / "0").read_bytes() == b"v1\n{}\n"
+
+    grown = os.urandom(100_000)  # a new version renamed over the name, as Spark writes them
+    (b.path / "offsets.tmp").write_bytes(grown)
+    os.rename(b.path / "offsets.tmp", b.path / "offsets")
+    assert len(file_bucket.block_objects()) == 1
+    time.sleep(1.2)  # A's cached name expires (--attr-timeout 1 s with --meta)
+    assert (a.path / "offsets").read_bytes() == grown
+    with open(a.path / "offsets", "r+b") as f:
+        f.truncate(2000)  # back under the limit: its block goes to the database
+    assert inline_rows(pg_url) == 3
+    assert (a.path / "offsets").read_bytes() == grown[:2000]
+
+    a.umount()
+    b.umount()
+    a.wipe_cache()
+    a.mount()
+    b.mount("--inline-max", "0")  # off: a small file is a block in the bucket like any other
+    assert (a.path / "offsets").read_bytes() == grown[:2000]
+    assert (b.path / "offsets").read_bytes() == grown[:2000]
+    assert (a.path / "0").read_bytes() == b"v1\n{}\n"
+    assert shared_fsck(file_bucket, pg_url) == []
+
+    (b.path / "plain").write_bytes(small)
+    assert len(file_bucket.block_objects()) == 2
+    assert (b.path / "plain").read_bytes() == small
+    for name in ("offsets", "0", "plain"):
+        (a.path / name).unlink()
+    out = fusestate("gc", file_bucket.url, "--meta", pg_url, "--grace", "0").stdout
+    assert re.search(r"deleted [1-9]\d* unreferenced", out), out
+    assert file_bucket.block_objects() == set()
+    assert inline_rows(pg_url) == 0
+    assert shared_fsck(file_bucket, pg_url) == []

@@ -16,6 +16,10 @@ import hashlib
 from blake3 import blake3
 
 BLOCK_PREFIX = "blocks/"
+# A small file's only block kept in the shared database's row of the block, not in the
+# bucket (``--inline-max``): its key is its hash behind this prefix, so bytes in the
+# database and the same bytes in the bucket never share a name.
+INLINE_PREFIX = "db-"
 
 # A block's bytes as the block store passes them around: a sealed block is a view of
 # the buffer it was written in (fusestate.vfs.block_buffer), never copied on its way.
@@ -30,7 +34,19 @@ def block_key(data: BlockData) -> str:
 def key_matches(key: str, data: BlockData) -> bool:
     """Whether ``data`` is the block named ``key`` (a BLAKE3 name, or a SHA-256 one from
     before BLAKE3)."""
+    if key.startswith(INLINE_PREFIX):
+        return inline_key(data) == key
     return block_key(data) == key or hashlib.sha256(data).hexdigest() == key
+
+
+def inline_key(data: BlockData) -> str:
+    """The name of a block whose bytes the database keeps."""
+    return INLINE_PREFIX + block_key(data)
+
+
+def is_inline(key: str) -> bool:
+    """Whether the block's bytes are in the database, never in the bucket."""
+    return key.startswith(INLINE_PREFIX)
 
 
 def object_name(key: str) -> str:

@@ -32,7 +32,7 @@ import trio
 
 from fusestate.blocks.background import BackgroundThreads
 from fusestate.blocks.caches import DiskCache, KeySet, MemoryCache
-from fusestate.blocks.keys import BlockData, key_matches, object_name, seal_digest
+from fusestate.blocks.keys import BlockData, inline_key, is_inline, is_zero, key_matches, object_name, seal_digest
 from fusestate.blocks.read_costs import ReadCosts
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.uploader import Uploader
@@ -163,6 +163,16 @@ class BlockStore:
             await self._write_staging(key, data)
         return key
 
+    def seal_inline(self, data: BlockData) -> Optional[str]:
+        """A small file's block whose bytes its commit hands to the database (a shared
+        engine's ``inline_max``): named, kept in memory, neither staged nor uploaded.
+        None for an all-zero block (a hole)."""
+        if is_zero(data):
+            return None
+        key = inline_key(data)
+        self.memory.put(key, data)
+        return key
+
     async def _write_staging(self, key: str, data: BlockData) -> None:
         while True:
             try:
@@ -265,7 +275,7 @@ class BlockStore:
 
     async def committed(self, key: Optional[str], size: int) -> None:
         """A sealed key is now referenced by the metadata: queue it if it is new."""
-        if key is None:
+        if key is None or is_inline(key):
             return
         if self.meta.shared:
             self._awaiting_commit[key] -= 1  # committed: the engine ended its upload registration
@@ -290,6 +300,8 @@ class BlockStore:
 
     async def abandon(self, key: Optional[str]) -> None:
         """A sealed key that will not be referenced after all: drop its staging file."""
+        if key and is_inline(key):
+            return  # never left memory
         if key and self.meta.shared:
             await self._stop_awaiting(key)  # uploaded already: the collector deletes it in time
             return
@@ -327,6 +339,8 @@ class BlockStore:
         if data is not None:
             self.stats.reads_from_memory += 1
             return bytes(data[start:end])
+        if is_inline(key):
+            return bytes((await self._from_database(key))[start:end])
         started = time.perf_counter()
         small = (end - start) * 4 < self.block_size and not whole
         maybe_local = self._maybe_local(key)
@@ -434,8 +448,19 @@ class BlockStore:
                 return data
         return self.disk.get(key)
 
+    async def _from_database(self, key: str, keep: bool = True) -> BlockData:
+        """A block the database keeps (``seal_inline``); ``keep``: in the memory cache."""
+        data = await self.meta.block_data(key)
+        if data is None:
+            raise BlockReadError(f"block {key[:20]} is not in the database")
+        if keep:
+            self.memory.put(key, data)
+        return data
+
     async def fetch(self, key: str) -> BlockData:
         """The whole block, verified, from the bucket (one fetch per key at a time)."""
+        if is_inline(key):
+            return self.memory.get(key) or await self._from_database(key)
         while key in self._fetching:
             await self._fetching[key].wait()
             data = self.memory.get(key)
@@ -457,6 +482,8 @@ class BlockStore:
     async def fetch_uncached(self, key: str) -> BlockData:
         """The whole block, verified, from the bucket, kept in neither cache: for a copy
         that lives elsewhere (the kernel's page cache)."""
+        if is_inline(key):
+            return await self._from_database(key, keep=False)
         return await self.remote.run(self._fetch_verified_sync, key)
 
     def holds(self, key: str) -> bool:
@@ -487,7 +514,7 @@ class BlockStore:
         if self._nursery is None or not self.read_costs.whole_blocks_pay():
             return
         for key in keys:
-            if key in self.memory or key in self._fetching or key in self._loading:
+            if key in self.memory or key in self._fetching or key in self._loading or is_inline(key):
                 continue
             self._nursery.start_soon(self._prefetch_one, key, to_disk)
 
@@ -520,6 +547,8 @@ class BlockStore:
         warmup command, cache warming); True if it had to be fetched. ``run`` runs the
         blocking fetch (default: a remote-store thread; cache warming passes its own
         lower-priority threads). Reads of the block meanwhile wait for it."""
+        if is_inline(key):
+            return False  # the database keeps it: a read costs one query, not a download
         while True:
             while key in self._fetching:
                 await self._fetching[key].wait()

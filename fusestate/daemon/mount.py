@@ -33,7 +33,7 @@ from fusestate.localio import libc
 from fusestate.fuse import kernel
 from fusestate.fuse.adapter import FuseOperations
 from fusestate.fuse.page_fill import PageFill
-from fusestate.blocks.keys import object_name
+from fusestate.blocks.keys import is_inline, object_name
 from fusestate.meta.restore import restore_metadata
 from fusestate.meta.shipper import JournalShipper
 from fusestate.meta.engine import MetaEngine
@@ -136,7 +136,7 @@ class Daemon:
                                   read_only=cfg.read_only, session_ttl=cfg.session_timeout,
                                   attr_cache_seconds=cfg.attr_timeout or 0.0,
                                   outage_budget=cfg.meta_outage_budget, pool_size=cfg.meta_connections,
-                                  prepare=cfg.meta_pooler != "transaction")
+                                  prepare=cfg.meta_pooler != "transaction", inline_max=cfg.inline_max)
         known: dict[str, Any] = {}
         with contextlib.suppress(FileNotFoundError, ValueError), open(layout.volume_file) as f:
             known = json.load(f)
@@ -368,6 +368,8 @@ class Daemon:
         failed: list[str] = []
 
         async def delete(key: str) -> None:
+            if is_inline(key):
+                return  # in the database only: its row goes with garbage_deleted
             try:
                 await self.remote.adelete(object_name(key))
             except Exception as exc:  # noqa: BLE001 - kept for the next round

@@ -135,6 +135,7 @@ class MetaEngine(Protocol):
     shared: bool       # many nodes mount the volume at once: caches expire, blocks are
                        # committed only once they are in the bucket
     scratch_owner: int  # what this mount's scratch directories record as their owner (Inode.scratch)
+    inline_max: int     # a small file's block up to this size may be committed ``inline`` (0: never)
 
     # --- namespace ----------------------------------------------------------
     async def getattr(self, ino: int) -> Inode: ...
@@ -189,13 +190,15 @@ class MetaEngine(Protocol):
         ...
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                             size: int, mtime_ns: int, durable: bool = False,
-                            uploads_began: Optional[float] = None) -> Freed:
+                            uploads_began: Optional[float] = None,
+                            inline: Optional[dict[str, bytes]] = None) -> Freed:
         """Point block indexes at objects (key, size), or at holes (None), and set the size
         and mtime, in one transaction. ENOENT if the inode is gone. ``durable``: an fsync
         waits for it, so an engine may make it (and what it committed before) durable
         now, and the ``sync`` that follows cheap. ``uploads_began``: when (monotonic) the
         uploads of these blocks began; a shared engine answers EAGAIN when the collector
-        deleted one of them from the bucket since: put it again, then commit again."""
+        deleted one of them from the bucket since: put it again, then commit again.
+        ``inline``: the bytes of blocks the database keeps itself (``inline_max``), by key."""
         ...
     async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                       size: int, mtime_ns: int, uploads_began: Optional[float] = None) -> Freed:
@@ -208,6 +211,10 @@ class MetaEngine(Protocol):
         last block through ``commit_blocks``)."""
         ...
     async def block_map(self, ino: int) -> dict[int, str]: ...
+    async def block_data(self, key: str) -> Optional[bytes]:
+        """The bytes of a block the database keeps (committed with ``inline``); None if it
+        keeps none under that key."""
+        ...
 
     # --- objects (the block layer's ledger) -------------------------------------
     async def object_info(self, key: str) -> Optional[ObjectInfo]: ...

@@ -40,11 +40,18 @@ in how, it says why.
   and ``fs_commit_v2`` count into a session's lane 0 (``counters`` has a row per session
   and lane since then); the ``_v1`` of earlier releases, which count into every row of
   their session, stay in a volume they used and are right for their own sessions, which
-  have one row.
+  have one row. ``fs_commit_v3`` and ``fs_open_v2`` carry the bytes of inline blocks.
+- **Inline blocks.** A small file's only block (``--inline-max``) is kept in its row of
+  ``objects`` (column ``data``, stored in the row: ``STORAGE MAIN``), named by its hash
+  behind ``INLINE_PREFIX``: its close is one call and no PUT, and an open on another node
+  gets the bytes with the block map. The row is counted, shared and collected as any
+  block's (the collector deletes no object for it). A node of a release before inline
+  blocks reads such a file as a block missing from the bucket: upgrade every node first.
 """
 
 from __future__ import annotations
 
+from fusestate.blocks.keys import INLINE_PREFIX
 from fusestate.meta.operations import INODE_COLUMNS
 
 COLLECTED_KEEP = 3600.0  # seconds a collected block's row is kept: uploads older than this are put again
@@ -150,9 +157,98 @@ BEGIN
   RETURN NEXT par;
 END $$;
 
--- operations.open_file: the inode, its block map, and this session's hold on it.
-CREATE OR REPLACE FUNCTION fs_open_v1(p_session bigint, p_ino bigint)
-RETURNS TABLE (node inodes, idx bigint[], keys text[])
+-- operations._count_references for the references a change drops: the keys whose last
+-- reference went (the collector's, once unreferenced for --gc-grace), and the change of
+-- the bytes in use.
+CREATE OR REPLACE FUNCTION fs_drop_refs_v1(p_keys text[], p_now double precision)
+RETURNS TABLE (freed text[], used_delta bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_rc bigint;
+  v_bytes bigint;
+  v_used bigint := 0;
+  v_freed text[] := '{{}}';
+  i int;
+BEGIN
+  FOR i IN 1 .. coalesce(array_length(p_keys, 1), 0) LOOP
+    UPDATE objects SET refcount = refcount - 1,
+           unreferenced_since = CASE WHEN refcount <= 1 THEN p_now ELSE unreferenced_since END,
+           unreferenced_seq = CASE WHEN refcount <= 1 THEN 0 ELSE unreferenced_seq END
+     WHERE key = p_keys[i] RETURNING refcount, size INTO v_rc, v_bytes;
+    CONTINUE WHEN NOT FOUND;
+    IF v_rc = 0 THEN v_used := v_used - v_bytes; END IF;
+    IF v_rc <= 0 THEN v_freed := v_freed || p_keys[i]; END IF;
+  END LOOP;
+  RETURN QUERY SELECT v_freed, v_used;
+END $$;
+
+-- operations.unlink: two rows back, the file as changed (nlink 0 and deleted: its inode
+-- and blocks are gone, no node holding it open), then its directory. p_lane, p_op,
+-- p_retry as fs_create_v2's; the lane's row records the file's inode (made), so a retry
+-- that finds the unlink done returns the file as it is now (deleted, if it is gone).
+CREATE OR REPLACE FUNCTION fs_unlink_v1(p_session bigint, p_lane int, p_op bigint, p_retry boolean,
+    p_parent bigint, p_name bytea, p_now bigint, p_now_s double precision)
+RETURNS TABLE (node inodes, freed text[], deleted boolean, inodes_delta int, used_delta bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+  par inodes;
+  child inodes;
+  v_child bigint;
+  v_again bigint;
+  v_keys text[];
+  v_freed text[] := '{{}}';
+  v_used bigint := 0;
+  v_deleted boolean := false;
+BEGIN
+  PERFORM fs_session_v1(p_session, false);
+  PERFORM pg_advisory_xact_lock({LANE_FENCE}, {_LANE_KEY});
+  IF p_retry THEN
+    SELECT made INTO v_child FROM counters WHERE session_id = p_session AND lane = p_lane AND op = p_op;
+    IF FOUND THEN  -- done by an earlier attempt
+      SELECT * INTO child FROM inodes WHERE id = v_child;
+      v_deleted := NOT FOUND;
+      child.id := v_child;
+      RETURN QUERY SELECT child, '{{}}'::text[], v_deleted, 0, 0::bigint;
+      RETURN QUERY SELECT i, NULL::text[], false, 0, 0::bigint FROM inodes i WHERE i.id = p_parent;
+      RETURN;
+    END IF;
+  END IF;
+  LOOP  -- the name, then both rows locked in inode order, then the name again
+    SELECT inode INTO v_child FROM entries WHERE parent = p_parent AND name = p_name;
+    IF v_child IS NULL THEN
+      SELECT * INTO par FROM inodes WHERE id = p_parent;
+      IF FOUND AND (par.mode & 61440) <> 16384 THEN
+        RAISE EXCEPTION 'not a directory' USING ERRCODE = 'FS020';
+      END IF;
+      RAISE EXCEPTION 'no such file' USING ERRCODE = 'FS002';
+    END IF;
+    PERFORM 1 FROM inodes WHERE id IN (p_parent, v_child) ORDER BY id FOR UPDATE;
+    SELECT inode INTO v_again FROM entries WHERE parent = p_parent AND name = p_name;
+    EXIT WHEN v_again = v_child;
+  END LOOP;
+  SELECT * INTO child FROM inodes WHERE id = v_child;
+  IF (child.mode & 61440) = 16384 THEN
+    RAISE EXCEPTION 'is a directory' USING ERRCODE = 'FS021';
+  END IF;
+  DELETE FROM entries WHERE parent = p_parent AND name = p_name;
+  UPDATE inodes SET nlink = nlink - 1, ctime_ns = p_now WHERE id = v_child RETURNING * INTO child;
+  UPDATE inodes SET mtime_ns = p_now, ctime_ns = p_now WHERE id = p_parent RETURNING * INTO par;
+  IF child.nlink <= 0 AND NOT EXISTS (SELECT 1 FROM holds WHERE inode = v_child) THEN
+    DELETE FROM inodes WHERE id = v_child;
+    WITH gone AS (DELETE FROM blocks WHERE inode = v_child RETURNING key) SELECT array_agg(key) INTO v_keys FROM gone;
+    SELECT d.freed, d.used_delta INTO v_freed, v_used FROM fs_drop_refs_v1(v_keys, p_now_s) d;
+    v_deleted := true;
+  END IF;
+  UPDATE counters SET inodes = inodes - v_deleted::int, used = used + v_used, op = p_op, made = v_child
+   WHERE session_id = p_session AND lane = p_lane;
+  RETURN QUERY SELECT child, v_freed, v_deleted, -v_deleted::int, v_used;
+  RETURN QUERY SELECT par, NULL::text[], false, 0, 0::bigint;
+END $$;
+
+-- operations.open_file: the inode, its block map, and this session's hold on it; with the
+-- bytes of the blocks the database keeps (keys behind INLINE_PREFIX), NULL for the others.
+CREATE OR REPLACE FUNCTION fs_open_v2(p_session bigint, p_ino bigint)
+RETURNS TABLE (node inodes, idx bigint[], keys text[], data bytea[])
 LANGUAGE plpgsql AS $$
 DECLARE
   v_node inodes;
@@ -163,7 +259,9 @@ BEGIN
     RAISE EXCEPTION 'no such file' USING ERRCODE = 'FS002';
   END IF;
   INSERT INTO holds (session_id, inode) VALUES (p_session, p_ino) ON CONFLICT DO NOTHING;
-  RETURN QUERY SELECT v_node, coalesce(array_agg(b.idx), '{{}}'), coalesce(array_agg(b.key), '{{}}')
+  RETURN QUERY SELECT v_node, coalesce(array_agg(b.idx), '{{}}'), coalesce(array_agg(b.key), '{{}}'),
+                      coalesce(array_agg(CASE WHEN starts_with(b.key, '{INLINE_PREFIX}')
+                                         THEN (SELECT o.data FROM objects o WHERE o.key = b.key) END), '{{}}')
                  FROM blocks b WHERE b.inode = p_ino;
 END $$;
 
@@ -172,9 +270,10 @@ END $$;
 -- and the change of the bytes in use. p_keys[i] NULL: block p_idx[i] is gone (a hole).
 -- p_durable: an fsync waits for it; committed with the server's own synchronous_commit.
 -- p_upload_age: seconds since the upload of these blocks began (NULL: not known).
-CREATE OR REPLACE FUNCTION fs_commit_v2(p_session bigint, p_ino bigint, p_idx bigint[], p_keys text[],
+-- p_data[i]: the bytes of block p_idx[i] if the database keeps them (inline), else NULL.
+CREATE OR REPLACE FUNCTION fs_commit_v3(p_session bigint, p_ino bigint, p_idx bigint[], p_keys text[],
     p_sizes bigint[], p_size bigint, p_mtime bigint, p_now double precision, p_promote boolean,
-    p_durable boolean, p_upload_age double precision)
+    p_durable boolean, p_upload_age double precision, p_data bytea[])
 RETURNS TABLE (node inodes, freed text[], used_delta bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -187,6 +286,7 @@ DECLARE
   v_freed text[] := '{{}}';
   v_added text[] := '{{}}';
   v_added_sizes bigint[] := '{{}}';
+  v_added_data bytea[] := '{{}}';
   v_dropped text[] := '{{}}';
   i int;
 BEGIN
@@ -214,6 +314,7 @@ BEGIN
     IF p_keys[i] IS NOT NULL THEN
       v_added := v_added || p_keys[i];
       v_added_sizes := v_added_sizes || p_sizes[i];
+      v_added_data := v_added_data || p_data[i];
     ELSIF v_old IS NOT NULL THEN
       DELETE FROM blocks WHERE inode = p_ino AND idx = p_idx[i];
     END IF;
@@ -235,28 +336,22 @@ BEGIN
     -- moment makes this call fail on the key (23505), and the pool runs it again.
     UPDATE objects SET refcount = refcount + 1, unreferenced_since = NULL,
            uploaded = CASE WHEN v_uploaded = 1 THEN 1 ELSE uploaded END,
-           size = CASE WHEN refcount <= 0 THEN v_added_sizes[i] ELSE size END
+           size = CASE WHEN refcount <= 0 THEN v_added_sizes[i] ELSE size END,
+           data = coalesce(data, v_added_data[i])
      WHERE key = v_added[i] AND (deleting = 0 OR v_uploaded = 0)
     RETURNING refcount, size INTO v_rc, v_bytes;
     IF NOT FOUND THEN
       IF EXISTS (SELECT 1 FROM objects WHERE key = v_added[i]) THEN
         RAISE EXCEPTION 'block % is being collected', v_added[i] USING ERRCODE = 'FS011';
       END IF;
-      INSERT INTO objects (key, size, refcount, uploaded) VALUES (v_added[i], v_added_sizes[i], 1, v_uploaded);
+      INSERT INTO objects (key, size, refcount, uploaded, data)
+      VALUES (v_added[i], v_added_sizes[i], 1, v_uploaded, v_added_data[i]);
       v_rc := 1;
       v_bytes := v_added_sizes[i];
     END IF;
     IF v_rc = 1 THEN v_used := v_used + v_bytes; END IF;
   END LOOP;
-  FOR i IN 1 .. coalesce(array_length(v_dropped, 1), 0) LOOP
-    UPDATE objects SET refcount = refcount - 1,
-           unreferenced_since = CASE WHEN refcount <= 1 THEN p_now ELSE unreferenced_since END,
-           unreferenced_seq = CASE WHEN refcount <= 1 THEN 0 ELSE unreferenced_seq END
-     WHERE key = v_dropped[i] RETURNING refcount, size INTO v_rc, v_bytes;
-    CONTINUE WHEN NOT FOUND;
-    IF v_rc = 0 THEN v_used := v_used - v_bytes; END IF;
-    IF v_rc <= 0 THEN v_freed := v_freed || v_dropped[i]; END IF;
-  END LOOP;
+  SELECT d.freed, v_used + d.used_delta INTO v_freed, v_used FROM fs_drop_refs_v1(v_dropped, p_now) d;
   IF v_used <> 0 THEN
     UPDATE counters SET used = used + v_used WHERE session_id = p_session AND lane = 0;
   END IF;
@@ -267,7 +362,9 @@ END $$;
 CREATE = (f"SELECT {INODE_COLUMNS} FROM fs_create_v2(?::bigint, ?::int, ?::bigint, ?::boolean, ?::bigint, ?::bytea,"
           " ?::int, ?::bigint, ?::bigint, ?::bigint, ?::bytea, ?::boolean, ?::boolean, ?::bigint)")
 _NODE_COLUMNS = ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", "))
-OPEN = f"SELECT {_NODE_COLUMNS}, idx, keys FROM fs_open_v1(?::bigint, ?::bigint)"
+OPEN = f"SELECT {_NODE_COLUMNS}, idx, keys, data FROM fs_open_v2(?::bigint, ?::bigint)"
+UNLINK = (f"SELECT {_NODE_COLUMNS}, freed, deleted, inodes_delta, used_delta"
+          " FROM fs_unlink_v1(?::bigint, ?::int, ?::bigint, ?::boolean, ?::bigint, ?::bytea, ?::bigint, ?::float8)")
 COMMIT = ("SELECT " + ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", ")) + ", freed, used_delta"
-          " FROM fs_commit_v2(?::bigint, ?::bigint, ?::bigint[], ?::text[], ?::bigint[], ?::bigint, ?::bigint,"
-          " ?::float8, ?::boolean, ?::boolean, ?::float8)")
+          " FROM fs_commit_v3(?::bigint, ?::bigint, ?::bigint[], ?::text[], ?::bigint[], ?::bigint, ?::bigint,"
+          " ?::float8, ?::boolean, ?::boolean, ?::float8, ?::bytea[])")

@@ -84,6 +84,8 @@ def _array_item(value: Any) -> str:
         return "NULL"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f'"\\\\x{bytes(value).hex()}"'  # bytea's hex input, its backslash escaped for the array
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'
 

@@ -42,6 +42,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence, T
 import trio
 from psycopg import sql
 
+from fusestate.blocks.keys import INLINE_PREFIX, key_matches
 from fusestate.config import DEFAULT_BLOCK_SIZE
 from fusestate.errors import FsError
 from fusestate.meta import operations as ops
@@ -62,6 +63,10 @@ SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clea
 # but the session's own rows is at stake (the other nodes clean them up after SESSION_TTL).
 CLOSE_OUTAGE_BUDGET = 5.0
 RECENT_ROWS_MAX = 10_000  # rows of this node's own writes that getattr answers (attr_cache_seconds)
+# A small file's block up to this many bytes is kept in the database, not the bucket
+# (pg_functions, "Inline blocks"): a PostgreSQL page holds a row of this size.
+INLINE_MAX = 4096
+INLINE_SEEN_MAX = 1024  # inline blocks an open brought along, kept until the block store asks
 
 # A session's rows are made when it registers (``start``): an UPDATE writes one WAL record,
 # the upsert it replaces two (a row lock, then the update). Lane 0 takes the counts of
@@ -128,6 +133,12 @@ CREATE TABLE IF NOT EXISTS counters (
     lane INTEGER NOT NULL DEFAULT 0, op BIGINT NOT NULL DEFAULT 0, made BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, lane)
 );
+DO $$ BEGIN  -- the bytes of inline blocks (pg_functions), kept in the row: one heap record per write
+  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'objects'::regclass AND attname = 'data') THEN
+    ALTER TABLE objects ADD COLUMN data BYTEA;
+    ALTER TABLE objects ALTER COLUMN data SET STORAGE MAIN;
+  END IF;
+END $$;
 DO $$ BEGIN  -- a volume made by an earlier release: one row per session
   IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'counters'::regclass AND attname = 'lane') THEN
     ALTER TABLE counters ADD COLUMN lane INTEGER NOT NULL DEFAULT 0, ADD COLUMN op BIGINT NOT NULL DEFAULT 0,
@@ -316,8 +327,14 @@ class PostgresEngine:
 
     def __init__(self, url: str, block_size: int = DEFAULT_BLOCK_SIZE, *, mountpoint: str = "",
                  read_only: bool = False, pool_size: int = 8, session_ttl: float = SESSION_TTL,
-                 attr_cache_seconds: float = 0.0, outage_budget: float = 60.0, prepare: bool = True) -> None:
+                 attr_cache_seconds: float = 0.0, outage_budget: float = 60.0, prepare: bool = True,
+                 inline_max: int = INLINE_MAX) -> None:
+        if not 0 <= inline_max <= INLINE_MAX * 2:
+            raise ValueError(f"inline_max {inline_max}: expected 0 to {INLINE_MAX * 2} bytes")
         self.url = url
+        self.inline_max = inline_max
+        # The bytes of inline blocks an open brought with the block map, for the reads after it.
+        self._inline_seen: dict[str, bytes] = {}
         self.block_size = block_size
         self.read_only = read_only
         self.mountpoint = mountpoint
@@ -552,7 +569,18 @@ class PostgresEngine:
         return await self._write(ops.link, ino, parent, name, once=True)
 
     async def unlink(self, parent: int, name: bytes) -> Freed:
-        return await self._write(ops.unlink, parent, name, once=True)
+        """One call of ``fs_unlink_v1``, holding a lane (as ``create``)."""
+        if not self.session_id:
+            return await self._write(ops.unlink, parent, name, once=True)
+        async with self._lanes.hold() as lane:
+            rows = await self._call(server.UNLINK, (self.session_id, parent, name, time.time_ns(), time.time()),
+                                    attempts=_Attempts(lane, next(self._ops)))
+        *columns, freed, deleted, inodes, used = rows[0]
+        self._count(inodes, used)
+        changed = [ops.inode_of_row(tuple(row[:-4])) for row in rows[1:]]
+        node = ops.inode_of_row(tuple(columns)) if columns[1] is not None else None  # None: a retry found it gone
+        self._remember({**{c.id: c for c in changed}, columns[0]: None if deleted else node})
+        return Freed(keys=list(freed), deleted_inode=columns[0] if deleted else None, unlinked=node)
 
     async def rmdir(self, parent: int, name: bytes) -> Freed:
         return await self._write(ops.rmdir, parent, name, once=True)
@@ -583,7 +611,13 @@ class PostgresEngine:
             return await self.read_file(ino)
         self._recent.pop(ino, None)  # close-to-open: the row as it is now, and nothing older after
         (row,) = await self._call(server.OPEN, (self.session_id, ino))
-        *columns, indexes, keys = row
+        *columns, indexes, keys, data = row
+        for key, block in zip(keys, data):
+            if block is not None:
+                self._inline_seen.pop(key, None)
+                self._inline_seen[key] = bytes(block)
+        while len(self._inline_seen) > INLINE_SEEN_MAX:
+            del self._inline_seen[next(iter(self._inline_seen))]
         return ops.inode_of_row(tuple(columns)), dict(zip(indexes, keys))
 
     async def close_file(self, ino: int) -> Freed:
@@ -598,16 +632,18 @@ class PostgresEngine:
 
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                             size: int, mtime_ns: int, durable: bool = False,
-                            uploads_began: Optional[float] = None) -> Freed:
+                            uploads_began: Optional[float] = None,
+                            inline: Optional[dict[str, bytes]] = None) -> Freed:
         return await self._commit(ino, blocks, size, mtime_ns, promote=False, durable=durable,
-                                  uploads_began=uploads_began)
+                                  uploads_began=uploads_began, inline=inline)
 
     async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                       size: int, mtime_ns: int, uploads_began: Optional[float] = None) -> Freed:
         return await self._commit(ino, blocks, size, mtime_ns, promote=True, uploads_began=uploads_began)
 
     async def _commit(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]], size: int, mtime_ns: int,
-                      promote: bool, durable: bool = False, uploads_began: Optional[float] = None) -> Freed:
+                      promote: bool, durable: bool = False, uploads_began: Optional[float] = None,
+                      inline: Optional[dict[str, bytes]] = None) -> Freed:
         """The blocks, size and mtime in one call. EAGAIN: a block was collected while it
         was uploaded (``uploads_began``, monotonic; None: not known): put it again.
 
@@ -617,11 +653,13 @@ class PostgresEngine:
         age = None if uploads_began is None else max(0.0, time.monotonic() - uploads_began)
         order = sorted(blocks)
         found = [blocks[i] for i in order]
+        inline = inline or {}
+        data = [inline.get(b[0]) if b else None for b in found]
         attempts = _Attempts(0, 0)
         try:
             (row,) = await self._call(server.COMMIT, (
                 self.session_id, ino, order, [b[0] if b else None for b in found], [b[1] if b else 0 for b in found],
-                size, mtime_ns, time.time(), promote, durable, age), durable=durable, attempts=attempts)
+                size, mtime_ns, time.time(), promote, durable, age, data), durable=durable, attempts=attempts)
         except RefusedByServer as exc:
             if not (promote and exc.errno == errno.EXDEV and attempts.retried):
                 raise
@@ -640,6 +678,13 @@ class PostgresEngine:
 
     async def block_map(self, ino: int) -> dict[int, str]:
         return await self._read(ops.block_map, ino)
+
+    async def block_data(self, key: str) -> Optional[bytes]:
+        seen = self._inline_seen.pop(key, None)
+        if seen is not None:
+            return seen
+        row = await self._read(lambda tx: tx.one("SELECT data FROM objects WHERE key = ?", (key,)))
+        return bytes(row[0]) if row is not None and row[0] is not None else None
 
     # --- objects: uploads and garbage collection ------------------------------------------
     async def object_info(self, key: str) -> Optional[ObjectInfo]:
@@ -960,4 +1005,10 @@ def shared_problems(tx: ops.Tx, limit: int = 20) -> list[str]:
         problems.append(f"the inode counters say {row[0]}, the table holds {row[1]}")
     if int(row[2]) != int(row[3]):
         problems.append(f"the usage counters say {row[2]} bytes, the blocks in use add up to {row[3]}")
+    for key, data in tx.all(f"SELECT key, data FROM objects WHERE starts_with(key, '{INLINE_PREFIX}')"
+                            " AND refcount > 0"):
+        if data is None or not key_matches(key, bytes(data)):
+            problems.append(f"inline block {key[:24]} has {'no bytes' if data is None else 'other bytes'}")
+            if len(problems) >= limit:
+                break
     return problems

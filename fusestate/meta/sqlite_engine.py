@@ -144,6 +144,7 @@ class SQLiteEngine:
 
     kind = "sqlite"
     shared = False
+    inline_max = 0  # every block is staged and uploaded: the snapshots in the bucket hold no bytes
     scratch_owner = 1
 
     def __init__(self, path: str, block_size: int = DEFAULT_BLOCK_SIZE, read_only: bool = False) -> None:
@@ -376,7 +377,10 @@ class SQLiteEngine:
 
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                             size: int, mtime_ns: int, durable: bool = False,
-                            uploads_began: Optional[float] = None) -> Freed:
+                            uploads_began: Optional[float] = None,
+                            inline: Optional[dict[str, bytes]] = None) -> Freed:
+        if inline:
+            raise ValueError("the embedded engine keeps no block's bytes (inline_max = 0)")
         return self._run(ops.commit_blocks, ino, blocks, size, mtime_ns)
 
     async def promote(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
@@ -385,6 +389,9 @@ class SQLiteEngine:
 
     async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
         return self._run(ops.truncate, ino, size, mtime_ns)
+
+    async def block_data(self, key: str) -> Optional[bytes]:
+        return None
 
     async def block_map(self, ino: int) -> dict[int, str]:
         return self._read(ops.block_map, ino)

@@ -23,7 +23,7 @@ from typing import Awaitable, Callable, Optional, Sequence
 
 import trio
 
-from fusestate.blocks.keys import BlockData
+from fusestate.blocks.keys import BlockData, is_inline
 from fusestate.blocks.scratch_files import ScratchFiles
 from fusestate.blocks.store import BlockReadError, BlockStore
 from fusestate.blocks.uploader import UploadFailed, Uploader
@@ -788,9 +788,13 @@ class FileSystem:
         size = len(data)
         staged = False  # released from the sealing bound (once, here or in the finally)
         awaiting_commit = False  # shared engines: uploaded, and registered for a commit
+        inline = self._keeps_inline(f, index, data)
         try:
             try:
-                key = await self.blocks.seal(data, direct=True) if data else None
+                if inline:
+                    key = self.blocks.seal_inline(data)
+                else:
+                    key = await self.blocks.seal(data, direct=True) if data else None
                 # Staged (or a hole, or bytes already staged): the sealing bound is about
                 # memory being hashed and staged. A shared engine's wait for the upload and
                 # the commit counts against --max-dirty, as staged bytes and as the block
@@ -798,7 +802,9 @@ class FileSystem:
                 staged = True
                 self._sealing_done(size)
                 began: Optional[float] = None
-                if key is not None and self.meta.shared:
+                if inline:
+                    began = time.monotonic()  # its commit carries the bytes
+                elif key is not None and self.meta.shared:
                     began = await self.blocks.upload_before_commit(key, data)
                     awaiting_commit = True
                 # One commit of this file at a time, so the generation checked is still the
@@ -844,15 +850,25 @@ class FileSystem:
             if not staged:
                 self._sealing_done(size)
 
+    def _keeps_inline(self, f: OpenFile, index: int, data: BlockData) -> bool:
+        """Whether a sealed block goes to the database with its commit, not to the bucket:
+        the only block of a file no larger than the engine's ``inline_max``."""
+        limit = self.meta.inline_max
+        return index == 0 and 0 < len(data) <= limit and f.node.size <= limit and not f.node.scratch
+
     async def _commit_block(self, f: OpenFile, index: int, key: Optional[str], data: BlockData,
                             size_mtime: tuple[int, int], began: Optional[float]) -> Freed:
         """Commit one sealed block (durably while an fsync of the file waits for it)."""
+        inline = {key: bytes(data)} if key is not None and is_inline(key) else None
+
         async def commit(uploads_began: Optional[float]) -> Freed:
             return await self.meta.commit_blocks(f.inode, {index: (key, len(data)) if key else None}, *size_mtime,
-                                                 durable=f.syncing > 0, uploads_began=uploads_began)
+                                                 durable=f.syncing > 0, uploads_began=uploads_began, inline=inline)
 
         async def put_again() -> float:
             assert key is not None  # a hole is never refused
+            if inline:
+                return time.monotonic()  # the commit carries the bytes again
             return await self.blocks.put_again(key, data)
 
         return await self._commit_putting_again(commit, put_again, began)
