@@ -42,6 +42,7 @@ from fusestate.remote.store import RemoteError, RemoteStore
 log = logging.getLogger(__name__)
 
 RANGE_READ_MEMORY_SHARE = 4  # remember 1/4 as many range-read blocks as the disk cache holds
+HANDED_OVER = 16  # blocks a page fill fetched, kept a moment for readers that waited on the same fetch
 # Blocks this small are hashed on the event loop (tens of microseconds): a thread hop costs more.
 HASH_ON_LOOP_BYTES = 64 * 1024
 # On a shared engine, blocks this small go from memory straight to the bucket before their
@@ -96,6 +97,11 @@ class BlockStore:
         self._loading: dict[str, trio.Event] = {}  # whole-block loads from local disk
         # Cold blocks read once by a range read (the ghost list).
         self._range_read_blocks = KeySet(max(1, disk.limit // block_size // RANGE_READ_MEMORY_SHARE))
+        # Blocks of files a page fill puts into the kernel's page cache (fusestate.fuse.page_fill), and
+        # the last ones it fetched: each block crosses the network once, whether a reader, readahead
+        # or the fill asks first (the fill takes a reader's copy, a reader waits for the fill's).
+        self._filling: collections.Counter[str] = collections.Counter()
+        self._handed_over: collections.OrderedDict[str, BlockData] = collections.OrderedDict()
         self.read_costs = ReadCosts(whole_blocks)
         self._prefetch_limiter = trio.CapacityLimiter(prefetch_concurrency)
         self._background = BackgroundThreads(prefetch_concurrency, "refetch")
@@ -463,7 +469,7 @@ class BlockStore:
             return self.memory.get(key) or await self._from_database(key)
         while key in self._fetching:
             await self._fetching[key].wait()
-            data = self.memory.get(key)
+            data = self.memory.get(key) or self._handed_over.get(key)
             if data is None:
                 data = await self._load_local(key)  # warming keeps what it fetches on disk only
             if data is not None:
@@ -479,12 +485,42 @@ class BlockStore:
                 log.warning("could not keep block %s in the disk cache: %s", key[:16], exc)
             return data
 
-    async def fetch_uncached(self, key: str) -> BlockData:
-        """The whole block, verified, from the bucket, kept in neither cache: for a copy
-        that lives elsewhere (the kernel's page cache)."""
+    def will_fill(self, keys: list[str]) -> None:
+        """A page fill will bring these blocks to the kernel: until ``filled``, cache warming
+        leaves them to it."""
+        self._filling.update(keys)
+
+    def filled(self, keys: list[str]) -> None:
+        """The fill of these blocks is over (done, stopped or failed)."""
+        self._filling.subtract(keys)
+        for key in keys:
+            if self._filling[key] <= 0:
+                del self._filling[key]
+
+    async def fetch_for_fill(self, key: str) -> BlockData:
+        """The whole block for a page fill: from memory or this node's disk when they hold it,
+        else from the bucket, once: a reader's fetch of it in flight is waited for, and a
+        reader that waits for this one gets its bytes (kept in neither cache: the kernel's
+        page cache is the copy)."""
         if is_inline(key):
             return await self._from_database(key, keep=False)
-        return await self.remote.run(self._fetch_verified_sync, key)
+        while True:
+            data = self.memory.get(key) or self._handed_over.get(key)
+            if data is not None:
+                return data
+            if key not in self._fetching:
+                break
+            await self._fetching[key].wait()
+        if self.holds(key):
+            data = await self._load_local(key)
+            if data is not None:
+                return data
+        with _in_flight(self._fetching, key):
+            data = await self.remote.run(self._fetch_verified_sync, key)
+            self._handed_over[key] = data
+            while len(self._handed_over) > HANDED_OVER:
+                self._handed_over.popitem(last=False)
+        return data
 
     def holds(self, key: str) -> bool:
         """Whether this node may have the block locally (memory, staging, disk cache)."""
@@ -549,6 +585,8 @@ class BlockStore:
         lower-priority threads). Reads of the block meanwhile wait for it."""
         if is_inline(key):
             return False  # the database keeps it: a read costs one query, not a download
+        if key in self._filling:
+            return False  # a page fill brings it to this node's page cache
         while True:
             while key in self._fetching:
                 await self._fetching[key].wait()
