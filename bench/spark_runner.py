@@ -46,6 +46,10 @@ from bench.systems import drop_all_caches
 from fusestate.spark.config import scratch_options
 from fusestate.spark.pipeline import SPARK_LOG_NAME, root_cause
 
+# With the shim a state store's load links the files its RocksDB reads, and the daemon fetches
+# exactly those (page fill); cache warming would fetch the checkpoint's older versions and
+# changelogs first (docs/spark.md).
+SHIM_MOUNT_OPTIONS = ("--prefetch", "off")
 SHAPED_SUFFIX = "@s3"  # a fusestate setup on --s3-endpoint's bucket instead of a file:// one
 S3A = "s3a"           # local disk, the checkpoint on --s3-endpoint through Hadoop's S3A connector
 
@@ -83,6 +87,44 @@ def status(mnt: Path) -> dict:
     return fetch_status(str(mnt))
 
 
+# What a restart's fetches are made of, sampled once a second while it runs (status --json paths).
+FETCH_PARTS = {"bucket_bytes": ("remote", "bytes_in"), "warmup_bytes": ("warmup", "fetched_bytes"),
+               "page_fill_bytes": ("page_fill", "bytes"), "page_fill_pending": ("page_fill", "pending_bytes"),
+               "whole_fetches": ("remote", "full_fetches"), "range_reads": ("remote", "range_reads"),
+               "prefetches": ("remote", "prefetches"), "page_fill_files": ("page_fill", "files"),
+               "page_fill_skipped": ("page_fill", "skipped"), "fuse_bytes_read": ("fuse", "bytes_read")}
+
+
+def fetch_parts(st: dict) -> dict:
+    ops = st.get("fuse", {}).get("operation_counts", {})
+    return {**{name: st.get(a, {}).get(b, 0) for name, (a, b) in FETCH_PARTS.items()},
+            "fuse_reads": ops.get("read", 0), "fuse_links": ops.get("link", 0)}
+
+
+class FetchSampler:
+    """The mount's fetch counters once a second, from its start to its end, in a thread."""
+
+    def __init__(self, mnt: Path) -> None:
+        import threading
+
+        self.mnt, self.samples, self._stop = mnt, [], threading.Event()
+        self._t0 = time.time()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.samples.append({"t": round(time.time() - self._t0, 1), **fetch_parts(status(self.mnt))})
+            except Exception:  # noqa: BLE001 - a missed sample is no failure
+                pass
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.samples
+
+
 def lose_node(mnt: Path, cache: Path, *, kill: bool = True) -> None:
     """What a lost node leaves: the daemon gone (SIGKILLed unless ``kill`` is off), its mount
     detached, its cache dir wiped; the bucket holds what the daemon had shipped."""
@@ -114,10 +156,11 @@ def mount_bucket(url: str, mnt: Path, cache: Path, *options: str, scratch: bool 
        *(scratch_options() if scratch else []), *options)
 
 
-def mount(url: str, mnt: Path, cache: Path, args, *more: str) -> None:
+def mount(url: str, mnt: Path, cache: Path, args, *more: str, shim: bool = False) -> None:
     endpoint = ["--endpoint-url", args.s3_endpoint] if url.startswith("s3://") else []
     mount_bucket(url, mnt, cache, "--cache-size", args.cache_size, "--metrics-addr", "off",
-                 "--durability", args.durability, *endpoint, *shlex.split(args.mount_options), *more,
+                 "--durability", args.durability, *endpoint, *(SHIM_MOUNT_OPTIONS if shim else ()),
+                 *shlex.split(args.mount_options), *more,
                  scratch=not args.no_scratch)
 
 
@@ -199,7 +242,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             (d / "bucket").mkdir()
             url = f"file://{d / 'bucket'}"
         mnt.mkdir()
-        mount(url, mnt, cache, args)
+        mount(url, mnt, cache, args, shim="+shim" in name)
     state = (mnt / "job") if mnt else d / "state"
     try:
         first = pipeline(f"{name} first run", state, out, input_dir, args.batches, common, *extra)
@@ -215,7 +258,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             # Lose the node: kill the daemon, wipe its cache, take the volume over on a "fresh node".
             lose_node(mnt, cache, kill=not args.clean_umount)
             t = time.time()
-            mount(url, mnt, cache, args, "--takeover")
+            mount(url, mnt, cache, args, "--takeover", shim="+shim" in name)
             result["fresh_mount_s"] = round(time.time() - t, 2)
         download_s = 0.0
         if name == S3A:
@@ -230,6 +273,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             drop_all_caches()
             download_s = download(args, remote, ckpt, parallel=name.endswith("parallel"))
             result["download_s"] = download_s
+        sampler = FetchSampler(mnt) if mnt else None
         t = time.time()
         restart_extra = ["--last-batch-events", str(args.restart_events)] if args.restart_events else []
         again = pipeline(f"{name} restart", state, out, input_dir, args.batches + 1, common, *extra, *restart_extra)
@@ -250,7 +294,10 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             "batch": b,  # the whole record: Spark's phase durations and RocksDB's commit breakdown
         }
         if mnt:
+            assert sampler is not None
+            result["restart"]["fetch_timeline"] = sampler.stop()
             st = status(mnt)
+            result["restart"]["fetch_parts"] = fetch_parts(st)
             result["restart"]["fetched_bytes"] = st["remote"]["bytes_in"]
             result["restart"]["restored_metadata_bytes"] = st["metadata"]["restored_bytes"]
         return result
@@ -277,6 +324,9 @@ def main() -> int:
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")
     p.add_argument("--restart-events", type=int, default=None,
                    help="events in the batch after the restart (default: a full batch)")
+    p.add_argument("--min-deltas-for-snapshot", type=int, default=None,
+                   help="with changelog checkpointing, a snapshot every this many versions, every setup "
+                        "(default: the setup helper's, 1 with the shim and 10 without)")
     p.add_argument("--state-compression", default=None,
                    help="state store RocksDB compression, e.g. none (default: Spark's lz4)")
     p.add_argument("--block-size-kb", type=int, default=None,
@@ -309,6 +359,8 @@ def main() -> int:
         common += ["--events-per-batch", str(args.events_per_batch)]
     if args.state_compression:
         common += ["--state-compression", args.state_compression]
+    if args.min_deltas_for_snapshot:
+        common += ["--min-deltas-for-snapshot", str(args.min_deltas_for_snapshot)]
     if args.block_size_kb:
         common += ["--block-size-kb", str(args.block_size_kb)]
     input_dir = work / "input"

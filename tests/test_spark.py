@@ -669,6 +669,25 @@ def test_state_conf_block_size_follows_the_mount(tmp_path: Path) -> None:
         state_conf(tmp_path / "local", local=True, block_size_kb=0)
 
 
+def test_state_conf_snapshots_every_version_with_the_shim(make_mount, file_bucket: Bucket, tmp_path: Path,
+                                                          shim) -> None:
+    """With the shim a snapshot costs links: one every version, linked in every second, so a
+    restart loads it instead of replaying the whole history; without the shim Spark's copies
+    keep the helper's every 10 versions and 30 s."""
+    from fusestate.spark.config import state_conf
+
+    every, interval = "spark.sql.streaming.stateStore.minDeltasForSnapshot", "spark.sql.streaming.stateStore.maintenanceInterval"
+    m = make_mount(file_bucket).mount()
+    conf = state_conf(m.path / "job", use_shim=True).conf
+    assert (conf[every], conf[interval]) == ("1", "1s")
+    conf = state_conf(m.path / "plain").conf
+    assert (conf[every], conf[interval]) == ("10", "30s")
+    conf = state_conf(m.path / "job", use_shim=True, min_deltas_for_snapshot=5, maintenance_interval="10s").conf
+    assert (conf[every], conf[interval]) == ("5", "10s")
+    conf = state_conf(tmp_path / "local", local=True).conf
+    assert (conf[every], conf[interval]) == ("10", "30s")
+
+
 def test_stale_spark_local_dirs_are_removed_and_nothing_else(tmp_path: Path) -> None:
     """A killed JVM's working dirs and shuffle files go; what the user put there stays."""
     from fusestate.spark.config import state_conf

@@ -47,7 +47,9 @@ def pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shim-jar", default=None,
                    help="the fusestate:// shim's jar, if built elsewhere (default: the one installed with fusestate)")
     p.add_argument("--no-changelog", action="store_true", help="turn RocksDB changelog checkpointing off")
-    p.add_argument("--min-deltas-for-snapshot", type=int, default=10)
+    p.add_argument("--min-deltas-for-snapshot", type=int, default=None,
+                   help="with changelog checkpointing: a snapshot every this many versions (default 1 with "
+                        "--use-shim, where a snapshot costs links, else 10)")
     p.add_argument("--driver-memory", default="1g", help="JVM heap (default %(default)s)")
     p.add_argument("--master", default="local[2]",
                    help="local[N], or a cluster's spark://HOST:PORT (default %(default)s): then every executor's "

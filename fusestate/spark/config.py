@@ -78,6 +78,17 @@ def scratch_options() -> list[str]:
 # the numbers).
 MOUNT_BLOCK_SIZE_KB = 64
 
+# Snapshots with the shim. A restart or a store loaded on another node reads the latest snapshot
+# in the checkpoint and replays every changelog after it; with no snapshot there it replays the
+# whole history, reading more than the state itself (a 1 GB state's 3 changelog versions are
+# 1.47 GB) before the first record. Through the shim a snapshot costs links, not uploads of the
+# state, so with it the helper takes one every version and lets the maintenance task link it
+# into the checkpoint every second; a commit still only writes its changelog. Without the shim
+# (local disk, file:// copies, s3a://) a snapshot copies the state's new files: Spark's
+# defaults of the helper stay.
+SHIM_MIN_DELTAS_FOR_SNAPSHOT, MIN_DELTAS_FOR_SNAPSHOT = 1, 10
+SHIM_MAINTENANCE_INTERVAL, MAINTENANCE_INTERVAL = "1s", "30s"
+
 
 def is_fusestate_mount(path: str | os.PathLike) -> Optional[str]:
     """The fusestate mountpoint holding ``path``, or None (longest prefix in /proc/self/mounts)."""
@@ -233,8 +244,8 @@ class StateLayout:
 def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: bool = False,
                checkpoint: Optional[str | os.PathLike] = None, local: bool = False,
                shim_jar_path: Optional[str | os.PathLike] = None,
-               changelog: bool = True, min_deltas_for_snapshot: int = 10,
-               maintenance_interval: str = "30s", shuffle_partitions: int = 4,
+               changelog: bool = True, min_deltas_for_snapshot: Optional[int] = None,
+               maintenance_interval: Optional[str] = None, shuffle_partitions: int = 4,
                compression: Optional[str] = None, block_size_kb: Optional[int] = None,
                s3a_endpoint: Optional[str] = None, s3a_region: Optional[str] = None,
                s3a_credentials: Optional[tuple[str, str]] = None, s3a_jars: Sequence[str | os.PathLike] = (),
@@ -243,7 +254,9 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
     fusestate mount (``local=True``: on local disk, for a baseline).
 
     ``checkpoint`` overrides the checkpoint directory (default ``<state_dir>/checkpoints/<query>``):
-    a path, ``file://`` or ``fusestate://``. ``use_shim`` registers the ``fusestate://`` Hadoop
+    a path, ``file://`` or ``fusestate://``. ``min_deltas_for_snapshot`` and ``maintenance_interval``
+    default to a snapshot every version linked every second with the shim, else every 10 versions and
+    every 30 s (see :data:`SHIM_MIN_DELTAS_FOR_SNAPSHOT`). ``use_shim`` registers the ``fusestate://`` Hadoop
     file system (the jar installed with fusestate; ``shim_jar_path`` for another copy) and names the
     checkpoint with that scheme; it needs the checkpoint and ``spark.local.dir`` on one mount.
     With ``local=True`` the checkpoint may be ``s3a://bucket/prefix``, what most jobs run today:
@@ -275,6 +288,10 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
         if scheme == SHIM_SCHEME and not use_shim:
             raise SparkSetupError(f"checkpoint location {checkpoint} needs the shim: use_shim=True (--use-shim)")
         uri = f"{SHIM_SCHEME if use_shim else 'file'}://{checkpoint_dir}"
+    if min_deltas_for_snapshot is None:
+        min_deltas_for_snapshot = SHIM_MIN_DELTAS_FOR_SNAPSHOT if use_shim else MIN_DELTAS_FOR_SNAPSHOT
+    if maintenance_interval is None:
+        maintenance_interval = SHIM_MAINTENANCE_INTERVAL if use_shim else MAINTENANCE_INTERVAL
     conf = {
         "spark.local.dir": str(local_dir),
         "spark.sql.streaming.checkpointLocation": uri,
