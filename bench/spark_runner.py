@@ -172,10 +172,25 @@ def s3(args):
                              client_kwargs={"endpoint_url": args.s3_endpoint, "region_name": "us-east-1"})
 
 
+BUCKETS: list[str] = []  # made by this run on --s3-endpoint, emptied after each setup
+
+
+def empty_buckets(args) -> None:
+    """The endpoint keeps every object until the scenario ends (moto spools them to its disk): at
+    8 GB of state a setup leaves tens of GB (every version's SSTs, changelogs), so go."""
+    while BUCKETS:
+        bucket = BUCKETS.pop()
+        try:
+            s3(args).rm(bucket, recursive=True)
+        except Exception as exc:  # noqa: BLE001 - a bucket left behind costs disk, not the result
+            print(f"could not empty bucket {bucket}: {exc}", file=sys.stderr)
+
+
 def new_bucket(args, name: str) -> str:
     import boto3
 
     bucket = f"{name.replace('+', '-')}-{uuid.uuid4().hex[:8]}"
+    BUCKETS.append(bucket)
     boto3.client("s3", endpoint_url=args.s3_endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
                  region_name="us-east-1").create_bucket(Bucket=bucket)
     return bucket
@@ -304,6 +319,8 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
     finally:
         if mnt:
             unmount(mnt)
+        if args.s3_endpoint and not args.keep:
+            empty_buckets(args)
 
 
 def main() -> int:
