@@ -46,7 +46,7 @@ SIZES: dict[str, dict[str, Any]] = {
     # so that records/s is measured over three (single batches moved by +-15% between runs), and
     # three repetitions of the two setups the goals name (about seven minutes each). Every
     # setup runs with the settings the setup helper writes by default: changelog
-    # checkpointing, a snapshot every 10 versions.
+    # checkpointing, a snapshot every version with the shim, every 10 versions without.
     "full": {"keys": 500_000, "payload_bytes": 4096, "batches": 4, "timeout": 3600, "repeats": 3,
              "setups": ["local", "fusestate+shim"],
              "extra": ["--restart-events", "5000", "--state-compression", "none"]},
@@ -169,8 +169,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
              f"batches{f' (`{flags}`)' if flags else ''}, then a kill and a restart; "
              + ("local disk with changelog checkpointing, the fusestate setups without (a snapshot every commit). "
                 if "--no-changelog" in flags else
-                "every setup with changelog checkpointing and a snapshot every 10 versions (the setup helper's "
-                "default). ") + f"*local*: state and checkpoint "
+                "every setup with changelog checkpointing, a snapshot every version with the shim and every 10 "
+                "versions without (the setup helper's defaults). ") + f"*local*: state and checkpoint "
              f"on local disk; *fusestate*: a `file://` mount with a `file://` checkpoint; "
              f"*fusestate+shim*: the same mount with the `fusestate://` checkpoint; mounts use `--scratch "
              f"'blockmgr-*'` (Spark's shuffle files stay on the node). The restart: fusestate's daemon killed and its "
