@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -619,4 +620,39 @@ def test_a_small_file_keeps_its_bytes_in_the_database(make_mount, file_bucket: B
     assert re.search(r"deleted [1-9]\d* unreferenced", out), out
     assert file_bucket.block_objects() == set()
     assert inline_rows(pg_url) == 0
+    assert shared_fsck(file_bucket, pg_url) == []
+
+
+def inode_row(pg_url: str, ino: int) -> Optional[tuple]:
+    """The inode's (nlink, size) in the volume's database, or None once it is deleted."""
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:
+        return conn.execute("SELECT nlink, size FROM inodes WHERE id = %s", (ino,)).fetchone()
+
+
+def test_a_crash_of_the_database_deletes_no_file_a_node_holds_open(make_mount, file_bucket: Bucket, pg_url: str,
+                                                                   postgres_server) -> None:
+    """The holds of open files are not WAL-logged: a crash of the server empties them. A file
+    open on A and unlinked on B right after the restart keeps its inode until A lets go, and
+    one nobody holds goes too, once every node has registered its holds again."""
+    opts = ["--meta", pg_url, "--metrics-addr", "off", "--session-timeout", "30"]  # a heartbeat every 10 s
+    a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=opts).mount()
+    b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=opts).mount()
+    data = os.urandom(3 << 20)
+    write_synced(a.path / "held.sst", data)
+    write_synced(a.path / "loose.sst", os.urandom(100_000))
+    held, loose = (os.stat(a.path / name).st_ino for name in ("held.sst", "loose.sst"))
+    with open(a.path / "held.sst", "rb") as f:
+        postgres_server.stop("immediate")
+        postgres_server.start()
+        os.unlink(b.path / "held.sst")  # before A's next heartbeat registers its holds again
+        os.unlink(b.path / "loose.sst")
+        assert inode_row(pg_url, held) == (0, len(data))
+        assert f.read() == data
+    wait_for(lambda: inode_row(pg_url, held) is None and inode_row(pg_url, loose) is None, timeout=60,
+             what="both files deleted once the holds are whole again")
+    assert os.listdir(a.path) == []
+    a.umount()
+    b.umount()
     assert shared_fsck(file_bucket, pg_url) == []

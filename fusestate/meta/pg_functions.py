@@ -58,12 +58,22 @@ COLLECTED_KEEP = 3600.0  # seconds a collected block's row is kept: uploads olde
 COLLECTED_MARGIN = 3.0  # seconds added to an upload's age: the commit's trip to the server, scheduling
 SESSION_FENCE = 0x66757368  # advisory lock class of the session fence: (SESSION_FENCE, session key)
 LANE_FENCE = 0x66757369  # advisory lock class of a session's lanes: (LANE_FENCE, lane key)
+# Advisory lock class of a file's last holder and its last name: (INODE_FENCE, inode key). A
+# close takes it before it drops its hold and then looks at the link count; whatever drops
+# the last name takes it before it looks at the holds. One of the two sees what the other
+# did, and deletes the file: no row lock, so no WAL record, for the close of a named file.
+INODE_FENCE = 0x6675736a
 LANES_PER_SESSION = 4096  # lane numbers a session key is spread over (more lanes share keys: a wait, no harm)
 LOST_SQLSTATE = "FSLST"
 
 # The session key of the fence: advisory locks take two int4 keys.
 _SESSION_KEY = "(p_session % 2147483647)::int"
 _LANE_KEY = f"((p_session * {LANES_PER_SESSION} + p_lane) % 2147483647)::int"
+
+
+def inode_key(ino: int) -> int:
+    """The second key of an inode's advisory lock (``INODE_FENCE``)."""
+    return ino % 2147483647
 
 
 def lane_key(session: int, lane: int) -> int:
@@ -157,6 +167,26 @@ BEGIN
   RETURN NEXT par;
 END $$;
 
+-- Whether the holds can be trusted: holds is UNLOGGED, emptied with holds_kept when the
+-- server crashes or a standby takes over, and every live session registers its holds again
+-- at its next heartbeat (PostgresEngine.heartbeat), which it records after doing so.
+CREATE OR REPLACE FUNCTION fs_holds_trusted_v1() RETURNS boolean
+LANGUAGE sql STABLE AS $$
+  SELECT EXISTS (SELECT 1 FROM holds_kept k WHERE NOT EXISTS (SELECT 1 FROM sessions s WHERE s.heartbeat < k.since))
+$$;
+
+-- A file whose last name went and that no hold keeps: false, it goes now; or true while the
+-- holds cannot be trusted: it is kept, and recorded for the sweep (PostgresEngine.sweep).
+CREATE OR REPLACE FUNCTION fs_keep_orphan_v1(p_ino bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+  IF fs_holds_trusted_v1() THEN
+    RETURN false;
+  END IF;
+  INSERT INTO orphans_kept (inode) VALUES (p_ino) ON CONFLICT DO NOTHING;
+  RETURN true;
+END $$;
+
 -- operations._count_references for the references a change drops: the keys whose last
 -- reference went (the collector's, once unreferenced for --gc-grace), and the change of
 -- the bytes in use.
@@ -233,7 +263,10 @@ BEGIN
   DELETE FROM entries WHERE parent = p_parent AND name = p_name;
   UPDATE inodes SET nlink = nlink - 1, ctime_ns = p_now WHERE id = v_child RETURNING * INTO child;
   UPDATE inodes SET mtime_ns = p_now, ctime_ns = p_now WHERE id = p_parent RETURNING * INTO par;
-  IF child.nlink <= 0 AND NOT EXISTS (SELECT 1 FROM holds WHERE inode = v_child) THEN
+  IF child.nlink <= 0 THEN
+    PERFORM pg_advisory_xact_lock({INODE_FENCE}, (v_child % 2147483647)::int);
+  END IF;
+  IF child.nlink <= 0 AND NOT EXISTS (SELECT 1 FROM holds WHERE inode = v_child) AND NOT fs_keep_orphan_v1(v_child) THEN
     DELETE FROM inodes WHERE id = v_child;
     WITH gone AS (DELETE FROM blocks WHERE inode = v_child RETURNING key) SELECT array_agg(key) INTO v_keys FROM gone;
     SELECT d.freed, d.used_delta INTO v_freed, v_used FROM fs_drop_refs_v1(v_keys, p_now_s) d;

@@ -9,7 +9,8 @@ a file's blocks) run instead as one call of a function on the server (``pg_funct
 one round trip each.
 
 Each mount is a *session*: a row with a heartbeat. A session holds the files its node
-has open (``holds``), so a file unlinked on one node stays readable where it is open
+has open (``holds``, an UNLOGGED table that each node fills again after the server lost
+it: ``heartbeat``), so a file unlinked on one node stays readable where it is open
 and is deleted with its last holder. Its uploads are not registered: a commit of a block
 the collector deleted while it was uploaded is refused, and the node puts it again
 (``pg_functions``; ``uploads`` holds only registrations of earlier releases).
@@ -77,6 +78,7 @@ _ADD_COUNTERS = "UPDATE counters SET inodes = inodes + ?, used = used + ? WHERE 
 _MARK = "UPDATE counters SET inodes = inodes + ?, used = used + ?, op = ? WHERE session_id = ? AND lane = ?"
 _DONE = "SELECT 1 FROM counters WHERE session_id = ? AND lane = ? AND op = ?"
 _LANE_LOCK = "SELECT pg_advisory_xact_lock(?::int, ?::int)"
+_INODE_FENCE = _LANE_LOCK
 # The session fence (``pg_functions``) and the commit mode of a namespace change, at once.
 _SESSION_CHECK = "SELECT fs_session_v1(?::bigint, false)"
 
@@ -113,9 +115,23 @@ CREATE TABLE IF NOT EXISTS sessions (
 ALTER TABLE sessions ADD COLUMN IF NOT EXISTS timeout DOUBLE PRECISION NOT NULL DEFAULT 30;
 -- Keyed by inode first: "does any node hold it" and "does this node" are both one index
 -- lookup, and a hold costs one index entry (volumes made before also have holds_by_inode).
-CREATE TABLE IF NOT EXISTS holds (
+-- UNLOGGED: a hold is written and deleted for every file a node opens, and no WAL record
+-- for either; a crash or a failover of the server empties the table, and so holds_kept,
+-- which tells the nodes to register their holds again (see _HOLDS and fs_holds_trusted_v1).
+CREATE UNLOGGED TABLE IF NOT EXISTS holds (
     session_id BIGINT NOT NULL, inode BIGINT NOT NULL, PRIMARY KEY (inode, session_id)
 );
+DO $$ BEGIN  -- a volume made by an earlier release: its holds WAL-logged
+  IF (SELECT relpersistence FROM pg_class WHERE oid = 'holds'::regclass) = 'p' THEN
+    ALTER TABLE holds SET UNLOGGED;
+  END IF;
+END $$;
+-- One row, emptied with holds: since when (the database's clock) holds has been filled again.
+CREATE UNLOGGED TABLE IF NOT EXISTS holds_kept (
+    one INTEGER PRIMARY KEY DEFAULT 1 CHECK (one = 1), since DOUBLE PRECISION NOT NULL
+);
+-- Files with no name left that were kept while the holds could not be trusted: the sweep's.
+CREATE TABLE IF NOT EXISTS orphans_kept (inode BIGINT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS uploads (
     session_id BIGINT NOT NULL, key TEXT NOT NULL, size BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, key)
@@ -137,6 +153,9 @@ DO $$ BEGIN  -- the bytes of inline blocks (pg_functions), kept in the row: one 
   IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'objects'::regclass AND attname = 'data') THEN
     ALTER TABLE objects ADD COLUMN data BYTEA;
     ALTER TABLE objects ALTER COLUMN data SET STORAGE MAIN;
+    -- A row of up to a page is left as it is: past the default (2 kB) the toaster would
+    -- move the key out to the TOAST table, two more WAL records per inline block.
+    ALTER TABLE objects SET (toast_tuple_target = 8160);
   END IF;
 END $$;
 DO $$ BEGIN  -- a volume made by an earlier release: one row per session
@@ -189,7 +208,12 @@ class _SessionHolds:
         tx.exec("DELETE FROM holds WHERE session_id=? AND inode=?", (self._session(), ino))
 
     def held(self, tx: ops.Tx, ino: int) -> bool:
-        return tx.one("SELECT 1 FROM holds WHERE inode=? LIMIT 1", (ino,)) is not None
+        """Held by some node; or kept (and recorded for the sweep) while the holds cannot
+        be trusted, after the server lost them (``fs_keep_orphan_v1``). Asked after taking
+        the file's fence (``INODE_FENCE``), so a close in flight is seen or sees this."""
+        tx.exec(_INODE_FENCE, (server.INODE_FENCE, server.inode_key(ino)))
+        row = tx.one("SELECT EXISTS (SELECT 1 FROM holds WHERE inode=?) OR fs_keep_orphan_v1(?)", (ino, ino))
+        return bool(row and row[0])
 
 
 class _Lanes:
@@ -345,6 +369,10 @@ class PostgresEngine:
         self.session_id = 0
         self.lost = False  # the other nodes cleaned up this session: nothing more may be published
         self._holds = _SessionHolds(lambda: self.session_id)
+        # The files this node holds open, registered again after the server lost the holds
+        # (holds_kept's since, as this node last registered them).
+        self._held: set[int] = set()
+        self._holds_since: Optional[float] = None
         self._stats = EngineStats(0, 0)
         self.sessions_cleaned = 0
         # Rows this node's own transactions just wrote, answered by getattr for this long:
@@ -561,6 +589,8 @@ class PostgresEngine:
                 rows = await self._call(server.CREATE, args, attempts=_Attempts(lane, next(self._ops)))
         self._count(1, 0)
         new = ops.inode_of_row(rows[0])
+        if hold:
+            self._held.add(new.id)
         changed = [ops.inode_of_row(row) for row in rows[1:]]  # none if a retry found the parent gone
         self._remember({**{c.id: c for c in changed}, new.id: new})
         return dataclasses.replace(new)
@@ -611,6 +641,7 @@ class PostgresEngine:
             return await self.read_file(ino)
         self._recent.pop(ino, None)  # close-to-open: the row as it is now, and nothing older after
         (row,) = await self._call(server.OPEN, (self.session_id, ino))
+        self._held.add(ino)
         *columns, indexes, keys, data = row
         for key, block in zip(keys, data):
             if block is not None:
@@ -623,12 +654,16 @@ class PostgresEngine:
     async def close_file(self, ino: int) -> Freed:
         if self.read_only:
             return Freed()
-        return await self._write(ops.close_file, ino)
+        freed = await self._write(_close_file, ino)
+        self._held.discard(ino)
+        return freed
 
     async def close_files(self, inodes: Sequence[int]) -> list[Freed]:
         if self.read_only or not inodes:
             return [Freed() for _ in inodes]
-        return await self._write(lambda tx: [ops.close_file(tx, ino) for ino in sorted(inodes)])
+        freed = await self._write(lambda tx: [_close_file(tx, ino) for ino in sorted(inodes)])
+        self._held.difference_update(inodes)
+        return freed
 
     async def commit_blocks(self, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                             size: int, mtime_ns: int, durable: bool = False,
@@ -800,6 +835,7 @@ class PostgresEngine:
         """Register this mount as a session; clean up sessions whose heartbeat stopped."""
         if not self.read_only:
             def register(cur: Any) -> int:
+                self._keep_holds(cur, 0)  # before the session's first heartbeat, which then trusts them
                 cur.execute(f"INSERT INTO sessions (host, pid, mountpoint, started, heartbeat, timeout)"
                             f" VALUES (%s, %s, %s, {_NOW}, {_NOW}, %s) RETURNING id",
                             (socket.gethostname(), os.getpid(), self.mountpoint, self.session_ttl))
@@ -824,6 +860,7 @@ class PostgresEngine:
             try:
                 await self.heartbeat()
                 await self.clean_dead_sessions()
+                await self.sweep_kept_orphans()
                 await self._refresh_stats()
             except SessionLost:
                 pass  # logged where it was found; nothing to keep up any more
@@ -831,18 +868,62 @@ class PostgresEngine:
                 log.warning("metadata session upkeep failed: %s", exc)
 
     async def heartbeat(self) -> None:
-        def beat(cur: Any) -> bool:
+        """The session's heartbeat; and, when the server has lost the holds since this node
+        last registered them (a crash, a failover: the table is UNLOGGED), its holds again,
+        in the same transaction, before the heartbeat that says so (``fs_holds_trusted_v1``)."""
+        def beat(cur: Any) -> Optional[float]:
+            since = self._keep_holds(cur, self.session_id)
             cur.execute(f"UPDATE sessions SET heartbeat={_NOW} WHERE id=%s", (self.session_id,))
-            return cur.rowcount == 1
+            return since if cur.rowcount == 1 else None
 
-        if not await self.pool.run(beat):
+        since = await self.pool.run(beat)
+        if since is None:
             raise self._lose()
+        self._holds_since = since
+
+    def _keep_holds(self, cur: Any, session: int) -> float:
+        """holds_kept's since, made now if the server lost it with the holds (then every
+        file without a name is a candidate for the sweep: the holds that kept it are gone);
+        this node's holds registered again if it has not done so since then."""
+        cur.execute("SELECT since FROM holds_kept")
+        row = cur.fetchone()
+        if row is None:
+            cur.execute(f"INSERT INTO holds_kept (since) VALUES ({_NOW}) ON CONFLICT DO NOTHING")
+            cur.execute("INSERT INTO orphans_kept (inode) SELECT id FROM inodes WHERE nlink = 0 ON CONFLICT DO NOTHING")
+            cur.execute("SELECT since FROM holds_kept")
+            row = cur.fetchone()
+        since = float(row[0])
+        if session and since != self._holds_since and self._held:
+            cur.execute("INSERT INTO holds (session_id, inode) SELECT %s, unnest(%s::bigint[]) ON CONFLICT DO NOTHING",
+                        (session, sorted(self._held)))
+        return since
+
+    async def sweep_kept_orphans(self) -> Freed:
+        """Delete the files kept while the holds could not be trusted that still have no
+        name and no holder, once they can be (a few hundred per heartbeat)."""
+        def sweep(tx: ops.Tx) -> Freed:
+            freed = Freed()
+            if not tx.one("SELECT EXISTS (SELECT 1 FROM orphans_kept) AND fs_holds_trusted_v1()")[0]:  # type: ignore[index]
+                return freed
+            kept = tx.all("DELETE FROM orphans_kept WHERE inode IN (SELECT inode FROM orphans_kept LIMIT 500)"
+                          " RETURNING inode")
+            for (ino,) in sorted(kept):
+                tx.lock([ino])
+                row = tx.one("SELECT nlink FROM inodes WHERE id=?", (ino,))
+                if row is not None and row[0] == 0 and not tx.holds.held(tx, ino):
+                    freed.keys += ops.drop_orphans(tx, [ino]).keys
+            return freed
+
+        if self.read_only:
+            return Freed()
+        return await self._write(sweep)
 
     def _lose(self) -> SessionLost:
         """This session is gone from the database: mark it lost, say so once, and return the
         error to raise. Reads still answer; everything that would publish fails."""
         if not self.lost:
             self.lost = True
+            self._held.clear()
             log.error(LOST_MESSAGE, self.session_id, self.session_ttl, self.mountpoint)
         return SessionLost()
 
@@ -939,6 +1020,18 @@ class PostgresEngine:
         self.pool.close()
 
 
+def _close_file(tx: ops.Tx, ino: int) -> Freed:
+    """``operations.close_file`` without its row lock for a file that still has a name (the
+    common close): the file's fence, the hold dropped, then the link count; a file with no
+    name left is locked and deleted as there."""
+    tx.exec(_INODE_FENCE, (server.INODE_FENCE, server.inode_key(ino)))
+    tx.holds.remove(tx, ino)
+    row = tx.one("SELECT nlink FROM inodes WHERE id=?", (ino,))
+    if row is None or row[0] > 0:
+        return Freed()
+    return ops.close_file(tx, ino)
+
+
 def _clean_session(tx: ops.Tx, session: int) -> Freed:
     freed = Freed()
     held = [r[0] for r in tx.all("DELETE FROM holds WHERE session_id=? RETURNING inode", (session,))]
@@ -993,9 +1086,12 @@ def shared_problems(tx: ops.Tx, limit: int = 20) -> list[str]:
     """Checks of the shared tables on top of ``operations.consistency_problems``: files
     without names that no live session holds, and the per-session counters."""
     problems = ops.consistency_problems(tx, limit)
+    # Not while the holds cannot be trusted (the server lost them), nor the files then kept,
+    # which the sweep deletes once they can be.
     for (ino,) in tx.all("SELECT i.id FROM inodes i WHERE i.nlink = 0 AND NOT EXISTS"
                          f" (SELECT 1 FROM holds h JOIN sessions s ON s.id = h.session_id WHERE h.inode = i.id)"
-                         f" LIMIT {limit}"):
+                         " AND NOT EXISTS (SELECT 1 FROM orphans_kept o WHERE o.inode = i.id)"
+                         f" AND fs_holds_trusted_v1() LIMIT {limit}"):
         problems.append(f"inode {ino} has no name and no node holds it open")
     row = tx.one("SELECT (SELECT COALESCE(SUM(inodes), 0) FROM counters), (SELECT COUNT(*) FROM inodes),"
                  " (SELECT COALESCE(SUM(used), 0) FROM counters),"
