@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import subprocess
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ from bench.common import BIN, Shape, wait_or_kill, wait_port
 from fusestate.meta.local_postgres import free_port
 
 PORT = 5000                                      # the shaped endpoint's, on its own address
+SPILL_BYTES = 256 * 1024                         # the shaped endpoint keeps larger objects on disk
 SUBNETS = ipaddress.ip_network("10.213.0.0/16")  # its /30s: private, picked by the harness
 
 
@@ -139,9 +141,13 @@ class ShapedMoto(Moto):
         cmd = ["ip", "netns", "exec", self.netns, str(BIN / "python"), "-m", "bench.shaped_s3",
                "--host", str(self.subnet[2]), "--port", str(PORT), "--latency-ms", str(s.latency_ms),
                "--connection-mbps", str(s.connection_mbps), "--own-mount-namespace"]
+        # moto keeps an object under 5 MB in memory: fusestate's 4 MiB blocks of a Spark state of a few
+        # GB (every retained version's SSTs) took 15 GB of the machine's 24, and the page cache with
+        # it. Objects above this size go to temporary files in the work dir instead.
+        env = dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(SPILL_BYTES), TMPDIR=str(self.work))
         with open(self.work / "moto.log", "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         cwd=Path(__file__).resolve().parent.parent)
+                                         cwd=Path(__file__).resolve().parent.parent, env=env)
         wait_port(PORT, host=str(self.subnet[2]))
 
     def __exit__(self, *exc: Any) -> None:
