@@ -26,6 +26,8 @@ FILE = NewNode(stat.S_IFREG | 0o644, 1000, 1000)
 CUT_TIMEOUT = 10.0
 CREATE_CALL = r"fs_create_v\d"
 UNLINK_CALL = r"fs_unlink_v\d"
+RENAME_CALL = r"fs_rename_v\d"  # a file's rename; a directory's is operations.rename, ended by COMMIT
+DIR = NewNode(stat.S_IFDIR | 0o755, 1000, 1000)
 COMMIT = r"^COMMIT$"  # the statement that ends a namespace operation's transaction
 
 
@@ -113,10 +115,22 @@ def test_a_rename_whose_commit_answer_was_lost(pg_url: str, proxy: CuttingProxy,
         async def remake() -> None:
             newer.append(await b.create(ROOT_INODE, b"src", FILE))
 
-        proxy.cut_reply(COMMIT)
+        proxy.cut_reply(RENAME_CALL)
         await broken(proxy, a.rename(ROOT_INODE, b"src", ROOT_INODE, b"dst"), remake if other_node_acts else None)
         expected = {b"dst": f.id, **({b"src": newer[0].id} if other_node_acts else {})}
         assert await names(b) == expected
+        assert await b.check() == []
+
+    drive(pg_url, proxy, body)
+
+
+def test_a_directory_rename_whose_commit_answer_was_lost(pg_url: str, proxy: CuttingProxy) -> None:
+    """The same for a directory's rename, which runs as pipelined statements: moved once."""
+    async def body(a: PostgresEngine, b: PostgresEngine) -> None:
+        d = await a.create(ROOT_INODE, b"src", DIR)
+        proxy.cut_reply(COMMIT)
+        await broken(proxy, a.rename(ROOT_INODE, b"src", ROOT_INODE, b"dst"))
+        assert await names(b) == {b"dst": d.id}
         assert await b.check() == []
 
     drive(pg_url, proxy, body)
@@ -197,7 +211,7 @@ def test_an_operation_cut_before_its_commit_reached_the_server_happens_once(
             assert await names(b) == {b"f": made.id}
         else:
             f = await a.create(ROOT_INODE, b"src", FILE)
-            proxy.cut_before(COMMIT)
+            proxy.cut_before(RENAME_CALL)
             await broken(proxy, a.rename(ROOT_INODE, b"src", ROOT_INODE, b"dst"))
             assert await names(b) == {b"dst": f.id}
         assert await b.check() == []

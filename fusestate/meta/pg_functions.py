@@ -278,6 +278,105 @@ BEGIN
   RETURN QUERY SELECT par, NULL::text[], false, 0, 0::bigint;
 END $$;
 
+-- operations.rename without flags, of a file that is not a directory (the rename of a
+-- commit: a new file over an old name); anything else answers FSRUN, and the node runs
+-- operations.rename instead. Rows back: the file, the file it replaced (with freed,
+-- deleted as unlink's) if any, then the directories. p_lane, p_op, p_retry as unlink's;
+-- the lane's row records the replaced file's inode (made; 0 if none).
+CREATE OR REPLACE FUNCTION fs_rename_v1(p_session bigint, p_lane int, p_op bigint, p_retry boolean,
+    p_src_parent bigint, p_src_name bytea, p_dst_parent bigint, p_dst_name bytea, p_now bigint,
+    p_now_s double precision)
+RETURNS TABLE (node inodes, role int, freed text[], deleted boolean, inodes_delta int, used_delta bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+  src inodes;
+  dst inodes;
+  child inodes;
+  old inodes;
+  v_ino bigint;
+  v_target bigint;
+  v_again bigint;
+  v_again_target bigint;
+  v_keys text[];
+  v_freed text[] := '{{}}';
+  v_used bigint := 0;
+  v_deleted boolean := false;
+BEGIN
+  PERFORM fs_session_v1(p_session, false);
+  PERFORM pg_advisory_xact_lock({LANE_FENCE}, {_LANE_KEY});
+  IF p_retry THEN
+    SELECT made INTO v_target FROM counters WHERE session_id = p_session AND lane = p_lane AND op = p_op;
+    IF FOUND THEN  -- done by an earlier attempt: the directories as they are now
+      RETURN QUERY SELECT i, 2, '{{}}'::text[], false, 0, 0::bigint FROM inodes i
+                    WHERE i.id IN (p_src_parent, p_dst_parent);
+      RETURN;
+    END IF;
+  END IF;
+  LOOP  -- both names, then every row locked in inode order, then both names again
+    SELECT inode INTO v_ino FROM entries WHERE parent = p_src_parent AND name = p_src_name;
+    SELECT inode INTO v_target FROM entries WHERE parent = p_dst_parent AND name = p_dst_name;
+    IF v_ino IS NULL THEN
+      IF EXISTS (SELECT 1 FROM inodes WHERE id IN (p_src_parent, p_dst_parent) AND (mode & 61440) <> 16384) THEN
+        RAISE EXCEPTION 'not a directory' USING ERRCODE = 'FS020';
+      END IF;
+      RAISE EXCEPTION 'no such file' USING ERRCODE = 'FS002';
+    END IF;
+    PERFORM 1 FROM inodes WHERE id IN (p_src_parent, p_dst_parent, v_ino, v_target) ORDER BY id FOR UPDATE;
+    SELECT inode INTO v_again FROM entries WHERE parent = p_src_parent AND name = p_src_name;
+    SELECT inode INTO v_again_target FROM entries WHERE parent = p_dst_parent AND name = p_dst_name;
+    EXIT WHEN v_again = v_ino AND v_again_target IS NOT DISTINCT FROM v_target;
+  END LOOP;
+  SELECT * INTO src FROM inodes WHERE id = p_src_parent;
+  SELECT * INTO dst FROM inodes WHERE id = p_dst_parent;
+  SELECT * INTO child FROM inodes WHERE id = v_ino;
+  IF (src.mode & 61440) <> 16384 OR (dst.mode & 61440) <> 16384 THEN
+    RAISE EXCEPTION 'not a directory' USING ERRCODE = 'FS020';
+  END IF;
+  IF (child.mode & 61440) = 16384 THEN
+    RAISE EXCEPTION 'a directory: the general rename' USING ERRCODE = 'FSRUN';
+  END IF;
+  IF child.scratch <> dst.scratch AND NOT (child.scratch = 0 AND dst.scratch = p_session) THEN
+    RAISE EXCEPTION 'scratch and the rest of the volume are separate' USING ERRCODE = 'FS018';
+  END IF;
+  IF v_target = v_ino THEN  -- two names of one file: POSIX says do nothing
+    UPDATE counters SET op = p_op, made = 0 WHERE session_id = p_session AND lane = p_lane;
+    RETURN QUERY SELECT child, 0, '{{}}'::text[], false, 0, 0::bigint;
+    RETURN;
+  END IF;
+  IF v_target IS NOT NULL THEN
+    SELECT * INTO old FROM inodes WHERE id = v_target;
+    IF (old.mode & 61440) = 16384 THEN
+      RAISE EXCEPTION 'is a directory' USING ERRCODE = 'FS021';
+    END IF;
+  END IF;
+  DELETE FROM entries WHERE parent = p_src_parent AND name = p_src_name;
+  IF v_target IS NOT NULL THEN
+    UPDATE entries SET inode = v_ino WHERE parent = p_dst_parent AND name = p_dst_name;
+    UPDATE inodes SET nlink = nlink - 1, ctime_ns = p_now WHERE id = v_target RETURNING * INTO old;
+  ELSE
+    INSERT INTO entries (parent, name, inode) VALUES (p_dst_parent, p_dst_name, v_ino);
+  END IF;
+  UPDATE inodes SET ctime_ns = p_now WHERE id = v_ino RETURNING * INTO child;
+  UPDATE inodes SET mtime_ns = p_now, ctime_ns = p_now WHERE id IN (p_src_parent, p_dst_parent);
+  IF v_target IS NOT NULL AND old.nlink <= 0 THEN
+    PERFORM pg_advisory_xact_lock({INODE_FENCE}, (v_target % 2147483647)::int);
+    IF NOT EXISTS (SELECT 1 FROM holds WHERE inode = v_target) AND NOT fs_keep_orphan_v1(v_target) THEN
+      DELETE FROM inodes WHERE id = v_target;
+      WITH gone AS (DELETE FROM blocks WHERE inode = v_target RETURNING key) SELECT array_agg(key) INTO v_keys FROM gone;
+      SELECT d.freed, d.used_delta INTO v_freed, v_used FROM fs_drop_refs_v1(v_keys, p_now_s) d;
+      v_deleted := true;
+    END IF;
+  END IF;
+  UPDATE counters SET inodes = inodes - v_deleted::int, used = used + v_used, op = p_op,
+         made = coalesce(v_target, 0)
+   WHERE session_id = p_session AND lane = p_lane;
+  RETURN QUERY SELECT child, 0, '{{}}'::text[], false, 0, 0::bigint;
+  IF v_target IS NOT NULL THEN
+    RETURN QUERY SELECT old, 1, v_freed, v_deleted, -v_deleted::int, v_used;
+  END IF;
+  RETURN QUERY SELECT i, 2, '{{}}'::text[], false, 0, 0::bigint FROM inodes i WHERE i.id IN (p_src_parent, p_dst_parent);
+END $$;
+
 -- operations.open_file: the inode, its block map, and this session's hold on it; with the
 -- bytes of the blocks the database keeps (keys behind INLINE_PREFIX), NULL for the others.
 CREATE OR REPLACE FUNCTION fs_open_v2(p_session bigint, p_ino bigint)
@@ -396,6 +495,9 @@ CREATE = (f"SELECT {INODE_COLUMNS} FROM fs_create_v2(?::bigint, ?::int, ?::bigin
           " ?::int, ?::bigint, ?::bigint, ?::bigint, ?::bytea, ?::boolean, ?::boolean, ?::bigint)")
 _NODE_COLUMNS = ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", "))
 OPEN = f"SELECT {_NODE_COLUMNS}, idx, keys, data FROM fs_open_v2(?::bigint, ?::bigint)"
+RENAME = (f"SELECT {_NODE_COLUMNS}, role, freed, deleted, inodes_delta, used_delta FROM fs_rename_v1(?::bigint,"
+          " ?::int, ?::bigint, ?::boolean, ?::bigint, ?::bytea, ?::bigint, ?::bytea, ?::bigint, ?::float8)")
+RUN_GENERAL_SQLSTATE = "FSRUN"  # a server-side operation's answer: run operations.py's instead
 UNLINK = (f"SELECT {_NODE_COLUMNS}, freed, deleted, inodes_delta, used_delta"
           " FROM fs_unlink_v1(?::bigint, ?::int, ?::bigint, ?::boolean, ?::bigint, ?::bytea, ?::bigint, ?::float8)")
 COMMIT = ("SELECT " + ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", ")) + ", freed, used_delta"

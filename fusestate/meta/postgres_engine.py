@@ -617,7 +617,31 @@ class PostgresEngine:
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
                      flags: int = 0) -> Freed:
-        return await self._write(ops.rename, src_parent, src_name, dst_parent, dst_name, flags, once=True)
+        """A file's rename without flags: one call of ``fs_rename_v1``, holding a lane (as
+        ``create``); a directory's, or one with flags, ``operations.rename``."""
+        if flags or not self.session_id or src_name in (b".", b".."):
+            return await self._write(ops.rename, src_parent, src_name, dst_parent, dst_name, flags, once=True)
+        ops.check_name(dst_name)
+        try:
+            async with self._lanes.hold() as lane:
+                rows = await self._call(server.RENAME, (self.session_id, src_parent, src_name, dst_parent, dst_name,
+                                                        time.time_ns(), time.time()),
+                                        attempts=_Attempts(lane, next(self._ops)))
+        except RefusedByServer as exc:
+            if exc.sqlstate != server.RUN_GENERAL_SQLSTATE:
+                raise
+            return await self._write(ops.rename, src_parent, src_name, dst_parent, dst_name, flags, once=True)
+        freed, changed = Freed(), {}
+        for *columns, role, keys, deleted, inodes, used in rows:
+            node = ops.inode_of_row(tuple(columns))
+            changed[node.id] = node
+            if role == 1:  # the file it replaced
+                self._count(inodes, used)
+                freed = Freed(keys=list(keys), deleted_inode=node.id if deleted else None, unlinked=node)
+                if deleted:
+                    changed[node.id] = None
+        self._remember(changed)
+        return freed
 
     async def setattr(self, ino: int, change: AttrChange) -> Inode:
         return await self._write(ops.setattr, ino, change)
