@@ -212,6 +212,24 @@ BEGIN
   RETURN QUERY SELECT v_freed, v_used;
 END $$;
 
+-- operations._drop_if_unused for a file whose last name just went (its row locked): under
+-- its fence, deleted with its blocks unless a node holds it or the holds cannot be trusted.
+CREATE OR REPLACE FUNCTION fs_drop_unheld_v1(p_ino bigint, p_now_s double precision)
+RETURNS TABLE (freed text[], used_delta bigint, deleted boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_keys text[];
+BEGIN
+  PERFORM pg_advisory_xact_lock({INODE_FENCE}, (p_ino % 2147483647)::int);
+  IF EXISTS (SELECT 1 FROM holds WHERE inode = p_ino) OR fs_keep_orphan_v1(p_ino) THEN
+    RETURN QUERY SELECT '{{}}'::text[], 0::bigint, false;
+    RETURN;
+  END IF;
+  DELETE FROM inodes WHERE id = p_ino;
+  WITH gone AS (DELETE FROM blocks WHERE inode = p_ino RETURNING key) SELECT array_agg(key) INTO v_keys FROM gone;
+  RETURN QUERY SELECT d.freed, d.used_delta, true FROM fs_drop_refs_v1(v_keys, p_now_s) d;
+END $$;
+
 -- operations.unlink: two rows back, the file as changed (nlink 0 and deleted: its inode
 -- and blocks are gone, no node holding it open), then its directory. p_lane, p_op,
 -- p_retry as fs_create_v2's; the lane's row records the file's inode (made), so a retry
@@ -225,7 +243,6 @@ DECLARE
   child inodes;
   v_child bigint;
   v_again bigint;
-  v_keys text[];
   v_freed text[] := '{{}}';
   v_used bigint := 0;
   v_deleted boolean := false;
@@ -264,13 +281,7 @@ BEGIN
   UPDATE inodes SET nlink = nlink - 1, ctime_ns = p_now WHERE id = v_child RETURNING * INTO child;
   UPDATE inodes SET mtime_ns = p_now, ctime_ns = p_now WHERE id = p_parent RETURNING * INTO par;
   IF child.nlink <= 0 THEN
-    PERFORM pg_advisory_xact_lock({INODE_FENCE}, (v_child % 2147483647)::int);
-  END IF;
-  IF child.nlink <= 0 AND NOT EXISTS (SELECT 1 FROM holds WHERE inode = v_child) AND NOT fs_keep_orphan_v1(v_child) THEN
-    DELETE FROM inodes WHERE id = v_child;
-    WITH gone AS (DELETE FROM blocks WHERE inode = v_child RETURNING key) SELECT array_agg(key) INTO v_keys FROM gone;
-    SELECT d.freed, d.used_delta INTO v_freed, v_used FROM fs_drop_refs_v1(v_keys, p_now_s) d;
-    v_deleted := true;
+    SELECT d.freed, d.used_delta, d.deleted INTO v_freed, v_used, v_deleted FROM fs_drop_unheld_v1(v_child, p_now_s) d;
   END IF;
   UPDATE counters SET inodes = inodes - v_deleted::int, used = used + v_used, op = p_op, made = v_child
    WHERE session_id = p_session AND lane = p_lane;
@@ -297,7 +308,6 @@ DECLARE
   v_target bigint;
   v_again bigint;
   v_again_target bigint;
-  v_keys text[];
   v_freed text[] := '{{}}';
   v_used bigint := 0;
   v_deleted boolean := false;
@@ -359,13 +369,7 @@ BEGIN
   UPDATE inodes SET ctime_ns = p_now WHERE id = v_ino RETURNING * INTO child;
   UPDATE inodes SET mtime_ns = p_now, ctime_ns = p_now WHERE id IN (p_src_parent, p_dst_parent);
   IF v_target IS NOT NULL AND old.nlink <= 0 THEN
-    PERFORM pg_advisory_xact_lock({INODE_FENCE}, (v_target % 2147483647)::int);
-    IF NOT EXISTS (SELECT 1 FROM holds WHERE inode = v_target) AND NOT fs_keep_orphan_v1(v_target) THEN
-      DELETE FROM inodes WHERE id = v_target;
-      WITH gone AS (DELETE FROM blocks WHERE inode = v_target RETURNING key) SELECT array_agg(key) INTO v_keys FROM gone;
-      SELECT d.freed, d.used_delta INTO v_freed, v_used FROM fs_drop_refs_v1(v_keys, p_now_s) d;
-      v_deleted := true;
-    END IF;
+    SELECT d.freed, d.used_delta, d.deleted INTO v_freed, v_used, v_deleted FROM fs_drop_unheld_v1(v_target, p_now_s) d;
   END IF;
   UPDATE counters SET inodes = inodes - v_deleted::int, used = used + v_used, op = p_op,
          made = coalesce(v_target, 0)
