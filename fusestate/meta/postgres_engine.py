@@ -77,8 +77,8 @@ _ADD_COUNTERS = "UPDATE counters SET inodes = inodes + ?, used = used + ? WHERE 
 # update of a row no other transaction writes (see ``_Attempts``).
 _MARK = "UPDATE counters SET inodes = inodes + ?, used = used + ?, op = ? WHERE session_id = ? AND lane = ?"
 _DONE = "SELECT 1 FROM counters WHERE session_id = ? AND lane = ? AND op = ?"
-_LANE_LOCK = "SELECT pg_advisory_xact_lock(?::int, ?::int)"
-_INODE_FENCE = _LANE_LOCK
+# A lane's lock (_Attempts) or an inode's fence (pg_functions.INODE_FENCE): (class, key).
+_ADVISORY_LOCK = "SELECT pg_advisory_xact_lock(?::int, ?::int)"
 # The session fence (``pg_functions``) and the commit mode of a namespace change, at once.
 _SESSION_CHECK = "SELECT fs_session_v1(?::bigint, false)"
 
@@ -117,7 +117,7 @@ ALTER TABLE sessions ADD COLUMN IF NOT EXISTS timeout DOUBLE PRECISION NOT NULL 
 -- lookup, and a hold costs one index entry (volumes made before also have holds_by_inode).
 -- UNLOGGED: a hold is written and deleted for every file a node opens, and no WAL record
 -- for either; a crash or a failover of the server empties the table, and so holds_kept,
--- which tells the nodes to register their holds again (see _HOLDS and fs_holds_trusted_v1).
+-- which tells the nodes to register their holds again (see heartbeat and fs_holds_trusted_v1).
 CREATE UNLOGGED TABLE IF NOT EXISTS holds (
     session_id BIGINT NOT NULL, inode BIGINT NOT NULL, PRIMARY KEY (inode, session_id)
 );
@@ -211,7 +211,7 @@ class _SessionHolds:
         """Held by some node; or kept (and recorded for the sweep) while the holds cannot
         be trusted, after the server lost them (``fs_keep_orphan_v1``). Asked after taking
         the file's fence (``INODE_FENCE``), so a close in flight is seen or sees this."""
-        tx.exec(_INODE_FENCE, (server.INODE_FENCE, server.inode_key(ino)))
+        tx.exec(_ADVISORY_LOCK, (server.INODE_FENCE, server.inode_key(ino)))
         row = tx.one("SELECT EXISTS (SELECT 1 FROM holds WHERE inode=?) OR fs_keep_orphan_v1(?)", (ino, ino))
         return bool(row and row[0])
 
@@ -504,7 +504,7 @@ class PostgresEngine:
     def _done_before(self, pipe: Pipeline, attempts: _Attempts) -> bool:
         """Take the operation's lane (waiting for an earlier attempt the server still runs);
         whether an earlier attempt committed, asked only after one sent its commit."""
-        pipe.queue(_LANE_LOCK, (server.LANE_FENCE, server.lane_key(self.session_id, attempts.lane)))
+        pipe.queue(_ADVISORY_LOCK, (server.LANE_FENCE, server.lane_key(self.session_id, attempts.lane)))
         return attempts.sent and bool(pipe.query(_DONE, (self.session_id, attempts.lane, attempts.op)))
 
     def _remember(self, rows: dict[int, Optional[Inode]]) -> None:
@@ -858,17 +858,17 @@ class PostgresEngine:
     async def start(self) -> Freed:
         """Register this mount as a session; clean up sessions whose heartbeat stopped."""
         if not self.read_only:
-            def register(cur: Any) -> int:
-                self._keep_holds(cur, 0)  # before the session's first heartbeat, which then trusts them
+            def register(cur: Any) -> tuple[int, float]:
+                since = self._keep_holds(cur, 0)  # before the session's first heartbeat, which then trusts them
                 cur.execute(f"INSERT INTO sessions (host, pid, mountpoint, started, heartbeat, timeout)"
                             f" VALUES (%s, %s, %s, {_NOW}, {_NOW}, %s) RETURNING id",
                             (socket.gethostname(), os.getpid(), self.mountpoint, self.session_ttl))
                 session_id = cur.fetchone()[0]
                 cur.execute("INSERT INTO counters (session_id, lane) SELECT %s, generate_series(0, %s)"
                             " ON CONFLICT DO NOTHING", (session_id, self._lanes.count))
-                return session_id
+                return session_id, since
 
-            self.session_id = await self.pool.run(register)
+            self.session_id, self._holds_since = await self.pool.run(register)
             log.info("metadata session %d on %s", self.session_id, self.pool.redacted)
         freed = await self.clean_dead_sessions()
         await self._refresh_stats()
@@ -1048,7 +1048,7 @@ def _close_file(tx: ops.Tx, ino: int) -> Freed:
     """``operations.close_file`` without its row lock for a file that still has a name (the
     common close): the file's fence, the hold dropped, then the link count; a file with no
     name left is locked and deleted as there."""
-    tx.exec(_INODE_FENCE, (server.INODE_FENCE, server.inode_key(ino)))
+    tx.exec(_ADVISORY_LOCK, (server.INODE_FENCE, server.inode_key(ino)))
     tx.holds.remove(tx, ino)
     row = tx.one("SELECT nlink FROM inodes WHERE id=?", (ino,))
     if row is None or row[0] > 0:
