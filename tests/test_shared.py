@@ -610,6 +610,15 @@ def test_a_small_file_keeps_its_bytes_in_the_database(make_mount, file_bucket: B
     assert (b.path / "offsets").read_bytes() == grown[:2000]
     assert (a.path / "0").read_bytes() == b"v1\n{}\n"
     assert shared_fsck(file_bucket, pg_url) == []
+    import psycopg
+
+    with psycopg.connect(pg_url) as conn:  # bytes that no longer match their key: fsck says so
+        conn.execute("UPDATE objects SET data = 'x' || data WHERE starts_with(key, 'db-') AND data = %s",
+                     (b"v1\n{}\n",))
+    assert any("other bytes" in problem for problem in shared_fsck(file_bucket, pg_url))
+    with psycopg.connect(pg_url) as conn:
+        conn.execute("UPDATE objects SET data = substr(data, 2) WHERE starts_with(key, 'db-') AND data = %s",
+                     (b"xv1\n{}\n",))
 
     (b.path / "plain").write_bytes(small)
     assert len(file_bucket.block_objects()) == 2

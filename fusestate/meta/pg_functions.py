@@ -378,7 +378,8 @@ BEGIN
   IF v_target IS NOT NULL THEN
     RETURN QUERY SELECT old, 1, v_freed, v_deleted, -v_deleted::int, v_used;
   END IF;
-  RETURN QUERY SELECT i, 2, '{{}}'::text[], false, 0, 0::bigint FROM inodes i WHERE i.id IN (p_src_parent, p_dst_parent);
+  RETURN QUERY SELECT i, 2, '{{}}'::text[], false, 0, 0::bigint FROM inodes i
+                WHERE i.id IN (p_src_parent, p_dst_parent);
 END $$;
 
 -- operations.open_file: the inode, its block map, and this session's hold on it; with the

@@ -927,7 +927,8 @@ class PostgresEngine:
         name and no holder, once they can be (a few hundred per heartbeat)."""
         def sweep(tx: ops.Tx) -> Freed:
             freed = Freed()
-            if not tx.one("SELECT EXISTS (SELECT 1 FROM orphans_kept) AND fs_holds_trusted_v1()")[0]:  # type: ignore[index]
+            due = tx.one("SELECT EXISTS (SELECT 1 FROM orphans_kept) AND fs_holds_trusted_v1()")
+            if not (due and due[0]):
                 return freed
             kept = tx.all("DELETE FROM orphans_kept WHERE inode IN (SELECT inode FROM orphans_kept LIMIT 500)"
                           " RETURNING inode")
