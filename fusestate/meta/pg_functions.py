@@ -230,6 +230,23 @@ BEGIN
   RETURN QUERY SELECT d.freed, d.used_delta, true FROM fs_drop_refs_v1(v_keys, p_now_s) d;
 END $$;
 
+-- The start of an operation that holds a lane (unlink, rename): the session's fence, the
+-- lane's lock (waiting for an earlier attempt the server still runs), and on a retry the
+-- inode the lane's row recorded if an earlier attempt committed (NULL: run the operation).
+CREATE OR REPLACE FUNCTION fs_lane_begin_v1(p_session bigint, p_lane int, p_op bigint, p_retry boolean)
+RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_made bigint;
+BEGIN
+  PERFORM fs_session_v1(p_session, false);
+  PERFORM pg_advisory_xact_lock({LANE_FENCE}, {_LANE_KEY});
+  IF p_retry THEN
+    SELECT made INTO v_made FROM counters WHERE session_id = p_session AND lane = p_lane AND op = p_op;
+  END IF;
+  RETURN v_made;
+END $$;
+
 -- operations.unlink: two rows back, the file as changed (nlink 0 and deleted: its inode
 -- and blocks are gone, no node holding it open), then its directory. p_lane, p_op,
 -- p_retry as fs_create_v2's; the lane's row records the file's inode (made), so a retry
@@ -247,18 +264,14 @@ DECLARE
   v_used bigint := 0;
   v_deleted boolean := false;
 BEGIN
-  PERFORM fs_session_v1(p_session, false);
-  PERFORM pg_advisory_xact_lock({LANE_FENCE}, {_LANE_KEY});
-  IF p_retry THEN
-    SELECT made INTO v_child FROM counters WHERE session_id = p_session AND lane = p_lane AND op = p_op;
-    IF FOUND THEN  -- done by an earlier attempt
-      SELECT * INTO child FROM inodes WHERE id = v_child;
-      v_deleted := NOT FOUND;
-      child.id := v_child;
-      RETURN QUERY SELECT child, '{{}}'::text[], v_deleted, 0, 0::bigint;
-      RETURN QUERY SELECT i, NULL::text[], false, 0, 0::bigint FROM inodes i WHERE i.id = p_parent;
-      RETURN;
-    END IF;
+  v_child := fs_lane_begin_v1(p_session, p_lane, p_op, p_retry);
+  IF v_child IS NOT NULL THEN  -- done by an earlier attempt
+    SELECT * INTO child FROM inodes WHERE id = v_child;
+    v_deleted := NOT FOUND;
+    child.id := v_child;
+    RETURN QUERY SELECT child, '{{}}'::text[], v_deleted, 0, 0::bigint;
+    RETURN QUERY SELECT i, NULL::text[], false, 0, 0::bigint FROM inodes i WHERE i.id = p_parent;
+    RETURN;
   END IF;
   LOOP  -- the name, then both rows locked in inode order, then the name again
     SELECT inode INTO v_child FROM entries WHERE parent = p_parent AND name = p_name;
@@ -312,15 +325,11 @@ DECLARE
   v_used bigint := 0;
   v_deleted boolean := false;
 BEGIN
-  PERFORM fs_session_v1(p_session, false);
-  PERFORM pg_advisory_xact_lock({LANE_FENCE}, {_LANE_KEY});
-  IF p_retry THEN
-    SELECT made INTO v_target FROM counters WHERE session_id = p_session AND lane = p_lane AND op = p_op;
-    IF FOUND THEN  -- done by an earlier attempt: the directories as they are now
-      RETURN QUERY SELECT i, 2, '{{}}'::text[], false, 0, 0::bigint FROM inodes i
-                    WHERE i.id IN (p_src_parent, p_dst_parent);
-      RETURN;
-    END IF;
+  IF fs_lane_begin_v1(p_session, p_lane, p_op, p_retry) IS NOT NULL THEN
+    -- done by an earlier attempt: the directories as they are now
+    RETURN QUERY SELECT i, 2, '{{}}'::text[], false, 0, 0::bigint FROM inodes i
+                  WHERE i.id IN (p_src_parent, p_dst_parent);
+    RETURN;
   END IF;
   LOOP  -- both names, then every row locked in inode order, then both names again
     SELECT inode INTO v_ino FROM entries WHERE parent = p_src_parent AND name = p_src_name;
