@@ -305,13 +305,14 @@ def test_mount_helper_translates_options(tmp_path: Path):
     opts = ("rw,_netdev,nofail,x-systemd.requires=network-online.target,comment=x,cache_dir=/var/cache/fs/a,"
             "cache_size=50G,max_dirty=1G,allow_other,ro,endpoint_url=http://127.0.0.1:9000/x?a=b,"
             "metrics_addr=0.0.0.0:9567,readahead=4,takeover,scratch=blockmgr-*,nosuid,nodev,"
-            "meta=postgresql://fs@db.internal:5432/volumes,session_timeout=20")
+            "meta=postgresql://fs@db.internal:5432/volumes,session_timeout=20,inline_max=0")
     subprocess.run([helper, "s3://bucket/vol", "/mnt/a b", "-n", "-o", opts, "-t", "fusestate"], check=True, env=env)
     assert _calls(log) == [[
         "mount", "s3://bucket/vol", "/mnt/a b", "--cache-dir", "/var/cache/fs/a", "--cache-size", "50G",
         "--max-dirty", "1G", "--allow-other", "--read-only", "--endpoint-url", "http://127.0.0.1:9000/x?a=b",
         "--metrics-addr", "0.0.0.0:9567", "--readahead", "4", "--takeover", "--scratch", "blockmgr-*",
-        "-o", "nosuid", "-o", "nodev", "--meta", "postgresql://fs@db.internal:5432/volumes", "--session-timeout", "20"]]
+        "-o", "nosuid", "-o", "nodev", "--meta", "postgresql://fs@db.internal:5432/volumes", "--session-timeout", "20",
+        "--inline-max", "0"]]
     # Every option of the fstab example is understood.
     for line in (SYSTEMD / "fstab.example").read_text().splitlines():
         if not line.strip() or line.lstrip().startswith("#"):
@@ -573,6 +574,7 @@ def test_daemonset_contract(rendered):
         assert args[args.index("--session-timeout") + 1] == "20"
         assert args[args.index("--meta-outage-budget") + 1] == "60"
         assert args[args.index("--meta-connections") + 1] == "8"
+        assert args[args.index("--inline-max") + 1] == "4096"
         return
     # A volume of its own per node: the URL ends in the node's name.
     assert env["FUSESTATE_URL"]["value"] == values["volume"]["url"].rstrip("/") + "/$(NODE_NAME)"
