@@ -170,6 +170,7 @@ _UNKNOWN = ("SELECT k FROM unnest(%s::text[]) AS k WHERE NOT EXISTS (SELECT 1 FR
             " AND NOT EXISTS (SELECT 1 FROM uploads WHERE key=k)")
 _LOCK_INODES = f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id = ANY(?) ORDER BY id FOR UPDATE"
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock: one clock for every node
+_SWEEP_DUE = "SELECT EXISTS (SELECT 1 FROM orphans_kept) AND fs_holds_trusted_v1()"
 
 
 class SessionLost(FsError):
@@ -926,20 +927,15 @@ class PostgresEngine:
         """Delete the files kept while the holds could not be trusted that still have no
         name and no holder, once they can be (a few hundred per heartbeat)."""
         def sweep(tx: ops.Tx) -> Freed:
-            freed = Freed()
-            due = tx.one("SELECT EXISTS (SELECT 1 FROM orphans_kept) AND fs_holds_trusted_v1()")
-            if not (due and due[0]):
-                return freed
             kept = tx.all("DELETE FROM orphans_kept WHERE inode IN (SELECT inode FROM orphans_kept LIMIT 500)"
                           " RETURNING inode")
-            for (ino,) in sorted(kept):
-                tx.lock([ino])
-                row = tx.one("SELECT nlink FROM inodes WHERE id=?", (ino,))
-                if row is not None and row[0] == 0 and not tx.holds.held(tx, ino):
-                    freed.keys += ops.drop_orphans(tx, [ino]).keys
-            return freed
+            return _drop_nameless(tx, [ino for (ino,) in kept])
 
         if self.read_only:
+            return Freed()
+        # A read first: almost always there is nothing to sweep, and no write transaction is due.
+        due = await self._read(lambda tx: tx.one(_SWEEP_DUE))
+        if not (due and due[0]):
             return Freed()
         return await self._write(sweep)
 
@@ -1078,7 +1074,14 @@ def _clean_session(tx: ops.Tx, session: int) -> Freed:
             (session, session))
     # Its scratch files were readable nowhere else: their names go with it.
     freed.keys += ops.purge_scratch(tx, session).keys
-    for ino in sorted(held):
+    freed.keys += _drop_nameless(tx, held).keys
+    return freed
+
+
+def _drop_nameless(tx: ops.Tx, inodes: list[int]) -> Freed:
+    """Delete those of these files that have no name left and that no node holds."""
+    freed = Freed()
+    for ino in sorted(inodes):
         tx.lock([ino])
         row = tx.one("SELECT nlink FROM inodes WHERE id=?", (ino,))
         if row is not None and row[0] == 0 and not tx.holds.held(tx, ino):
