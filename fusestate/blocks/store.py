@@ -45,9 +45,23 @@ RANGE_READ_MEMORY_SHARE = 4  # remember 1/4 as many range-read blocks as the dis
 HANDED_OVER = 16  # blocks a page fill fetched, kept a moment for readers that waited on the same fetch
 # Blocks this small are hashed on the event loop (tens of microseconds): a thread hop costs more.
 HASH_ON_LOOP_BYTES = 64 * 1024
-# On a shared engine, blocks this small go from memory straight to the bucket before their
-# commit (``upload_before_commit``): no staging file, no uploader queue, no thread hops.
+# On a shared engine every block a write seals goes from memory to the bucket before its
+# commit (``upload_before_commit``): no staging file, no uploader queue. Blocks this small are
+# then always kept in the disk cache, and put at once (a close or fsync waits for them);
+# larger ones take one of --upload-concurrency slots and are kept on disk only while whole
+# blocks pay (``keeps_written``).
 DIRECT_PUT_BYTES = 256 * 1024
+# Blocks put from memory that may wait at once for the disk cache (``_keep_on_disk``): past it a
+# written block is not kept, rather than hold its bytes in memory for a cache write.
+KEEP_BEHIND_BLOCKS = 8
+
+
+@dataclass
+class _Put:
+    """A block being put from memory; a seal of the same bytes meanwhile waits for it."""
+
+    done: trio.Event
+    began: Optional[float] = None  # set once it is in the bucket
 
 
 @contextlib.contextmanager
@@ -107,6 +121,11 @@ class BlockStore:
         self._background = BackgroundThreads(prefetch_concurrency, "refetch")
         self._nursery: Optional[trio.Nursery] = None
         self._staging_inflight: dict[str, trio.Event] = {}  # keys being written to staging
+        # Shared engines: blocks being put from memory, the slots large ones take, and how many
+        # written blocks wait to be kept in the disk cache.
+        self._putting: dict[str, _Put] = {}
+        self._put_slots = trio.CapacityLimiter(max(1, uploader.concurrency))
+        self._keeping = 0
         # Shared engines: how many seals on this node wait to commit each uploaded block.
         self._awaiting_commit: collections.Counter[str] = collections.Counter()
         self._waiting_for_room = 0  # staging writes waiting for a full cache disk to make room
@@ -133,7 +152,7 @@ class BlockStore:
         awaiting in between, so the object cannot be discarded under it. Raises
         OSError(ENOSPC) when the cache disk is full and nothing will free it.
         ``direct``: the caller passes the bytes to ``upload_before_commit`` (a shared
-        engine), which puts a small block from memory: it is not staged.
+        engine), which puts the block from memory: it is not staged.
         """
         if len(data) <= HASH_ON_LOOP_BYTES:
             key = seal_digest(data)
@@ -147,11 +166,11 @@ class BlockStore:
             # key), and its commit finds out whether the collector took them meanwhile.
             while key in self._staging_inflight:
                 await self._staging_inflight[key].wait()
-            if self.uploader.is_pending(key):
-                self.deduplicated_blocks += 1
+            if self.uploader.is_pending(key) or (direct and key in self._putting):
+                self.deduplicated_blocks += 1  # its commit waits for that upload
                 self.deduplicated_bytes += len(data)
                 return key
-            if direct and len(data) <= DIRECT_PUT_BYTES:
+            if direct:
                 return key
             with _in_flight(self._staging_inflight, key):
                 await self._write_staging(key, data)
@@ -215,27 +234,77 @@ class BlockStore:
         return await trio.to_thread.run_sync(self.staging.has_room, self.block_size, limiter=self._local_io)
 
     async def upload_before_commit(self, key: str, data: BlockData) -> float:
-        """A shared engine commits a block only once it is in the bucket: put it (a small
-        one sealed ``direct`` from memory, now; else through the uploader's queue) and
-        wait. Then ``committed`` or ``abandon`` the key. Returns when (monotonic) its upload
-        began, for the commit (``commit_blocks(uploads_began=...)``)."""
+        """A shared engine commits a block only once it is in the bucket: put it from memory
+        (one sealed ``direct``; a block staged for another commit goes through the
+        uploader's queue) and wait. Then ``committed`` or ``abandon`` the key. Returns when
+        (monotonic) its upload began, for the commit (``commit_blocks(uploads_began=...)``).
+        A failed upload (``RemoteError`` after the remote's retry budget) leaves the bytes
+        with the caller: nothing of them is kept."""
         self.expect_commit(key)
-        if len(data) > DIRECT_PUT_BYTES or self.uploader.is_pending(key):
+        if self.uploader.is_pending(key):
             return await self.upload_expected([(key, len(data))])
         try:
-            began = await self._put_now(key, data)
+            return await self._put_shared(key, data)
         except BaseException:
             await self._stop_awaiting(key)
             raise
+
+    async def _put_shared(self, key: str, data: BlockData) -> float:
+        """Put a sealed block from memory, once however many seals of the same bytes wait
+        for it; returns when the upload they share began."""
+        while (other := self._putting.get(key)) is not None:
+            await other.done.wait()
+            if other.began is not None:
+                return other.began
+            # that upload failed: this seal tries its own
+        put = self._putting[key] = _Put(trio.Event())
+        try:
+            if len(data) <= DIRECT_PUT_BYTES:  # a close or fsync waits for it: no queue
+                put.began = await self._put_registered(key, data)
+            else:
+                async with self._put_slots:
+                    put.began = await self._put_registered(key, data)
+        finally:
+            del self._putting[key]
+            put.done.set()
+        if self._nursery is not None:  # for reads once the memory cache lets it go; off the commit's path
+            if len(data) <= DIRECT_PUT_BYTES:
+                self._nursery.start_soon(self._keep_on_disk, key, data, False)
+            elif self._keeping < KEEP_BEHIND_BLOCKS and self.keeps_written():
+                self._keeping += 1
+                self._nursery.start_soon(self._keep_on_disk, key, data, True)
+        return put.began
+
+    async def _put_registered(self, key: str, data: BlockData) -> float:
+        """Put a block as the uploader does for a shared engine: told to the engine first
+        (a node whose session was lost puts nothing), skipped if the engine says the bucket
+        has it, after a deletion of it by the collector if one is under way."""
+        began = time.monotonic()
+        while (in_bucket := await self.meta.begin_upload(key, len(data))) is None:
+            await trio.sleep(0.2)
+        if in_bucket:
+            self.uploader.stats.dedup_skipped += 1
+            return began
+        began = await self._put_now(key, data)
         self.uploader.stats.uploaded_blocks += 1
         self.uploader.stats.uploaded_bytes += len(data)
-        if self._nursery is not None:  # for reads once the memory cache lets it go; off the commit's path
-            self._nursery.start_soon(self._keep_on_disk, key, data)
         return began
 
-    async def _keep_on_disk(self, key: str, data: BlockData) -> None:
-        with contextlib.suppress(OSError):  # a full cache disk must not fail anything: it is in the bucket
-            await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
+    def keeps_written(self) -> bool:
+        """Whether a large block written here is also kept in the disk cache: only while
+        fetching whole blocks from the bucket pays (see ``read_costs``). A bucket as fast as
+        the cache disk serves this node's reads as well, and a copy of every block written
+        would be a second disk write per byte (the kernel's page cache and the memory cache
+        keep what is read back soon)."""
+        return self.read_costs.whole_blocks_pay()
+
+    async def _keep_on_disk(self, key: str, data: BlockData, counted: bool) -> None:
+        try:
+            with contextlib.suppress(OSError):  # a full cache disk must not fail anything: it is in the bucket
+                await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
+        finally:
+            if counted:
+                self._keeping -= 1
 
     async def put_again(self, key: str, data: BlockData) -> float:
         """Put a block's bytes in the bucket again, now: the collector deleted them while
@@ -247,7 +316,7 @@ class BlockStore:
     async def _put_now(self, key: str, data: BlockData) -> float:
         """Put a block's bytes from memory; returns when (monotonic) the PUT began."""
         began = time.monotonic()
-        await self.remote.aput(object_name(key), bytes(data))
+        await self.remote.aput(object_name(key), data, direct=True)
         return began
 
     def expect_commit(self, key: str) -> None:

@@ -79,6 +79,9 @@ class Uploader:
         self._room = trio.Event()
         self.staged_bytes = 0
         self.memory_dirty_bytes: Callable[[], int] = lambda: 0
+        # Whether blocks are being sealed or put from memory (a shared engine): their end makes
+        # room too, and says so with ``room_changed``.
+        self.memory_in_flight: Callable[[], bool] = lambda: False
         self._pins: dict[str, int] = {}
         self.deleting: dict[str, trio.Event] = {}  # blocks the garbage collector is deleting
 
@@ -189,11 +192,12 @@ class Uploader:
         started = time.monotonic()
         self.stats.backpressure_waits += 1
         self.expedite_all()
-        while self.dirty_bytes() + nbytes > self.max_dirty and self.staged_bytes > 0:
+        while self.dirty_bytes() + nbytes > self.max_dirty and (self.staged_bytes > 0 or self.memory_in_flight()):
             await self._room.wait()
         self.stats.backpressure_seconds += time.monotonic() - started
 
-    def _room_changed(self) -> None:
+    def room_changed(self) -> None:
+        """Dirty data went down (or may have): writers waiting for room look again."""
         self._room.set()
         self._room = trio.Event()
 
@@ -350,7 +354,7 @@ class Uploader:
         del self._pending[key]
         self.staged_bytes -= p.size
         p.done.set()
-        self._room_changed()
+        self.room_changed()
 
     def _move_to_cache(self, key: str) -> None:
         """Keep an uploaded block in the disk read cache: its staging file becomes the entry.

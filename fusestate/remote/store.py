@@ -20,7 +20,7 @@ import fsspec
 import tenacity
 import trio
 
-from fusestate.localio import OpenFiles, copy_direct, drop_cached, read_file, write_all
+from fusestate.localio import OpenFiles, copy_direct, drop_cached, read_file, write_all, write_file
 from fusestate.remote.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -150,12 +150,18 @@ class RemoteStore:
         self.stats.bytes_in += len(data)
         return data
 
-    def put(self, key: str, data: bytes) -> None:
-        """Write an object; atomic on every backend (temp file + rename on file://)."""
+    def put(self, key: str, data: bytes | bytearray | memoryview, direct: bool = False) -> None:
+        """Write an object; atomic on every backend (temp file + rename on file://).
+        ``direct``: a block, which on file:// goes past the page cache (``O_DIRECT``
+        where the filesystem allows it, straight from a page-aligned buffer)."""
         if self._is_local:
-            self._call("put", key, lambda: self._put_local(key, lambda f: write_all(f, data)))
+            if direct:
+                self._call("put", key, lambda: self._put_local(key, lambda f: _write_direct(f, data)))
+            else:
+                self._call("put", key, lambda: self._put_local(key, lambda f: write_all(f, data)))
         else:
-            self._call("put", key, lambda: self.fs.pipe_file(self.path(key), data))
+            payload = data if isinstance(data, bytes) else bytes(data)  # fsspec's clients want bytes
+            self._call("put", key, lambda: self.fs.pipe_file(self.path(key), payload))
         self.stats.bytes_out += len(data)
 
     def put_file(self, key: str, path: str) -> None:
@@ -257,8 +263,8 @@ class RemoteStore:
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    async def aput(self, key: str, data: bytes) -> None:
-        await self.run(self.put, key, data)
+    async def aput(self, key: str, data: bytes | bytearray | memoryview, direct: bool = False) -> None:
+        await self.run(self.put, key, data, direct)
 
     async def aput_file(self, key: str, path: str) -> None:
         await self.run(self.put_file, key, path)
@@ -268,6 +274,13 @@ class RemoteStore:
 
     async def adelete(self, key: str) -> None:
         await self.run(self.delete, key)
+
+
+def _write_direct(out: BinaryIO, data: bytes | bytearray | memoryview) -> int:
+    """Write a block into an empty file past the page cache where the filesystem allows
+    it (the file is fsynced and its pages dropped after, either way)."""
+    write_file(out, data, keep_cached=False, direct=True)
+    return len(data)
 
 
 def _copy_file(path: str, out: BinaryIO) -> int:

@@ -134,6 +134,7 @@ class FileSystem:
         # Set by the daemon: waits until the metadata journal is in the bucket.
         self.ship_metadata: Optional[Callable[[], Awaitable[None]]] = None
         uploader.memory_dirty_bytes = self.memory_dirty_bytes
+        uploader.memory_in_flight = lambda: self._sealing_bytes > 0
 
     # --- lifecycle -------------------------------------------------------------
     async def start(self, nursery: trio.Nursery) -> None:
@@ -795,18 +796,23 @@ class FileSystem:
                     key = self.blocks.seal_inline(data)
                 else:
                     key = await self.blocks.seal(data, direct=True) if data else None
-                # Staged (or a hole, or bytes already staged): the sealing bound is about
-                # memory being hashed and staged. A shared engine's wait for the upload and
-                # the commit counts against --max-dirty, as staged bytes and as the block
-                # still in f.sealing; held here too, it throttled writers per upload.
-                staged = True
-                self._sealing_done(size)
+                # Staged (or a hole, or inline): the sealing bound is about memory being
+                # hashed and staged. A shared engine puts the block from memory, so it stays
+                # counted until its upload ends: a writer faster than the uploads waits for
+                # them rather than grow the daemon's memory.
+                uploads = key is not None and self.meta.shared and not inline
+                if not uploads:
+                    staged = True
+                    self._sealing_done(size)
                 began: Optional[float] = None
                 if inline:
                     began = time.monotonic()  # its commit carries the bytes
-                elif key is not None and self.meta.shared:
+                elif uploads:
+                    assert key is not None
                     began = await self.blocks.upload_before_commit(key, data)
                     awaiting_commit = True
+                    staged = True
+                    self._sealing_done(size)
                 # One commit of this file at a time, so the generation checked is still the
                 # newest when the block map changes (an older seal never overwrites a newer).
                 async with f.commit_lock:
@@ -849,6 +855,7 @@ class FileSystem:
             f.seal_finished()
             if not staged:
                 self._sealing_done(size)
+            self.uploader.room_changed()  # f.sealing let go of the block (or it is dirty again)
 
     def _keeps_inline(self, f: OpenFile, index: int, data: BlockData) -> bool:
         """Whether a sealed block goes to the database with its commit, not to the bucket:
