@@ -811,13 +811,17 @@ def test_an_fsyncs_durable_commit_leaves_its_sync_nothing_to_do(new_engine, pg_u
     it (the rename of a commit pattern) makes the next sync flush again."""
     async def body(a: MetaEngine) -> None:
         sent = []
-        run = a.pool.run
+        run, query = a.pool.run, a.pool.query
 
         async def counting(fn, *args, **kw):
             sent.append(fn)
             return await run(fn, *args, **kw)
 
-        a.pool.run = counting
+        async def counting_query(sql, *args, **kw):
+            sent.append(sql)
+            return await query(sql, *args, **kw)
+
+        a.pool.run, a.pool.query = counting, counting_query
         f = await a.create(ROOT_INODE, b"tmp", FILE)
         await a.sync()
         assert len(sent) == 2  # the create committed without waiting for the WAL flush

@@ -193,20 +193,33 @@ def parent_of(tx: Tx, ino: int) -> int:
     return row[0] if row else ROOT_INODE
 
 
-def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
-    if len(name) <= NAME_MAX and name not in (b".", b".."):
-        # One statement, whether the name is there or not (half of Spark's lookups are
-        # for names not made yet): the parent's mode comes along to tell ENOENT from ENOTDIR.
-        row = tx.one(f"SELECT p.mode, {_JOINED_INODE_COLUMNS} FROM inodes p"
-                     " LEFT JOIN entries e ON e.parent = p.id AND e.name = ?"
-                     " LEFT JOIN inodes i ON i.id = e.inode WHERE p.id = ?", (name, parent))
-        if row is None:
-            raise FsError(errno.ENOENT)
-        if row[1] is not None:
-            return inode_of_row(row[1:])
-        if row[0] & _S_IFMT != stat.S_IFDIR:
-            raise FsError(errno.ENOTDIR)
+# One statement, whether the name is there or not (half of Spark's lookups are for names
+# not made yet): the parent's mode comes along to tell ENOENT from ENOTDIR. Arguments:
+# (name, parent); its answer goes to ``looked_up``.
+LOOKUP = (f"SELECT p.mode, {_JOINED_INODE_COLUMNS} FROM inodes p"
+          " LEFT JOIN entries e ON e.parent = p.id AND e.name = ?"
+          " LEFT JOIN inodes i ON i.id = e.inode WHERE p.id = ?")
+
+
+def plain_name(name: bytes) -> bool:
+    """Whether a lookup of ``name`` is the one statement ``LOOKUP``."""
+    return len(name) <= NAME_MAX and name not in (b".", b"..")
+
+
+def looked_up(row: Optional[tuple]) -> Inode:
+    """The inode ``LOOKUP`` found, or the error its row tells."""
+    if row is None:
         raise FsError(errno.ENOENT)
+    if row[1] is not None:
+        return inode_of_row(row[1:])
+    if row[0] & _S_IFMT != stat.S_IFDIR:
+        raise FsError(errno.ENOTDIR)
+    raise FsError(errno.ENOENT)
+
+
+def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
+    if plain_name(name):
+        return looked_up(tx.one(LOOKUP, (name, parent)))
     _directory(tx, parent)
     if len(name) > NAME_MAX:
         raise FsError(errno.ENAMETOOLONG)  # not ENOENT: no such name can exist

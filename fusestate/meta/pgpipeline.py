@@ -19,14 +19,15 @@ of a write's CPU. ``Pipeline`` keeps psycopg for connections, errors and loading
   reaches it (the statements after it in the pipeline are skipped by the server).
 
 Waits for the socket go to the trio loop when running under ``loop_io.run_on_loop``, and
-block the thread anywhere else.
+block the thread anywhere else; ``aread`` awaits them from a trio task directly.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import psycopg
+import trio
 from psycopg import errors, pq
 from psycopg.adapt import Transformer
 
@@ -211,19 +212,36 @@ class Pipeline:
 
     def read(self) -> None:
         """Send what is queued with a sync point and take in every result up to it."""
+        fd = self._pgconn.socket
+        steps = self._exchange()
+        for write in steps:
+            wait_socket(fd, write)
+
+    async def aread(self) -> None:
+        """``read`` awaiting the socket on the trio loop: for a caller that is a trio task
+        itself (``PgPool.query``), which needs no greenlet to wait."""
+        fd = self._pgconn.socket
+        for write in self._exchange():
+            if write:
+                await trio.lowlevel.wait_writable(fd)
+            else:
+                await trio.lowlevel.wait_readable(fd)
+
+    def _exchange(self) -> Iterator[bool]:
+        """The work of ``read``; yields each time it must wait for the socket (True:
+        until it takes more to send, False: until there is more to read)."""
         pgconn = self._pgconn
         pgconn.pipeline_sync()
         self._unsent = False
-        fd = pgconn.socket
         while pgconn.flush():
-            wait_socket(fd, write=True)
+            yield True
         expected, self._expected = self._expected, []
         preparing, self._preparing = self._preparing, {}
         error: Optional[psycopg.Error] = None
         index = 0
         while True:
             while pgconn.is_busy():
-                wait_socket(fd, write=False)
+                yield False
                 pgconn.consume_input()
             result = pgconn.get_result()
             if result is None:

@@ -2,7 +2,9 @@
 
 A whole transaction runs as one call (``fn(cursor)``), written as blocking code; on the
 event loop it runs in a greenlet that waits for the database on the loop itself
-(:mod:`fusestate.meta.loop_io`), so a FUSE operation costs no thread hop. Round trips
+(:mod:`fusestate.meta.loop_io`), so a FUSE operation costs no thread hop. A read of one
+statement (a lookup, a stat) needs no transaction and no greenlet: ``query`` sends it on an
+idle connection from the calling task and awaits the answer there, at about half the CPU. Round trips
 are what a namespace operation costs (about 0.1 ms each, even on the same machine), so a
 caller may run without ``conn.transaction()`` (``explicit=True``): reads then run one
 statement per round trip with no BEGIN and COMMIT of their own, and writes send BEGIN
@@ -40,6 +42,7 @@ first that accepts writes. On top of that the pool
 
 from __future__ import annotations
 
+import collections
 import errno
 import functools
 import logging
@@ -50,7 +53,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import psycopg
 import trio
@@ -59,11 +62,13 @@ from psycopg.conninfo import conninfo_to_dict
 from fusestate.config import redact_url
 from fusestate.errors import FsError, UserError
 from fusestate.meta.loop_io import LoopConnection, await_, on_loop, run_on_loop
-from fusestate.meta.pgpipeline import never_prepare
+from fusestate.meta.pgpipeline import Pipeline, never_prepare
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# A statement's arguments, or a function of the connection that gives them for each attempt.
+Arguments = Union[Sequence[Any], Callable[[psycopg.Connection], Sequence[Any]]]
 
 IDLE, INTRANS, INERROR = (psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS,
                           psycopg.pq.TransactionStatus.INERROR)
@@ -140,7 +145,9 @@ class PgPool:
         self.redacted = redact(url)
         self.size = size
         self.outage_budget = outage_budget
-        self._idle: queue.LifoQueue[psycopg.Connection] = queue.LifoQueue()
+        # Idle connections, the most recently used last (a deque: its append and pop are
+        # atomic, for threads and the loop alike, and cost no lock).
+        self._idle: collections.deque[psycopg.Connection] = collections.deque()
         self._limiter = trio.CapacityLimiter(size)
         self._outage_logged = False
         self.retries = 0
@@ -172,7 +179,7 @@ class PgPool:
     def open_connections(self) -> int:
         """Connections held: idle ones and those a transaction is using."""
         with self._busy_lock:
-            return self._idle.qsize() + len(self._busy)
+            return len(self._idle) + len(self._busy)
 
     async def run(self, fn: Callable[..., T], *args: Any, explicit: bool = False) -> T:
         """``fn(cursor, *args)`` in one transaction, its waits on the event loop.
@@ -188,6 +195,61 @@ class PgPool:
             return await run_on_loop(functools.partial(self.run_sync, fn, *args, explicit=explicit))
         finally:
             self._limiter.release()
+
+    async def query(self, sql: str, args: Arguments = ()) -> list[tuple]:
+        """The rows of one statement on its own (autocommit: a read, or a server-side
+        operation that is its own transaction).
+
+        The hot path of a lookup, a stat and each namespace operation: the calling task
+        sends the statement on an idle connection and awaits the answer itself, with no
+        greenlet and no cursor, about half the daemon's CPU of a call through :meth:`run`.
+        Whatever is not plain (no idle connection, an outage being ridden out, a lost
+        connection, a conflict) runs as :meth:`run` does, with its retries; a refusal of
+        the statement (an ``FS`` SQLSTATE) is raised as there. ``args`` may be a function
+        of the connection that gives the arguments of each attempt (a retry may have to
+        say that it is one)."""
+        try:
+            self._limiter.acquire_nowait()
+        except trio.WouldBlock:  # every connection busy: wait for one as run() does
+            return await self.run(_query_in_pipeline, sql, args, explicit=True)
+        try:
+            conn = None if self._gave_up else self._take_idle()
+            if conn is not None:
+                try:
+                    with self._watched(conn), Pipeline(conn) as pipe:
+                        slot = pipe.queue(sql, args(conn) if callable(args) else args, rows=True)
+                        await pipe.aread()
+                    self._give(conn)
+                    return slot.rows  # type: ignore[union-attr, return-value]
+                except psycopg.Error as exc:
+                    if (exc.sqlstate or "").startswith(REFUSED_CLASS):
+                        raise self._refused(conn, exc) from None
+                    lost = conn.closed or isinstance(exc, psycopg.OperationalError)
+                    if lost:
+                        self._discard(conn)
+                    else:
+                        self._give(conn)
+                    if not lost and exc.sqlstate not in RETRIED_SQLSTATES:
+                        raise
+                except BaseException:
+                    self._discard(conn)  # cancelled half-way: its answer may still come
+                    raise
+            # The slot held: run() here would wait for a second one.
+            return await run_on_loop(functools.partial(self.run_sync, _query_in_pipeline, sql, args,
+                                                       explicit=True))
+        finally:
+            self._limiter.release()
+
+    def _take_idle(self) -> Optional[psycopg.Connection]:
+        """An idle connection on the current timeline; None if none is."""
+        while True:
+            try:
+                conn = self._idle.pop()
+            except IndexError:
+                return None
+            if not conn.closed and getattr(conn, "timeline", 0) >= self.timeline:
+                return conn
+            self._discard(conn)
 
     def run_sync(self, fn: Callable[..., T], *args: Any, explicit: bool = False) -> T:
         """The same, blocking: from a thread, before the event loop starts, or (through
@@ -285,14 +347,9 @@ class PgPool:
 
     # --- connections ----------------------------------------------------------------------
     def _take(self) -> psycopg.Connection:
-        while True:
-            try:
-                conn = self._idle.get_nowait()
-            except queue.Empty:
-                break
-            if not conn.closed and getattr(conn, "timeline", 0) >= self.timeline:
-                return conn
-            self._discard(conn)
+        conn = self._take_idle()
+        if conn is not None:
+            return conn
         self.reconnects += 1
         if on_loop():
             return await_(lambda: trio.to_thread.run_sync(self._connect))
@@ -422,7 +479,7 @@ class PgPool:
         if conn.closed or conn.info.transaction_status != IDLE or getattr(conn, "timeline", 0) < self.timeline:
             self._discard(conn)
         else:
-            self._idle.put(conn)
+            self._idle.append(conn)
 
     @staticmethod
     def _discard(conn: Optional[psycopg.Connection]) -> None:
@@ -435,8 +492,8 @@ class PgPool:
     def close_idle(self) -> None:
         while True:
             try:
-                self._discard(self._idle.get_nowait())
-            except queue.Empty:
+                self._discard(self._idle.pop())
+            except IndexError:
                 return
 
     def close(self) -> None:
@@ -497,6 +554,12 @@ class _Watched:
     def __exit__(self, *exc: object) -> None:
         with self.pool._busy_lock:
             self.pool._busy.pop(id(self.busy.conn), None)
+
+
+def _query_in_pipeline(cur: psycopg.Cursor, sql: str, args: Arguments) -> list[tuple]:
+    """:meth:`PgPool.query`'s statement as a transaction function of :meth:`PgPool.run`."""
+    with Pipeline(cur.connection) as pipe:
+        return pipe.query(sql, args(cur.connection) if callable(args) else args)
 
 
 def timeline_of(cur: psycopg.Cursor) -> int:

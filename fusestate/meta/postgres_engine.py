@@ -534,18 +534,17 @@ class PostgresEngine:
 
         timelines: list[int] = []
 
-        def call(cur: Any) -> list[tuple]:
-            timelines.append(timeline_of(cur))
-            values = args
-            if attempts is not None:
-                attempts.retried, attempts.sent = attempts.sent, True
-                if attempts.op:
-                    values = (args[0], attempts.lane, attempts.op, attempts.retried, *args[1:])
-            with Pipeline(cur.connection) as pipe:
-                return pipe.query(statement, values)
+        def values(conn: Any) -> tuple:
+            timelines.append(int(getattr(conn, "timeline", 0)))
+            if attempts is None:
+                return args
+            attempts.retried, attempts.sent = attempts.sent, True
+            if attempts.op:
+                return (args[0], attempts.lane, attempts.op, attempts.retried, *args[1:])
+            return args
 
         try:
-            rows = await self.pool.run(call, explicit=True)
+            rows = await self.pool.query(statement, values)
         except RefusedByServer as exc:
             if exc.sqlstate == server.LOST_SQLSTATE:
                 raise self._lose() from None
@@ -570,10 +569,17 @@ class PostgresEngine:
             if recent[0] > time.monotonic():
                 return dataclasses.replace(recent[1])
             del self._recent[ino]
-        return await self._read(ops.get, ino)
+        rows = await self.pool.query(ops.INODE_ROW, (ino,))
+        if not rows:
+            raise FsError(errno.ENOENT)
+        return ops.inode_of_row(rows[0])
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
-        node = await self._read(ops.lookup, parent, name)
+        if ops.plain_name(name):
+            rows = await self.pool.query(ops.LOOKUP, (name, parent))
+            node = ops.looked_up(rows[0] if rows else None)
+        else:
+            node = await self._read(ops.lookup, parent, name)
         self._recent.pop(node.id, None)  # fresher than what this node wrote last
         return node
 
