@@ -231,8 +231,17 @@ def unmount(mnt: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
 
-def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -> dict:
-    d = work / name
+VARIANTS = {"": [], "no-snapshot-fill": ["--snapshot-fill", "off"]}
+
+
+def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) -> dict:
+    """``label`` is a setup's name, optionally with a variant after a colon:
+    ``fusestate+shim@s3:no-snapshot-fill`` restarts without asking for the latest snapshot's
+    page fill while the JVM starts (``--snapshot-fill off``), to compare within one call."""
+    name, _, variant = label.partition(":")
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown setup variant {variant!r} (known: {', '.join(v for v in VARIANTS if v)})")
+    d = work / label.replace(":", "-")
     d.mkdir()
     out = d / "out"
     local_state = name.startswith("local") or name == S3A  # the state on local disk, no mount
@@ -246,6 +255,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
                   "--s3a-jars", jars_argument(connector_jars())]
     if name.startswith("fusestate+shim"):
         extra.append("--use-shim")
+    extra += VARIANTS[variant]
     if args.no_changelog and not local_state:
         extra.append("--no-changelog")
     mnt = cache = None
@@ -305,6 +315,7 @@ def run_setup(name: str, work: Path, input_dir: Path, args, common: list[str]) -
             "rocksdb_load_ms": b.get("rocksdb", {}).get("rocksdbLoadLatencyMs"),
             "rocksdb_load_from_snapshot_ms": b.get("rocksdb", {}).get("rocksdbLoadFromSnapshotLatencyMs"),
             "shim": again.get("shim"),
+            "snapshot_fill": again.get("snapshot_fill"),
             "page_cache_dropped": page_cache_dropped,
             "batch": b,  # the whole record: Spark's phase durations and RocksDB's commit breakdown
         }
@@ -335,7 +346,8 @@ def main() -> int:
     p.add_argument("--setups", default="local,fusestate,fusestate+shim",
                    help="comma-separated: local, fusestate, fusestate+shim; with --s3-endpoint also "
                         "fusestate+shim@s3 and the object-store baselines s3a (the checkpoint through Hadoop's "
-                        "S3A connector), local+download and local+download-parallel")
+                        "S3A connector), local+download and local+download-parallel; a fusestate setup may "
+                        "name a variant after a colon: :no-snapshot-fill (restart with --snapshot-fill off)")
     p.add_argument("--s3-endpoint", default=None, metavar="URL",
                    help="an S3 endpoint (the shaped one) for the @s3 and +download setups")
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")
@@ -361,7 +373,7 @@ def main() -> int:
                    help="keep each setup's state, bucket and cache under --work (default: removed once measured)")
     p.add_argument("--output", default=None, help="JSON result path (default bench/results/spark-<time>.json)")
     args = p.parse_args()
-    needs_s3 = [s for s in args.setups.split(",")
+    needs_s3 = [s for s in (label.partition(":")[0] for label in args.setups.split(","))
                 if s.endswith(SHAPED_SUFFIX) or s.startswith("local+download") or s == S3A]
     if needs_s3 and not args.s3_endpoint:
         p.error(f"setups {', '.join(needs_s3)} need --s3-endpoint")
@@ -388,7 +400,7 @@ def main() -> int:
             results["setups"][name] = run_setup(name, work, input_dir, args, common)
             print(json.dumps(results["setups"][name]), file=sys.stderr, flush=True)
             if not args.keep:  # 8 GB of state is 20-40 GB on disk per setup: one setup's at a time
-                shutil.rmtree(work / name, ignore_errors=True)
+                shutil.rmtree(work / name.replace(":", "-"), ignore_errors=True)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

@@ -439,6 +439,8 @@ class Daemon:
         if command == "warmup":
             fetched = await self.warmup([int(i) for i in request.get("inodes", [])])
             return {"ok": True, "fetched": fetched}
+        if command == "fill":
+            return {"ok": True, **await self.fill_page_cache([int(i) for i in request.get("inodes", [])])}
         return {"ok": False, "error": f"unknown command {command!r}"}
 
     async def _sessions(self) -> list[dict[str, Any]]:
@@ -486,6 +488,18 @@ class Daemon:
             for key in keys:
                 nursery.start_soon(one, key)
         return fetched
+
+    async def fill_page_cache(self, inodes: list[int]) -> dict[str, int]:
+        """Queue files a job is about to link into the kernel's page cache (--prefetch-links);
+        the caller looked them up through the mount, so the kernel knows their inodes."""
+        fill = self.ops.page_fill
+        queued = queued_bytes = 0
+        if fill is not None:
+            for ino in inodes:
+                node = await self.fs.getattr(ino)
+                if await fill.requested(node):
+                    queued, queued_bytes = queued + 1, queued_bytes + node.size
+        return {"queued": queued, "queued_bytes": queued_bytes, "enabled": fill is not None}
 
     @property
     def restored_bytes(self) -> int:

@@ -229,6 +229,11 @@ STATS: list[Stat] = [
            (lambda d, a=key: _fill_stat(d, a)), labels={"outcome": outcome})
       for key, outcome in (("files", "filled"), ("skipped", "skipped"), ("stopped", "stopped"),
                            ("failures", "failed"))],
+    Stat("page_fill.requested", "fusestate_page_fill_requested_files_total", COUNTER,
+         "Files queued for the page cache by name before any link (a restart's latest snapshot)",
+         lambda d: _fill_stat(d, "requested")),
+    Stat("page_fill.requested_bytes", "fusestate_page_fill_requested_bytes_total", COUNTER,
+         "Bytes of the files queued by name before any link", lambda d: _fill_stat(d, "requested_bytes")),
     Stat("page_fill.pending_bytes", "fusestate_page_fill_pending_bytes", GAUGE,
          "Bytes of linked files waiting to be put into the page cache, or being put",
          lambda d: d.ops.page_fill.pending_bytes if d.ops.page_fill else 0),

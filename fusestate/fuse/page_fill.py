@@ -14,6 +14,12 @@ the background, a few blocks at a time, verified, and handed to the kernel with
 keep these blocks (the page cache is the copy); pages the kernel drops later are read as
 any cold read is.
 
+A restart can start sooner: the files a state store will link are known before the load, as
+soon as the job knows its checkpoint (the latest snapshot's files, fusestate.spark.snapshot_fill).
+The job looks them up through the mount, so the kernel has their inodes, and asks for them over
+the control socket (``requested``); they are filled the same way while the JVM starts, and the
+links that come later find them filled.
+
 The kernel copies what it is given over the pages it has, dirty ones included, so a fill
 must never meet other content: a file open here, or (on a shared volume) cached here
 before, is not filled; and before an open for writing, a truncate, or an open that finds
@@ -27,6 +33,7 @@ import errno
 import logging
 import math
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -44,6 +51,7 @@ CONCURRENCY = 4          # blocks of a file fetched at once
 # for the fill (on a bucket 30 ms away, 4 blocks in flight fetched 140 MB/s, 8 about twice that).
 FILES_AT_ONCE = 2
 BUDGET_SHARE = 4         # files waiting or being filled: at most this share of the memory
+FILLED_MEMORY = 100_000  # files remembered as filled, so a later link of one does not fill it again
 
 
 def default_budget() -> int:
@@ -62,6 +70,8 @@ class PageFillStats:
     skipped: int = 0      # linked, not filled: held here already, open or cached here, or over the budget
     stopped: int = 0      # stopped midway by a change to the file (a write, a truncate, another node's)
     failures: int = 0     # a block could not be fetched, or the kernel refused it
+    requested: int = 0    # files asked for by name before any link (a restart's latest snapshot)
+    requested_bytes: int = 0
 
 
 @dataclass
@@ -86,6 +96,19 @@ class PageFill:
         self._fills: dict[int, _Fill] = {}
         self._send, self._receive = trio.open_memory_channel[_Fill](math.inf)
         self._disabled = False
+        # Files filled to the end, with the content filled: a link of one later fetches nothing.
+        self._filled: OrderedDict[int, tuple[int, tuple[str, ...]]] = OrderedDict()
+
+    async def requested(self, node: Inode) -> bool:
+        """``node`` was named by a job about to link it (and looked up, so the kernel knows
+        its inode): queue its fill now. True if queued."""
+        before = self.pending_bytes
+        await self.linked(node)
+        queued = self.pending_bytes > before
+        if queued:
+            self.stats.requested += 1
+            self.stats.requested_bytes += node.size
+        return queued
 
     async def linked(self, node: Inode) -> None:
         """A name for ``node`` was just made here: queue its fill if it is worth one.
@@ -100,6 +123,9 @@ class PageFill:
         keys = await self.fs.meta.block_map(node.id)
         if node.id in self._fills:
             return  # another link of the same file, answered meanwhile, queued it
+        if self._filled.get(node.id) == _content(node.size, keys):
+            self.stats.skipped += 1  # filled already (asked for before this link): the page cache has it
+            return
         if not keys or any(self.blocks.holds(k) for k in keys.values()) or not self.fs.unknown_to_page_cache(node.id):
             self.stats.skipped += 1  # written or read here: the page cache has it, or reads are local
             return
@@ -191,3 +217,11 @@ class PageFill:
             self.stats.failures += 1
         else:
             self.stats.files += 1
+            self._filled.pop(ino, None)
+            self._filled[ino] = _content(size, fill.keys)
+            while len(self._filled) > FILLED_MEMORY:
+                self._filled.popitem(last=False)
+
+
+def _content(size: int, keys: dict[int, str]) -> tuple[int, tuple[str, ...]]:
+    return size, tuple(keys[i] for i in sorted(keys))

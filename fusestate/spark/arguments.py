@@ -50,6 +50,9 @@ def pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-deltas-for-snapshot", type=int, default=None,
                    help="with changelog checkpointing: a snapshot every this many versions (default 1 with "
                         "--use-shim, where a snapshot costs links, else 10)")
+    p.add_argument("--snapshot-fill", choices=("on", "off"), default="on",
+                   help="on a mount, a restart asks the daemon to put each state store's latest snapshot into "
+                        "the page cache while the JVM starts (default %(default)s)")
     p.add_argument("--driver-memory", default="1g", help="JVM heap (default %(default)s)")
     p.add_argument("--master", default="local[2]",
                    help="local[N], or a cluster's spark://HOST:PORT (default %(default)s): then every executor's "

@@ -1,0 +1,87 @@
+"""A restarting Spark query's latest state snapshot, put into the page cache before its loads.
+
+A checkpoint in Spark's RocksDB layout (``commits/N``, ``state/<op>/<part>/<v>.zip`` whose
+``metadata`` names the SSTs, ``SSTs/``, ``<v>.changelog``) on a volume in moto, mounted on a
+fresh node: ``fill_latest_snapshot`` must fetch each store's latest committed snapshot and the
+changelogs after it, and none of the older versions' files, nor a snapshot newer than the last
+committed batch. A load that links the files afterwards fetches nothing more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+from conftest import new_bucket, resident_bytes, wait_for
+
+from fusestate.spark.snapshot_fill import fill_latest_snapshot
+
+MIB = 1 << 20
+
+
+def write(path: Path, data: bytes) -> bytes:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return data
+
+
+def snapshot(store: Path, version: int, ssts: dict[str, int]) -> list[Path]:
+    """``<version>.zip`` naming new SSTs of these sizes (random bytes); returns their paths."""
+    files = {f"{n:06d}-{name}.sst": size for n, (name, size) in enumerate(ssts.items(), start=8)}
+    for name, size in files.items():
+        write(store / "SSTs" / name, os.urandom(size))
+    meta = {"sstFiles": [{"localFileName": name[:6] + ".sst", "dfsSstFileName": name, "sizeBytes": size}
+                         for name, size in files.items()], "numKeys": 1}
+    store.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(store / f"{version}.zip", "w") as z:
+        z.writestr("CURRENT", "MANIFEST-000005\n")
+        z.writestr("metadata", "v1\n" + json.dumps(meta))
+    return [store / "SSTs" / name for name in files]
+
+
+def test_a_restart_fills_the_latest_snapshot_and_not_older_versions(make_mount, tmp_path: Path,
+                                                                     request) -> None:
+    bucket = new_bucket("s3", tmp_path, request)
+    m = make_mount(bucket).mount()
+    ckpt = m.path / "job" / "checkpoints" / "q"
+    for batch in range(3):  # batches 0-2 committed: the stores load version 3
+        write(ckpt / "commits" / str(batch), b"v1\n{}")
+    a, b = ckpt / "state" / "0" / "0", ckpt / "state" / "1" / "0"
+    old = snapshot(a, 1, {"old1": 3 * MIB}) + snapshot(a, 2, {"old2": 3 * MIB})
+    old += snapshot(a, 4, {"uncommitted": 3 * MIB})  # a batch that never committed wrote version 4
+    latest = snapshot(a, 3, {"new1": 5 * MIB, "new2": 2 * MIB}) + snapshot(b, 2, {"b": 3 * MIB})
+    for v in (1, 2):
+        write(a / f"{v}.changelog", os.urandom(MIB))
+        old.append(write(b / f"{v}.changelog", os.urandom(MIB)) and b / f"{v}.changelog")
+    old += [a / "1.changelog", a / "2.changelog"]
+    latest.append(b / "3.changelog")
+    write(b / "3.changelog", os.urandom(MIB))
+    (m.path / "job" / "work").mkdir()
+    m.umount()
+
+    m.wipe_cache()  # a fresh node
+    m.mount()
+    found = fill_latest_snapshot(ckpt, str(m.path))
+    zips = [a / "3.zip", b / "2.zip"]
+    assert sorted(found.paths) == sorted(map(str, latest + zips))
+    wait_for(lambda: m.status()["page_fill"]["pending_bytes"] == 0, what="the fill to finish")
+    st = m.status()
+    fill, fetched = st["page_fill"], st["remote"]["bytes_in"]
+    wanted = sum(p.stat().st_size for p in latest)
+    assert fill["requested"] == found.queued >= len(latest) and fill["failures"] == fill["stopped"] == 0
+    assert fill["bytes"] >= wanted
+    # The latest snapshot's files are in the page cache, the older versions' are not, and
+    # nothing of theirs crossed the network (each is at least 1 MiB).
+    assert resident_bytes(latest) == wanted
+    assert resident_bytes(old) == 0
+    assert wanted <= fetched < wanted + sum(p.stat().st_size for p in zips) + MIB, (fetched, wanted)
+
+    # The load links the files into its working dir: nothing is fetched again.
+    for i, path in enumerate(latest):
+        os.link(path, m.path / "job" / "work" / f"{i}")
+    wait_for(lambda: m.status()["page_fill"]["pending_bytes"] == 0, what="any fill to finish")
+    assert (m.path / "job" / "work" / "0").read_bytes() == latest[0].read_bytes()
+    after = m.status()
+    assert after["remote"]["bytes_in"] == fetched and after["page_fill"]["files"] == fill["files"]
