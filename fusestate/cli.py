@@ -1,4 +1,4 @@
-"""The fusestate command line: mount, umount, status, stats, warmup, fsck, gc."""
+"""The fusestate command line: mount, umount, status, stats, warmup, fsck, gc, and the Spark helpers."""
 
 from __future__ import annotations
 
@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("warmup", help="fetch files into the local cache")
     w.add_argument("paths", nargs="+")
+
+    sf = sub.add_parser("spark-fill", help="before a Spark query restarts: put its state stores' latest snapshot "
+                                           "into the page cache")
+    sf.add_argument("checkpoint", help="the query's checkpoint location on a mount (a path, file:// or fusestate://)")
 
     sp = sub.add_parser("spark-pipeline", help="run the reference Spark streaming job with its state on a mount")
     pipeline_arguments(sp)
@@ -489,6 +493,20 @@ def _mount_of(path: str) -> str:
     return path
 
 
+def cmd_spark_fill(args: argparse.Namespace) -> int:
+    from fusestate.spark.config import checkpoint_path
+    from fusestate.spark.snapshot_fill import fill_latest_snapshot
+
+    _, path = checkpoint_path(args.checkpoint)
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory")
+    mount = _mount_of(str(path.resolve()))
+    found = fill_latest_snapshot(path, mount)
+    print(f"{mount}: {found.queued} files ({format_size(found.queued_bytes)}) of {found.stores} state stores' "
+          f"latest snapshot queued for the page cache ({found.files} found, {format_size(found.bytes)})")
+    return 0
+
+
 def cmd_spark_pipeline(args: argparse.Namespace) -> int:
     from fusestate.spark.pipeline import run as run_spark_pipeline
 
@@ -504,7 +522,8 @@ def cmd_spark_cluster(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "status": cmd_status, "warmup": cmd_warmup,
-            "fsck": cmd_fsck, "gc": cmd_gc, "stats": cmd_stats, "spark-pipeline": cmd_spark_pipeline,
+            "fsck": cmd_fsck, "gc": cmd_gc, "stats": cmd_stats, "spark-fill": cmd_spark_fill,
+            "spark-pipeline": cmd_spark_pipeline,
             "spark-cluster": cmd_spark_cluster}
 
 

@@ -14,7 +14,7 @@ import os
 import zipfile
 from pathlib import Path
 
-from conftest import new_bucket, resident_bytes, wait_for
+from conftest import fusestate, new_bucket, resident_bytes, wait_for
 
 from fusestate.spark.snapshot_fill import fill_latest_snapshot
 
@@ -85,3 +85,21 @@ def test_a_restart_fills_the_latest_snapshot_and_not_older_versions(make_mount, 
     assert (m.path / "job" / "work" / "0").read_bytes() == latest[0].read_bytes()
     after = m.status()
     assert after["remote"]["bytes_in"] == fetched and after["page_fill"]["files"] == fill["files"]
+
+
+def test_spark_fill_names_what_it_queued(make_mount, file_bucket) -> None:
+    """The command a job's launcher runs before spark-submit: one line, the files queued."""
+    m = make_mount(file_bucket).mount()
+    ckpt = m.path / "checkpoints" / "q"
+    write(ckpt / "commits" / "0", b"v1\n{}")
+    ssts = snapshot(ckpt / "state" / "0" / "0", 1, {"a": MIB, "b": MIB})
+    m.umount()
+    m.wipe_cache()
+    m.mount()
+    out = fusestate("spark-fill", f"fusestate://{ckpt}").stdout
+    # Three found: the zip, read to find the SSTs, is on this node already and is not queued.
+    assert out.strip() == (f"{m.path}: 2 files (2 MiB) of 1 state stores' latest snapshot queued for the page "
+                           f"cache (3 found, 2 MiB)"), out
+    wait_for(lambda: m.status()["page_fill"]["files"] == 2, what="the fill")
+    assert resident_bytes(ssts) == 2 * MIB
+    assert fusestate("spark-fill", str(m.path), check=False).stdout.startswith(f"{m.path}: 0 files")
