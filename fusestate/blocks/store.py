@@ -291,12 +291,13 @@ class BlockStore:
         return began
 
     def keeps_written(self) -> bool:
-        """Whether a large block written here is also kept in the disk cache: only while
-        fetching whole blocks from the bucket pays (see ``read_costs``). A bucket as fast as
-        the cache disk serves this node's reads as well, and a copy of every block written
-        would be a second disk write per byte (the kernel's page cache and the memory cache
-        keep what is read back soon)."""
-        return self.read_costs.whole_blocks_pay()
+        """Whether a large block written here is also kept in the disk cache: only once the
+        node's reads have shown that fetching whole blocks from the bucket pays (see
+        ``read_costs``; ``--whole-blocks always`` too). Otherwise every byte written would
+        go to disk twice for reads that may never come, and a bucket as fast as the cache
+        disk serves them as well; what is read back soon is in the kernel's page cache and
+        the memory cache."""
+        return self.read_costs.whole_blocks_known_to_pay()
 
     async def _keep_on_disk(self, key: str, data: BlockData, counted: bool) -> None:
         try:
