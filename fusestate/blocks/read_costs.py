@@ -78,14 +78,6 @@ class ReadCosts:
         assert self._verdict is not None
         return self._verdict
 
-    def whole_blocks_known_to_pay(self) -> bool:
-        """``whole_blocks_pay``, but False until enough bucket reads are timed to know it
-        (or as ``--whole-blocks`` says): for copies to this node that are only worth it
-        against a slow bucket, where guessing wrong costs on a fast one."""
-        if self.mode == "auto" and len(self._bucket) < self.min_bucket_samples:
-            return False
-        return self.whole_blocks_pay()
-
     def bucket_is_quick(self) -> bool:
         """Whether a small read from the bucket (that is not in the page cache) is quick
         enough to make on the event loop itself, blocking it, rather than in a worker thread:

@@ -48,8 +48,8 @@ HASH_ON_LOOP_BYTES = 64 * 1024
 # On a shared engine every block a write seals goes from memory to the bucket before its
 # commit (``upload_before_commit``): no staging file, no uploader queue. Blocks this small are
 # then always kept in the disk cache, and put at once (a close or fsync waits for them);
-# larger ones take one of --upload-concurrency slots and are kept on disk only while whole
-# blocks pay (``keeps_written``).
+# larger ones take one of --upload-concurrency slots and are kept on disk, from a
+# low-priority thread, only while whole blocks may pay (``keeps_written``).
 DIRECT_PUT_BYTES = 256 * 1024
 # Blocks put from memory that may wait at once for the disk cache (``_keep_on_disk``): past it a
 # written block is not kept, rather than hold its bytes in memory for a cache write.
@@ -126,6 +126,7 @@ class BlockStore:
         self._putting: dict[str, _Put] = {}
         self._put_slots = trio.CapacityLimiter(max(1, uploader.concurrency))
         self._keeping = 0
+        self._keep_threads = BackgroundThreads(1, "keep")
         # Shared engines: how many seals on this node wait to commit each uploaded block.
         self._awaiting_commit: collections.Counter[str] = collections.Counter()
         self._waiting_for_room = 0  # staging writes waiting for a full cache disk to make room
@@ -143,6 +144,7 @@ class BlockStore:
 
     def close(self) -> None:
         self._background.close()
+        self._keep_threads.close()
 
     # --- write side --------------------------------------------------------
     async def seal(self, data: BlockData, direct: bool = False) -> Optional[str]:
@@ -269,10 +271,10 @@ class BlockStore:
             put.done.set()
         if self._nursery is not None:  # for reads once the memory cache lets it go; off the commit's path
             if len(data) <= DIRECT_PUT_BYTES:
-                self._nursery.start_soon(self._keep_on_disk, key, data, False)
+                self._nursery.start_soon(self._keep_on_disk, key, data)
             elif self._keeping < KEEP_BEHIND_BLOCKS and self.keeps_written():
                 self._keeping += 1
-                self._nursery.start_soon(self._keep_on_disk, key, data, True)
+                self._nursery.start_soon(self._keep_written, key, data)
         return put.began
 
     async def _put_registered(self, key: str, data: BlockData) -> float:
@@ -291,21 +293,26 @@ class BlockStore:
         return began
 
     def keeps_written(self) -> bool:
-        """Whether a large block written here is also kept in the disk cache: only once the
-        node's reads have shown that fetching whole blocks from the bucket pays (see
-        ``read_costs``; ``--whole-blocks always`` too). Otherwise every byte written would
-        go to disk twice for reads that may never come, and a bucket as fast as the cache
-        disk serves them as well; what is read back soon is in the kernel's page cache and
-        the memory cache."""
-        return self.read_costs.whole_blocks_known_to_pay()
+        """Whether a large block written here is also kept in the disk cache: while fetching
+        whole blocks from the bucket pays, or may (``read_costs``: until the node's reads
+        have timed the bucket, it is taken for a remote one). A bucket as fast as the cache
+        disk serves reads as well as the cache would, and a copy there would be a second
+        disk write of every byte for nothing."""
+        return self.read_costs.whole_blocks_pay()
 
-    async def _keep_on_disk(self, key: str, data: BlockData, counted: bool) -> None:
+    async def _keep_on_disk(self, key: str, data: BlockData) -> None:
+        with contextlib.suppress(OSError):  # a full cache disk must not fail anything: it is in the bucket
+            await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
+
+    async def _keep_written(self, key: str, data: BlockData) -> None:
+        """Keep a large written block in the disk cache from a low-priority thread (nice 10,
+        the idle I/O class): the writes and reads someone waits for go first. At most
+        ``KEEP_BEHIND_BLOCKS`` wait; past that a block is not kept."""
         try:
-            with contextlib.suppress(OSError):  # a full cache disk must not fail anything: it is in the bucket
-                await trio.to_thread.run_sync(self.disk.put, key, data, limiter=self._local_io)
+            with contextlib.suppress(OSError):
+                await self._keep_threads.run(functools.partial(self.disk.put, key, data))
         finally:
-            if counted:
-                self._keeping -= 1
+            self._keeping -= 1
 
     async def put_again(self, key: str, data: BlockData) -> float:
         """Put a block's bytes in the bucket again, now: the collector deleted them while
