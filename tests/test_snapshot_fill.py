@@ -77,6 +77,9 @@ def test_a_restart_fills_the_latest_snapshot_and_not_older_versions(make_mount, 
     assert resident_bytes(latest) == wanted
     assert resident_bytes(old) == 0
     assert wanted <= fetched < wanted + sum(p.stat().st_size for p in zips) + MIB, (fetched, wanted)
+    # Held open until the loads link them: the kernel must not forget an inode being filled.
+    assert len(found.held) == len(found.paths)
+    found.release()
 
     # The load links the files into its working dir: nothing is fetched again.
     for i, path in enumerate(latest):

@@ -554,6 +554,12 @@ def test_shim_fresh_node_load_links_state(make_mount, file_bucket: Bucket, tmp_p
     # fetched as RocksDB opens and reads them; at this size (SSTs smaller than one 4 MiB block)
     # opening one fetches it whole, so the saving is small here and grows with SST size.
     assert fetched < latest, (fetched, latest)
+    # Before the JVM started, the pipeline asked for the latest snapshot of each store (2
+    # operators x 2 partitions): the daemon queued files for the page cache by name, fewer
+    # bytes than every retained version's SSTs.
+    fill, requested = report["snapshot_fill"], m.status()["page_fill"]
+    assert fill["stores"] == 4 and fill["queued"] > 0 and requested["requested"] == fill["queued"], (fill, requested)
+    assert 0 < fill["bytes"] < latest, (fill, latest)
     m.umount()
 
 

@@ -38,7 +38,7 @@ from fusestate.errors import UserError
 from fusestate.spark.config import ROCKSDB_PREFIX, missing_scratch, state_conf
 from fusestate.spark.mount_loss import Daemon, daemon_of, executor_mount_lost, own_mount_lost, wait_for_mount
 from fusestate.spark.preflight import check_executors, check_shared_checkpoint
-from fusestate.spark.snapshot_fill import fill_latest_snapshot
+from fusestate.spark.snapshot_fill import SnapshotFill, fill_latest_snapshot
 
 EPOCH_MS = 1_700_000_000_000          # event time of the first event
 BATCH_SPAN_MS = 60_000                # event time covered by one input file
@@ -341,23 +341,39 @@ class SnapshotFillRequest:
         import threading
 
         self._found: dict[str, Any] = {}
+        self._fill: Optional[SnapshotFill] = None
         self._thread = threading.Thread(target=self._run, args=(checkpoint, mount), daemon=True)
         self._thread.start()
 
     def _run(self, checkpoint: Path, mount: str) -> None:
         try:
-            self._found = fill_latest_snapshot(checkpoint, mount).as_dict()
+            self._fill = fill_latest_snapshot(checkpoint, mount)
+            self._found = self._fill.as_dict()
         except Exception as exc:  # noqa: BLE001 - a head start only: the restart works without it
             self._found = {"error": str(exc)}
 
+    def until_first_batch(self, show: Callable[[dict], None]) -> Callable[[dict], None]:
+        """``show``, which also lets the held files go once a batch completed: its loads have
+        linked them (and a job that runs on must not keep files maintenance deletes)."""
+        def shown(rec: dict) -> None:
+            self.result()
+            show(rec)
+        return shown
+
     def result(self) -> Optional[dict[str, Any]]:
+        """What was found and queued; the files held open until now are let go."""
         self._thread.join(timeout=30)
+        if self._fill is not None:
+            self._fill.release()
         return self._found or None
 
 
 class _NoFill:
     def result(self) -> None:
         return None
+
+    def until_first_batch(self, show: Callable[[dict], None]) -> Callable[[dict], None]:
+        return show
 
 
 def start_snapshot_fill(layout, enabled: bool):
@@ -606,7 +622,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      .option("checkpointLocation", layout.checkpoint_uri)
                      .queryName("fusestate_state_pipeline").trigger(availableNow=True).start())
             t_started = t_started or time.time()
-            batches += watch(query, show, t0)
+            batches += watch(query, snapshot_fill.until_first_batch(show), t0)
             failure = query_failure(query, spark_log, mount, daemon)
             lost = own_mount_lost(mount, daemon) if failure is not None else None
             if failure is not None and (lost is None or len(restarts) >= MAX_RESTARTS or not args.wait_for_remount):
