@@ -51,7 +51,8 @@ def fsync_in_thread(path: Path, data: bytes) -> tuple[threading.Thread, list[Opt
 
 def test_a_large_file_goes_to_the_bucket_from_memory(make_mount, file_bucket: Bucket, pg_url: str) -> None:
     """Uploads slowed to a second each: while the fsync waits for them, the node's staging
-    area holds nothing, and once it returns a second node reads the file from the bucket."""
+    area holds nothing, and once it returns a second node reads the file from the bucket.
+    The full blocks are not kept in the writer's disk cache either (a file:// bucket)."""
     a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=["--meta", pg_url, *OPTS]).mount(
         env={"FUSESTATE_FAULTS": "pause=1.0,ops=put,under=blocks/"})
     b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=["--meta", pg_url, *OPTS]).mount()
@@ -67,6 +68,10 @@ def test_a_large_file_goes_to_the_bucket_from_memory(make_mount, file_bucket: Bu
     assert len(bucket_blocks(file_bucket)) == 4
     assert a.status()["writeback"]["uploaded_blocks"] == 4
     assert (b.path / "big.sst").read_bytes() == data
+    # A file:// bucket is as quick as the cache disk: the full blocks are not copied there.
+    time.sleep(0.5)
+    copies = [p.name for p in a.cache_dir.rglob("*") if p.is_file() and p.stat().st_size >= 4 * MiB]
+    assert not copies, copies
 
 
 @contextlib.contextmanager

@@ -78,6 +78,10 @@ class ReadCosts:
         assert self._verdict is not None
         return self._verdict
 
+    def bucket_timed(self) -> bool:
+        """Whether enough small reads from the bucket are timed for a verdict."""
+        return len(self._bucket) >= self.min_bucket_samples
+
     def bucket_is_quick(self) -> bool:
         """Whether a small read from the bucket (that is not in the page cache) is quick
         enough to make on the event loop itself, blocking it, rather than in a worker thread:

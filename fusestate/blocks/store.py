@@ -294,10 +294,12 @@ class BlockStore:
 
     def keeps_written(self) -> bool:
         """Whether a large block written here is also kept in the disk cache: while fetching
-        whole blocks from the bucket pays, or may (``read_costs``: until the node's reads
-        have timed the bucket, it is taken for a remote one). A bucket as fast as the cache
-        disk serves reads as well as the cache would, and a copy there would be a second
-        disk write of every byte for nothing."""
+        whole blocks from the bucket pays (``read_costs``, once the node's reads have timed
+        the bucket), and until then unless the bucket is a local directory. A bucket as fast
+        as the cache disk serves reads as well as the cache would, and a copy there would be
+        a second disk write of every byte for nothing."""
+        if self.read_costs.mode == "auto" and not self.read_costs.bucket_timed():
+            return not self.remote.is_local
         return self.read_costs.whole_blocks_pay()
 
     async def _keep_on_disk(self, key: str, data: BlockData) -> None:

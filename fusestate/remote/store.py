@@ -81,6 +81,12 @@ class RemoteStore:
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
+    @property
+    def is_local(self) -> bool:
+        """A ``file://`` bucket: a directory of this machine, which until timed is taken to be
+        as quick as the cache disk (an object store, to be remote)."""
+        return self._is_local
+
     # --- synchronous API (worker threads and offline commands) -----------
     def _before_retry(self, state: tenacity.RetryCallState) -> None:
         self.stats.retries += 1
