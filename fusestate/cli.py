@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     sf = sub.add_parser("spark-fill", help="before a Spark query restarts: put its state stores' latest snapshot "
                                            "into the page cache")
     sf.add_argument("checkpoint", help="the query's checkpoint location on a mount (a path, file:// or fusestate://)")
+    sf.add_argument("--wait", action="store_true",
+                    help="hold the files open until the daemon has filled them, then exit (without it: exit at once, "
+                         "and under memory pressure the kernel may forget a file before it is filled)")
 
     sp = sub.add_parser("spark-pipeline", help="run the reference Spark streaming job with its state on a mount")
     pipeline_arguments(sp)
@@ -494,6 +497,9 @@ def _mount_of(path: str) -> str:
 
 
 def cmd_spark_fill(args: argparse.Namespace) -> int:
+    import time
+
+    from fusestate.daemon import control
     from fusestate.spark.config import checkpoint_path
     from fusestate.spark.snapshot_fill import fill_latest_snapshot
 
@@ -503,7 +509,12 @@ def cmd_spark_fill(args: argparse.Namespace) -> int:
     mount = _mount_of(str(path.resolve()))
     found = fill_latest_snapshot(path, mount)
     print(f"{mount}: {found.queued} files ({format_size(found.queued_bytes)}) of {found.stores} state stores' "
-          f"latest snapshot queued for the page cache ({found.files} found, {format_size(found.bytes)})")
+          f"latest snapshot queued for the page cache ({found.files} found, {format_size(found.bytes)})", flush=True)
+    try:
+        while args.wait and found.queued and control.fetch_status(mount)["page_fill"]["pending_bytes"] > 0:
+            time.sleep(0.5)
+    finally:
+        found.release()
     return 0
 
 

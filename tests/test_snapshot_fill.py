@@ -99,10 +99,10 @@ def test_spark_fill_names_what_it_queued(make_mount, file_bucket) -> None:
     m.umount()
     m.wipe_cache()
     m.mount()
-    out = fusestate("spark-fill", f"fusestate://{ckpt}").stdout
+    out = fusestate("spark-fill", f"fusestate://{ckpt}", "--wait").stdout
     # Three found: the zip, read to find the SSTs, is on this node already and is not queued.
     assert out.strip() == (f"{m.path}: 2 files (2 MiB) of 1 state stores' latest snapshot queued for the page "
                            f"cache (3 found, 2 MiB)"), out
-    wait_for(lambda: m.status()["page_fill"]["files"] == 2, what="the fill")
+    assert m.status()["page_fill"]["files"] == 2  # --wait returned once they were filled
     assert resident_bytes(ssts) == 2 * MIB
     assert fusestate("spark-fill", str(m.path), check=False).stdout.startswith(f"{m.path}: 0 files")
