@@ -496,7 +496,10 @@ class Daemon:
         queued = queued_bytes = 0
         if fill is not None:
             for ino in inodes:
-                node = await self.fs.getattr(ino)
+                try:
+                    node = await self.fs.getattr(ino)
+                except OSError:
+                    continue  # deleted since the caller looked it up: nothing to fill
                 if await fill.requested(node):
                     queued, queued_bytes = queued + 1, queued_bytes + node.size
         return {"queued": queued, "queued_bytes": queued_bytes, "enabled": fill is not None}
