@@ -260,17 +260,15 @@ class BlockStore:
                 return other.began
             # that upload failed: this seal tries its own
         put = self._putting[key] = _Put(trio.Event())
+        small = len(data) <= DIRECT_PUT_BYTES  # a close or fsync waits for it: no queue
         try:
-            if len(data) <= DIRECT_PUT_BYTES:  # a close or fsync waits for it: no queue
+            async with contextlib.nullcontext() if small else self._put_slots:
                 put.began = await self._put_registered(key, data)
-            else:
-                async with self._put_slots:
-                    put.began = await self._put_registered(key, data)
         finally:
             del self._putting[key]
             put.done.set()
         if self._nursery is not None:  # for reads once the memory cache lets it go; off the commit's path
-            if len(data) <= DIRECT_PUT_BYTES:
+            if small:
                 self._nursery.start_soon(self._keep_on_disk, key, data)
             elif self._keeping < KEEP_BEHIND_BLOCKS and self.keeps_written():
                 self._keeping += 1
@@ -278,18 +276,15 @@ class BlockStore:
         return put.began
 
     async def _put_registered(self, key: str, data: BlockData) -> float:
-        """Put a block as the uploader does for a shared engine: told to the engine first
-        (a node whose session was lost puts nothing), skipped if the engine says the bucket
-        has it, after a deletion of it by the collector if one is under way."""
+        """Put a block as the uploader puts a staged one for a shared engine
+        (``Uploader.put_shared``); returns when its PUT began (now, if none was needed)."""
         began = time.monotonic()
-        while (in_bucket := await self.meta.begin_upload(key, len(data))) is None:
-            await trio.sleep(0.2)
-        if in_bucket:
-            self.uploader.stats.dedup_skipped += 1
-            return began
-        began = await self._put_now(key, data)
-        self.uploader.stats.uploaded_blocks += 1
-        self.uploader.stats.uploaded_bytes += len(data)
+
+        async def put() -> None:
+            nonlocal began
+            began = await self._put_now(key, data)
+
+        await self.uploader.put_shared(key, len(data), put)
         return began
 
     def keeps_written(self) -> bool:

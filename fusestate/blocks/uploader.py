@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import trio
 
@@ -311,24 +311,33 @@ class Uploader:
             return
         self._finish(key, p)
 
+    async def put_shared(self, key: str, size: int, put: Callable[[], Awaitable[object]]) -> None:
+        """A shared engine's upload of a block, however its bytes are put (``put``: from the
+        staging file, or from memory): registered with the engine first (the collector leaves
+        it alone until its commit), skipped if the engine says the bucket has these bytes."""
+        while (in_bucket := await self.meta.begin_upload(key, size)) is None:
+            await trio.sleep(0.2)  # the collector is deleting these bytes: wait, then put them back
+        if in_bucket:
+            self.stats.dedup_skipped += 1
+            return
+        await put()
+        self.stats.uploaded_blocks += 1
+        self.stats.uploaded_bytes += size
+
     async def _upload_shared(self, key: str, p: _Pending) -> None:
         """Upload for a shared engine: registered with the engine first (the collector leaves
         it alone until its commit), skipped if another node put the same bytes there."""
         if getattr(self.meta, "lost", False):
             self._drop(key, p)  # this node's session was cleaned up: no commit of it can come
             return
+        async def put_staged() -> None:
+            try:
+                await self.remote.aput_file(object_name(key), self.staging.path(key))
+            except FileNotFoundError:
+                raise UploadFailed(f"staged block {key[:16]} vanished from the staging area") from None
+
         try:
-            while (in_bucket := await self.meta.begin_upload(key, p.size)) is None:
-                await trio.sleep(0.2)  # the collector is deleting these bytes: wait, then put them back
-            if in_bucket:
-                self.stats.dedup_skipped += 1
-            else:
-                try:
-                    await self.remote.aput_file(object_name(key), self.staging.path(key))
-                except FileNotFoundError:
-                    raise UploadFailed(f"staged block {key[:16]} vanished from the staging area") from None
-                self.stats.uploaded_blocks += 1
-                self.stats.uploaded_bytes += p.size
+            await self.put_shared(key, p.size, put_staged)
         except (RemoteError, UploadFailed, OSError) as exc:
             self._failed(key, p, exc)
             return
