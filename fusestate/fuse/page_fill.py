@@ -42,6 +42,7 @@ import trio
 from fusestate.blocks.store import BlockReadError
 from fusestate.meta.engine import Inode
 from fusestate.vfs import FileSystem
+from fusestate.vfs.filesystem import content_version
 
 log = logging.getLogger(__name__)
 
@@ -97,43 +98,43 @@ class PageFill:
         self._send, self._receive = trio.open_memory_channel[_Fill](math.inf)
         self._disabled = False
         # Files filled to the end, with the content filled: a link of one later fetches nothing.
-        self._filled: OrderedDict[int, tuple[int, tuple[str, ...]]] = OrderedDict()
+        self._filled: OrderedDict[int, int] = OrderedDict()
 
     async def requested(self, node: Inode) -> bool:
         """``node`` was named by a job about to link it (and looked up, so the kernel knows
         its inode): queue its fill now. True if queued."""
-        before = self.pending_bytes
-        await self.linked(node)
-        queued = self.pending_bytes > before
+        queued = await self.linked(node)
         if queued:
             self.stats.requested += 1
             self.stats.requested_bytes += node.size
         return queued
 
-    async def linked(self, node: Inode) -> None:
-        """A name for ``node`` was just made here: queue its fill if it is worth one.
+    async def linked(self, node: Inode) -> bool:
+        """A name for ``node`` was just made here: queue its fill if it is worth one (True
+        if queued).
 
         Called before the link is answered, so that the content the fill will store is
         remembered (as the page cache's) before any open of the new name can come."""
         if self._disabled or not node.is_reg or node.size == 0 or node.scratch or node.id in self._fills:
-            return
+            return False
         if not self.fs.unknown_to_page_cache(node.id) or self.pending_bytes + node.size > self.budget:
             self.stats.skipped += 1
-            return
+            return False
         keys = await self.fs.meta.block_map(node.id)
         if node.id in self._fills:
-            return  # another link of the same file, answered meanwhile, queued it
-        if self._filled.get(node.id) == _content(node.size, keys):
+            return False  # another link of the same file, answered meanwhile, queued it
+        if self._filled.get(node.id) == content_version(node.size, keys):
             self.stats.skipped += 1  # filled already (asked for before this link): the page cache has it
-            return
+            return False
         if not keys or any(self.blocks.holds(k) for k in keys.values()) or not self.fs.unknown_to_page_cache(node.id):
             self.stats.skipped += 1  # written or read here: the page cache has it, or reads are local
-            return
+            return False
         self.fs.remember_page_cache(node.id, node.size, keys)
         fill = self._fills[node.id] = _Fill(node, keys)
         self.blocks.will_fill(list(keys.values()))
         self.pending_bytes += node.size
         self._send.send_nowait(fill)
+        return True
 
     async def stop(self, ino: int) -> None:
         """Before the kernel's pages of ``ino`` may hold other content: no store after this."""
@@ -218,10 +219,6 @@ class PageFill:
         else:
             self.stats.files += 1
             self._filled.pop(ino, None)
-            self._filled[ino] = _content(size, fill.keys)
+            self._filled[ino] = content_version(size, fill.keys)
             while len(self._filled) > FILLED_MEMORY:
                 self._filled.popitem(last=False)
-
-
-def _content(size: int, keys: dict[int, str]) -> tuple[int, tuple[str, ...]]:
-    return size, tuple(keys[i] for i in sorted(keys))

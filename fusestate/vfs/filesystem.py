@@ -73,7 +73,7 @@ PUT_AGAIN_TRIES = 20
 DELETED_REMEMBERED_MAX = 10_000  # deleted files whose last attributes answer the kernel's late SETATTR
 
 
-def _content_version(size: int, keys: dict[int, str]) -> int:
+def content_version(size: int, keys: dict[int, str]) -> int:
     """Content-addressed blocks and the size say all about a file's bytes."""
     return hash((size, tuple(sorted(keys.items()))))
 
@@ -528,7 +528,7 @@ class FileSystem:
             f = self._files.get(ino)
             if f is None:
                 f = self._files[ino] = OpenFile(node=node, keys=keys)
-                f.page_cache_valid = self._cached_content.get(ino) == _content_version(node.size, keys)
+                f.page_cache_valid = self._cached_content.get(ino) == content_version(node.size, keys)
                 f.held = True
                 return f
         f.opening += 1
@@ -561,7 +561,7 @@ class FileSystem:
         if len(self._cached_content) >= CACHED_CONTENT_MAX:
             del self._cached_content[next(iter(self._cached_content))]  # the oldest
         self._cached_content.pop(ino, None)
-        self._cached_content[ino] = _content_version(size, keys)
+        self._cached_content[ino] = content_version(size, keys)
 
     def unknown_to_page_cache(self, ino: int) -> bool:
         """Whether the kernel can hold no pages of ``ino`` but ones of its current content:
