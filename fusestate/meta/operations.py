@@ -104,7 +104,11 @@ def inode_of_row(row: tuple) -> Inode:
 
 
 def get(tx: Tx, ino: int) -> Inode:
-    row = tx.inode_row(ino)
+    return found(tx.inode_row(ino))
+
+
+def found(row: Optional[tuple]) -> Inode:
+    """The inode of an ``INODE_ROW`` row; ENOENT for none."""
     if row is None:
         raise FsError(errno.ENOENT)
     return inode_of_row(row)

@@ -570,9 +570,7 @@ class PostgresEngine:
                 return dataclasses.replace(recent[1])
             del self._recent[ino]
         rows = await self.pool.query(ops.INODE_ROW, (ino,))
-        if not rows:
-            raise FsError(errno.ENOENT)
-        return ops.inode_of_row(rows[0])
+        return ops.found(rows[0] if rows else None)
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
         if ops.plain_name(name):
