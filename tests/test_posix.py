@@ -37,6 +37,16 @@ libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_
 libc.fallocate.restype = ctypes.c_int
 
 
+class _Dirent(ctypes.Structure):
+    _fields_ = [("d_ino", ctypes.c_uint64), ("d_off", ctypes.c_int64), ("d_reclen", ctypes.c_ushort),
+                ("d_type", ctypes.c_ubyte), ("d_name", ctypes.c_char * 256)]
+
+
+libc.opendir.restype, libc.opendir.argtypes = ctypes.c_void_p, [ctypes.c_char_p]
+libc.readdir.restype, libc.readdir.argtypes = ctypes.POINTER(_Dirent), [ctypes.c_void_p]
+libc.rewinddir.argtypes = libc.closedir.argtypes = [ctypes.c_void_p]
+
+
 # --- helpers -------------------------------------------------------------------------
 def rnd(size: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(size)
@@ -513,6 +523,31 @@ def test_readdir_many(mnt: Mount) -> None:
         os.unlink(e.path)
     assert os.listdir(d) == []
     os.rmdir(d)
+
+
+def test_rewinddir_lists_entries_made_since_opendir(mnt: Mount) -> None:
+    """A listing read in pieces may keep a page of entries; a rewind must read afresh."""
+    d = mnt.path / "d"
+    d.mkdir()
+    for i in range(600):  # more than a kernel buffer holds, less than a page of the metadata
+        (d / f"f{i:04d}").touch()
+
+    def names(dirp: int) -> set[bytes]:
+        got = set()
+        while entry := libc.readdir(dirp):
+            got.add(entry.contents.d_name)
+        return got - {b".", b".."}
+
+    dirp = libc.opendir(bytes(d))
+    assert dirp, os.strerror(ctypes.get_errno())
+    try:
+        assert names(dirp) == {b"f%04d" % i for i in range(600)}
+        (d / "new").touch()
+        os.unlink(d / "f0000")
+        libc.rewinddir(dirp)
+        assert names(dirp) == {b"f%04d" % i for i in range(1, 600)} | {b"new"}
+    finally:
+        libc.closedir(dirp)
 
 
 def test_readdir_after_remount(mnt: Mount) -> None:

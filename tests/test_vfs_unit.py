@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import stat
+import time
 import uuid
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -26,10 +27,11 @@ from fusestate.blocks.store import BlockReadError, BlockStore
 from fusestate.blocks.uploader import Uploader
 from fusestate.daemon import components
 from fusestate.daemon.paths import CacheLayout
-from fusestate.meta.engine import ROOT_INODE
+from fusestate.meta.engine import ROOT_INODE, DirEntry
 from fusestate.meta.sqlite_engine import SQLiteEngine
 from fusestate.remote.store import RemoteStore
 from fusestate.vfs import FileSystem, FsError, RequestContext
+from fusestate.vfs.dir_listing import PAGE_SECONDS, DirListing
 
 BS = 64 * 1024
 CTX = RequestContext(uid=0, gid=0)
@@ -140,6 +142,38 @@ def test_namespace_rules(tmp_path: Path) -> None:
         assert stat.S_ISREG((await fs.lookup(ROOT_INODE, b"hard")).mode)
 
     run_fs(tmp_path, body)
+
+
+def test_a_listing_read_in_pieces_asks_the_metadata_once_per_page(monkeypatch) -> None:
+    """The kernel's pieces after the first are cut from the page held; a short page ends the
+    listing; a rewind, or a page older than PAGE_SECONDS, is read again."""
+    entries = [(DirEntry(i, b"f%d" % i, 100 + i), None) for i in range(1, 2501)]
+    asked: list[int] = []
+
+    async def read_page(ino: int, after_id: int, limit: int) -> list:
+        asked.append(after_id)
+        return [e for e in entries if e[0].entry_id > after_id][:limit]
+
+    async def read_all(listing: DirListing, piece: int = 300) -> list[int]:
+        got, after = [], 0
+        while rest := (await listing.after(after, read_page))[:piece]:
+            got += [entry.entry_id for entry, _ in rest]
+            after = got[-1]
+        return got
+
+    async def main() -> None:
+        listing = DirListing(1)
+        assert await read_all(listing) == list(range(1, 2501))
+        assert asked == [0, 1000, 2000]  # pages of PAGE; the empty piece after the last: none
+        assert await read_all(listing) == list(range(1, 2501))  # a rewind reads from 0 again
+        assert asked == [0, 1000, 2000] * 2
+        asked.clear()
+        now = time.monotonic()
+        monkeypatch.setattr(time, "monotonic", lambda: now + PAGE_SECONDS + 1)
+        await listing.after(2000, read_page)
+        assert asked == [2000]
+
+    trio.run(main)
 
 
 def test_unlinked_open_file_stays_readable(tmp_path: Path) -> None:

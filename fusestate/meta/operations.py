@@ -25,7 +25,7 @@ from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, 
 
 INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
 INODE_ROW = f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?"  # one inode's row, unlocked
-_JOINED_INODE_COLUMNS = ", ".join("i." + c for c in INODE_COLUMNS.split(", "))  # inodes aliased as i
+JOINED_INODE_COLUMNS = ", ".join("i." + c for c in INODE_COLUMNS.split(", "))  # inodes aliased as i
 _S_IFMT = 0o170000  # the file type bits of st_mode
 _NEW_INODE_COLUMNS = "mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
 _NEW_INODE_VALUES = ", ".join("?" * len(_NEW_INODE_COLUMNS.split(", ")))
@@ -200,7 +200,7 @@ def parent_of(tx: Tx, ino: int) -> int:
 # One statement, whether the name is there or not (half of Spark's lookups are for names
 # not made yet): the parent's mode comes along to tell ENOENT from ENOTDIR. Arguments:
 # (name, parent); its answer goes to ``looked_up``.
-LOOKUP = (f"SELECT p.mode, {_JOINED_INODE_COLUMNS} FROM inodes p"
+LOOKUP = (f"SELECT p.mode, {JOINED_INODE_COLUMNS} FROM inodes p"
           " LEFT JOIN entries e ON e.parent = p.id AND e.name = ?"
           " LEFT JOIN inodes i ON i.id = e.inode WHERE p.id = ?")
 
@@ -463,10 +463,25 @@ def setattr(tx: Tx, ino: int, change: AttrChange) -> Inode:
 
 def readdir(tx: Tx, ino: int, after_id: int, limit: int) -> list[tuple[DirEntry, Inode]]:
     _directory(tx, ino)
-    rows = tx.all(f"SELECT e.id, e.name, {_JOINED_INODE_COLUMNS}"
+    rows = tx.all(f"SELECT e.id, e.name, {JOINED_INODE_COLUMNS}"
                   " FROM entries e JOIN inodes i ON i.id = e.inode WHERE e.parent=? AND e.id>?"
                   " ORDER BY e.id LIMIT ?", (ino, after_id, limit))
-    return [(DirEntry(r[0], bytes(r[1]), r[2]), inode_of_row(r[2:])) for r in rows]
+    return [_listed_entry(r) for r in rows]
+
+
+def _listed_entry(row: Sequence) -> tuple[DirEntry, Inode]:
+    """An entry of a listing: its id and name, then its inode's ``INODE_COLUMNS``."""
+    return DirEntry(row[0], bytes(row[1]), row[2]), inode_of_row(row[2:])
+
+
+def listing(rows: Sequence[Sequence]) -> list[tuple[DirEntry, Inode]]:
+    """The entries of a listing whose rows begin with the directory's mode (one row with
+    no entry when the page is empty), or the error that mode tells."""
+    if not rows:
+        raise FsError(errno.ENOENT)
+    if rows[0][0] & _S_IFMT != stat.S_IFDIR:
+        raise FsError(errno.ENOTDIR)
+    return [_listed_entry(r[1:]) for r in rows if r[1] is not None]
 
 
 # --- file data -----------------------------------------------------------------------

@@ -98,6 +98,8 @@ CREATE TABLE IF NOT EXISTS entries (
     UNIQUE (parent, name)
 );
 CREATE INDEX IF NOT EXISTS entries_by_inode ON entries (inode);
+-- A listing's pages in entry order, each read on its own (not the whole directory sorted).
+CREATE INDEX IF NOT EXISTS entries_listing ON entries (parent, id);
 CREATE TABLE IF NOT EXISTS blocks (
     inode BIGINT NOT NULL, idx BIGINT NOT NULL, key TEXT NOT NULL, size BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (inode, idx)
@@ -168,6 +170,13 @@ END $$;
 
 _UNKNOWN = ("SELECT k FROM unnest(%s::text[]) AS k WHERE NOT EXISTS (SELECT 1 FROM objects WHERE key=k)"
             " AND NOT EXISTS (SELECT 1 FROM uploads WHERE key=k)")
+# A page of a directory's listing in one statement: the directory's mode (ENOENT, ENOTDIR),
+# then its entries after an id with their inodes (see ops.listing).
+_READDIR = ("SELECT d.mode, page.* FROM inodes d LEFT JOIN LATERAL"
+            f" (SELECT e.id AS entry_id, e.name, {ops.JOINED_INODE_COLUMNS} FROM"
+            "  (SELECT id, name, inode FROM entries WHERE parent = d.id AND id > ? ORDER BY id LIMIT ?) e"
+            "  JOIN inodes i ON i.id = e.inode ORDER BY e.id) page"
+            " ON true WHERE d.id = ?")
 _LOCK_INODES = f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id = ANY(?) ORDER BY id FOR UPDATE"
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock: one clock for every node
 _SWEEP_DUE = "SELECT EXISTS (SELECT 1 FROM orphans_kept) AND fs_holds_trusted_v1()"
@@ -652,7 +661,7 @@ class PostgresEngine:
         return await self._write(ops.setattr, ino, change)
 
     async def readdir(self, ino: int, after_id: int, limit: int = 1000) -> list[tuple[DirEntry, Inode]]:
-        return await self._read(ops.readdir, ino, after_id, limit)
+        return ops.listing(await self.pool.query(_READDIR, (after_id, limit, ino)))
 
     async def parent_of(self, ino: int) -> int:
         return await self._read(ops.parent_of, ino)

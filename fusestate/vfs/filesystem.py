@@ -30,6 +30,7 @@ from fusestate.blocks.uploader import UploadFailed, Uploader
 from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, AttrChange, DirEntry, Freed, Inode,
                                    MetaEngine, NewNode)
 from fusestate.vfs.block_buffer import BlockBuffer
+from fusestate.vfs.dir_listing import DirListing
 from fusestate.vfs.errors import FsError, from_os_error
 from fusestate.vfs.open_file import OpenFile, Sealing
 
@@ -116,6 +117,7 @@ class FileSystem:
         # removed while open: fstat and readdir on their handles still answer.
         self._open_dirs: dict[int, int] = {}
         self._removed_dirs: dict[int, Inode] = {}
+        self._dir_handles: dict[int, DirListing] = {}
         # The last attributes of files deleted here, until the kernel forgets them: its
         # writeback cache still sends their mtime (SETATTR) after the unlink.
         self._deleted: OrderedDict[int, Inode] = OrderedDict()
@@ -312,7 +314,10 @@ class FileSystem:
     async def opendir(self, ino: int) -> int:
         await self._check_dir(ino)
         self._open_dirs[ino] = self._open_dirs.get(ino, 0) + 1
-        return ino
+        fh = self._next_fh
+        self._next_fh += 1
+        self._dir_handles[fh] = DirListing(ino)
+        return fh
 
     async def _check_dir(self, ino: int) -> Optional[Inode]:
         """ENOTDIR unless ``ino`` is a directory; its attributes where they cost nothing. The
@@ -326,7 +331,8 @@ class FileSystem:
             raise FsError(errno.ENOTDIR)
         return node
 
-    def releasedir(self, ino: int) -> None:
+    def releasedir(self, fh: int) -> None:
+        ino = self._dir_handles.pop(fh).ino
         left = self._open_dirs.get(ino, 0) - 1
         if left > 0:
             self._open_dirs[ino] = left
@@ -334,10 +340,11 @@ class FileSystem:
             self._open_dirs.pop(ino, None)
             self._removed_dirs.pop(ino, None)
 
-    async def readdir(self, ino: int, after_id: int) -> list[tuple[DirEntry, Inode]]:
-        if ino in self._removed_dirs:
+    async def readdir(self, fh: int, after_id: int) -> list[tuple[DirEntry, Inode]]:
+        listing = self._dir_handles[fh]
+        if listing.ino in self._removed_dirs:
             return []
-        return [(entry, self._local(node)) for entry, node in await self.meta.readdir(ino, after_id)]
+        return [(entry, self._local(node)) for entry, node in await listing.after(after_id, self.meta.readdir)]
 
     # --- attributes --------------------------------------------------------------
     async def setattr(self, ino: int, *, mode: Optional[int] = None, uid: Optional[int] = None,
@@ -1038,8 +1045,8 @@ class FileSystem:
             except OSError as exc:
                 raise FsError(errno.EIO, str(exc)) from exc
 
-    async def fsyncdir(self, ino: int) -> None:
-        node = await self._check_dir(ino)
+    async def fsyncdir(self, fh: int) -> None:
+        node = await self._check_dir(self._dir_handles[fh].ino)
         if node is None or not node.scratch:  # shared: asking would cost what syncing does
             await self.sync_metadata()
 
