@@ -43,7 +43,7 @@ BUDGET = {"tiny": None, "quick": 130.0, "full": None}
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"file_mib": 16, "randread_seconds": 1, "small_files": 100, "phase_seconds": 5, "timeout": 60,
              "commits": 20, "visibility_files": 10, "pg_wait": None},
-    "quick": {"file_mib": 256, "randread_seconds": 3, "small_files": 300, "phase_seconds": 4, "timeout": 120,
+    "quick": {"file_mib": 256, "randread_seconds": 3, "small_files": 1000, "phase_seconds": 4, "timeout": 120,
               "commits": 100, "visibility_files": 50, "pg_wait": FLUSH_WAIT},
     "full": {"file_mib": 512, "randread_seconds": 10, "small_files": 1000, "phase_seconds": 10, "timeout": 600,
              "commits": 300, "visibility_files": 200, "pg_wait": FLUSH_WAIT},
