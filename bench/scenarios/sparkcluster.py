@@ -41,12 +41,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from bench import cpu
 from bench.common import Context, Metric, RunError, error_text, juicefs_binary, log, record, summarize
@@ -107,6 +108,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     from bench.systems import JuiceFSSystem
     from fusestate.meta.local_postgres import LocalPostgres
     from fusestate.spark.cluster import Cluster
+    from fusestate.spark.pipeline import SPARK_LOG_NAME
 
     # Every key written, then steady batches before the loss and a few after it.
     batches = -(-keys // p["events_per_batch"]) + STEADY_BATCHES + 3
@@ -166,11 +168,13 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             driver = cluster.start_driver(args)
             deadline = time.monotonic() + p["timeout"]
 
-            def wait_for_batch(batch: int) -> None:
+            def wait_for_batch(batch: int, each: Optional[Callable[[], None]] = None) -> None:
                 done = out / f"batch-{batch:06d}" / "_SUCCESS"
                 while not done.exists():
                     if not driver.alive() or time.monotonic() > deadline:
                         raise RuntimeError(f"batch {batch} did not complete; see {driver.log}")
+                    if each is not None:
+                        each()
                     time.sleep(0.1)
 
             wait_for_batch(WARMUP_BATCHES - 1)
@@ -182,8 +186,10 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             lost_at = time.time()
             cluster.workers[-1].kill()
             cluster.workers[-1].wipe_cache()
-            # The batch running at the loss is the first to complete after it.
-            wait_for_batch(lose_after + 1)
+            # The batch running at the loss is the first to complete after it. Meanwhile, what the
+            # survivor reads from the bucket, every half second: when its fetch of the lost stores ended.
+            fetches = FetchTimeline(survivor, lost_at, fetched_before) if volume else None
+            wait_for_batch(lose_after + 1, fetches.sample if fetches else None)
             fetched = _bucket_bytes_in(survivor) - fetched_before if volume else 0
             if driver.wait(p["timeout"]) != 0:
                 raise RuntimeError(f"the pipeline failed; see {driver.log}")
@@ -204,6 +210,9 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     ends = [_end_time(b) for b in after]
     first_end = min(e for e in ends if e > lost_at)
     loads = after[0]["rocksdb"] if after else {}  # the batch running at the loss loads the lost stores
+    parts = recovery_parts(before, after[0] if after else None, lost_at, out / SPARK_LOG_NAME)
+    if fetches is not None:
+        parts.update(fetches.summary(fetched))
     return {"records_per_s": rows / (ms / 1000) if ms else 0.0,
             **({"commit_ms_median": float(statistics.median(commits))} if commits else {}),
             "recovery_s": first_end - lost_at,
@@ -211,7 +220,64 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             "loaded_files": loads.get("rocksdbFilesCopied", 0),
             **({"fetched_mb": fetched / 1e6} if volume else {}),
             "cpu_ms_per_record": 1000 * cpu_used["machine"] / rows if rows else 0.0,
-            **{f"cpu_s_{part}": round(seconds, 2) for part, seconds in cpu_used.items()}}
+            **{f"cpu_s_{part}": round(seconds, 2) for part, seconds in cpu_used.items()},
+            **parts}
+
+
+class FetchTimeline:
+    """The surviving node's reads from the bucket after the loss, sampled: when they ended."""
+
+    def __init__(self, node: Any, lost_at: float, before: int) -> None:
+        self.node, self.lost_at, self.before = node, lost_at, before
+        self.points: list[tuple[float, int]] = []
+        self._next = 0.0
+
+    def sample(self) -> None:
+        now = time.time()
+        if now < self._next:
+            return
+        self._next = now + 0.5
+        with contextlib.suppress(Exception):  # a status that times out under load: the next one
+            self.points.append((now - self.lost_at, _bucket_bytes_in(self.node) - self.before))
+
+    def summary(self, fetched: int) -> dict[str, float]:
+        """Seconds from the loss until the survivor had read half and 95% of what it read
+        before the batch completed."""
+        out: dict[str, float] = {}
+        for share, name in ((0.5, "fetch_half_s"), (0.95, "fetch_95_s")):
+            reached = [t for t, b in self.points if fetched and b >= share * fetched]
+            if reached:
+                out[name] = round(reached[0], 2)
+        return out
+
+
+_LOST_EXECUTOR = re.compile(r"^(\d\d/\d\d/\d\d \d\d:\d\d:\d\d) \S+ \S+: Lost executor")
+
+
+def recovery_parts(before: list[dict[str, Any]], batch: Optional[dict[str, Any]], lost_at: float,
+                   spark_log: Path) -> dict[str, float]:
+    """What the recovering batch was made of, beside a steady batch on two nodes: when it had
+    started, when the driver noticed the loss (Spark's log, to the second), its state updates (task
+    time reading and writing the state, summed over the stores) and commits."""
+    if batch is None:
+        return {}
+    out = {"recovery_batch_began_s": round(_end_time(batch) - batch["duration_ms"] / 1000 - lost_at, 2),
+           "recovery_batch_s": batch["duration_ms"] / 1000,
+           "recovery_updates_s": sum(op["updates_ms"] for op in batch["operators"]) / 1000,
+           "recovery_commit_s": batch["state_commit_ms"] / 1000}
+    if before:
+        out["steady_batch_s"] = statistics.median(b["duration_ms"] for b in before) / 1000
+        out["steady_updates_s"] = statistics.median(sum(op["updates_ms"] for op in b["operators"])
+                                                    for b in before) / 1000
+    with contextlib.suppress(OSError):
+        for line in spark_log.read_text(errors="replace").splitlines():
+            m = _LOST_EXECUTOR.match(line)
+            if m:
+                seen = datetime.strptime(m.group(1), "%y/%m/%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+                if seen >= lost_at - 1:
+                    out["loss_noticed_s"] = round(seen - lost_at, 1)
+                    break
+    return out
 
 
 def _bucket_bytes_in(node: Any) -> int:
