@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -124,3 +125,61 @@ def test_a_failing_bucket_fails_fsync_and_loses_nothing(make_mount, file_bucket:
     a.mount()
     assert (a.path / "state.sst").read_bytes() == data
     wait_for(lambda: not staged(a), timeout=5, what="an empty staging area")
+
+
+# Writes a file of the given MiB of urandom in 1 MiB writes, then fsyncs it. A process of its
+# own: a thread of the test's would share the open file with every `fusestate status` child,
+# whose closing of inherited descriptors flushes the file and waits for the stalled writeback.
+_WRITER = """
+import errno, os, sys
+path, mib = sys.argv[1], int(sys.argv[2])
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+for _ in range(mib):
+    os.write(fd, os.urandom(1 << 20))
+    print("wrote", flush=True)
+for attempt in range(3):  # the failed uploads are reported once (EIO), then the retry succeeds
+    try:
+        os.fsync(fd)
+        break
+    except OSError as exc:
+        if exc.errno != errno.EIO or attempt:
+            raise
+os.close(fd)
+print("synced", flush=True)
+"""
+
+
+@pytest.mark.slow  # one retry budget of the remote store and more: about 40 s
+def test_writers_wait_for_a_failing_bucket_instead_of_filling_memory(make_mount, file_bucket: Bucket,
+                                                                     pg_url: str) -> None:
+    """While every upload fails, a writer past --max-dirty waits while the blocks are retried
+    (a failed block is dirty again and sealed again within the 5 s expiry): the node's memory
+    holds about --max-dirty and no more (nothing is staged on a shared volume, so memory is
+    all there is). Once the bucket is back, the writer goes on and a second node reads the
+    file it wrote."""
+    a = make_mount(file_bucket, name="node-a", cache="cache-a",
+                   extra=["--meta", pg_url, "--max-dirty", "16M", *OPTS]).mount()
+    blocks = Path(file_bucket.url.removeprefix("file://")) / "blocks"
+    blocks.mkdir(parents=True, exist_ok=True)
+    mib = 160
+    most = 0
+    with read_only(blocks):
+        writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(a.path / "big.sst"), str(mib)],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 30  # past the first failed uploads and the 5 s expiry after them
+            while time.monotonic() < deadline:
+                most = max(most, a.status()["writeback"]["dirty_bytes"])
+                time.sleep(0.2)
+            assert writer.poll() is None, "the writer never waited"
+            assert not staged(a)
+        except BaseException:
+            writer.kill()
+            raise
+    bound = 16 * MiB + 16 * 4 * MiB  # --max-dirty, and the blocks being sealed at most
+    assert most <= bound, f"{most / MiB:.0f} MiB dirty in memory with --max-dirty 16M"
+    out, _ = writer.communicate(timeout=180)
+    assert writer.returncode == 0 and out.split()[-1] == "synced"
+    b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=["--meta", pg_url, *OPTS]).mount()
+    assert os.path.getsize(b.path / "big.sst") == mib * MiB
+    assert (b.path / "big.sst").read_bytes() == (a.path / "big.sst").read_bytes()
