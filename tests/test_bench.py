@@ -469,6 +469,33 @@ def test_spark_cluster_goals_against_juicefs() -> None:
                                         "repeats": 1}, Path("."), "img")
 
 
+def test_spark_cluster_records_what_a_recovery_was_made_of(tmp_path: Path) -> None:
+    """The recovering batch beside a steady one, and when Spark's log (its own line format)
+    noticed the lost executor; a line from before the loss is not taken for it."""
+    import datetime as dt
+
+    from bench.scenarios import sparkcluster as sc
+
+    lost_at = dt.datetime(2026, 11, 27, 21, 30, 55, 400000, tzinfo=dt.timezone.utc).timestamp()
+    log = tmp_path / "spark.log"
+    log.write_text("26/11/27 21:20:01 ERROR TaskSchedulerImpl: Lost executor 3 on 127.0.0.4: an earlier loss\n"
+                   "26/11/27 21:30:55 WARN TaskSetManager: Lost task 1.0 in stage 40.0\n"
+                   "26/11/27 21:30:56 ERROR TaskSchedulerImpl: Lost executor 0 on 127.0.0.3: worker lost: "
+                   "127.0.0.3:35465 got disassociated\n")
+
+    def batch(start: str, ms: int, updates: list[int]) -> dict:
+        return {"timestamp": start, "duration_ms": ms, "state_commit_ms": 800,
+                "operators": [{"updates_ms": u} for u in updates]}
+
+    steady = [batch("2026-11-27T21:30:20.000Z", 10_000, [3_000, 1_000]),
+              batch("2026-11-27T21:30:31.000Z", 12_000, [5_000, 1_000])]
+    parts = sc.recovery_parts(steady, batch("2026-11-27T21:30:50.000Z", 25_000, [9_000, 2_000]), lost_at, log)
+    assert parts == {"recovery_batch_began_s": -5.4, "recovery_batch_s": 25.0, "recovery_updates_s": 11.0,
+                     "recovery_commit_s": 0.8, "steady_batch_s": 11.0, "steady_updates_s": 5.0,
+                     "loss_noticed_s": 0.6}
+    assert sc.recovery_parts(steady, None, lost_at, log) == {}
+
+
 def test_server_cpu_counts_the_server_processes(postgres_server) -> None:
     """The PostgreSQL server's CPU (a scenario's per-operation cost) is its backends' time, read
     from /proc: a query that burns CPU in a backend shows in it, this process's own CPU does not."""
