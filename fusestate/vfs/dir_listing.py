@@ -30,7 +30,6 @@ class DirListing:
     def __init__(self, ino: int) -> None:
         self.ino = ino
         self._page: Listed = []
-        self._ids: list[int] = []
         self._after: Optional[int] = None  # the entry id the page was read after
         self._ended = False  # the page reached the end of the directory
         self._read_at = 0.0
@@ -38,15 +37,19 @@ class DirListing:
     async def after(self, after_id: int, read_page: ReadPage) -> Listed:
         """The entries after ``after_id``, from the page held where it covers them."""
         if self._covers(after_id):
-            rest = self._page[bisect.bisect_right(self._ids, after_id):]
+            rest = self._page[bisect.bisect_right(self._page, after_id, key=_entry_id):]
             if rest or self._ended:
                 return rest
         page = await read_page(self.ino, after_id, PAGE)
-        self._page, self._ids = page, [entry.entry_id for entry, _ in page]
-        self._after, self._ended, self._read_at = after_id, len(page) < PAGE, time.monotonic()
+        self._page, self._after, self._ended, self._read_at = page, after_id, len(page) < PAGE, time.monotonic()
         return page
 
     def _covers(self, after_id: int) -> bool:
         if after_id == 0 or self._after is None or time.monotonic() - self._read_at > PAGE_SECONDS:
             return False
-        return after_id == self._after or bool(self._ids) and self._ids[0] <= after_id <= self._ids[-1]
+        page = self._page
+        return after_id == self._after or bool(page) and _entry_id(page[0]) <= after_id <= _entry_id(page[-1])
+
+
+def _entry_id(listed: tuple[DirEntry, Inode]) -> int:
+    return listed[0].entry_id

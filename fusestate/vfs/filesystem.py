@@ -113,11 +113,10 @@ class FileSystem:
         self._cached_content: dict[int, int] = {}
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
-        # Directories open on this node (count of handles), and the last attributes of those
-        # removed while open: fstat and readdir on their handles still answer.
-        self._open_dirs: dict[int, int] = {}
-        self._removed_dirs: dict[int, Inode] = {}
+        # Open directory handles, and the last attributes of directories removed while open:
+        # fstat and readdir on their handles still answer.
         self._dir_handles: dict[int, DirListing] = {}
+        self._removed_dirs: dict[int, Inode] = {}
         # The last attributes of files deleted here, until the kernel forgets them: its
         # writeback cache still sends their mtime (SETATTR) after the unlink.
         self._deleted: OrderedDict[int, Inode] = OrderedDict()
@@ -204,7 +203,7 @@ class FileSystem:
         file's unsealed data is forgotten, and freed blocks go to the block layer."""
         if freed.unlinked is not None:
             self._adopt(freed.unlinked)
-            if freed.unlinked.id in self._open_dirs and freed.unlinked.id == freed.deleted_inode:
+            if freed.unlinked.id == freed.deleted_inode and self._dir_open(freed.unlinked.id):
                 self._removed_dirs[freed.unlinked.id] = freed.unlinked
         if freed.deleted_inode is not None:
             f = self._files.get(freed.deleted_inode)
@@ -313,7 +312,6 @@ class FileSystem:
 
     async def opendir(self, ino: int) -> int:
         await self._check_dir(ino)
-        self._open_dirs[ino] = self._open_dirs.get(ino, 0) + 1
         fh = self._next_fh
         self._next_fh += 1
         self._dir_handles[fh] = DirListing(ino)
@@ -333,12 +331,11 @@ class FileSystem:
 
     def releasedir(self, fh: int) -> None:
         ino = self._dir_handles.pop(fh).ino
-        left = self._open_dirs.get(ino, 0) - 1
-        if left > 0:
-            self._open_dirs[ino] = left
-        else:
-            self._open_dirs.pop(ino, None)
+        if not self._dir_open(ino):
             self._removed_dirs.pop(ino, None)
+
+    def _dir_open(self, ino: int) -> bool:
+        return any(listing.ino == ino for listing in self._dir_handles.values())
 
     async def readdir(self, fh: int, after_id: int) -> list[tuple[DirEntry, Inode]]:
         listing = self._dir_handles[fh]
