@@ -304,9 +304,8 @@ def _fill_at_loss(node: Any, checkpoint: str, work: Path) -> subprocess.Popen:
     snapshot that the node does not hold (its own stores' files it wrote are skipped) into its
     page cache, the files held until filled."""
     with open(work / "fill-at-loss.log", "ab") as out:
-        return subprocess.Popen(["nsenter", "--target", str(node._init_pid()), "--mount", "--",
-                                 sys.executable, "-m", "fusestate", "spark-fill", checkpoint, "--wait"],
-                                env=node.env(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return node.spawn([sys.executable, "-m", "fusestate", "spark-fill", checkpoint, "--wait"],
+                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 def _requested_bytes(node: Any) -> int:

@@ -93,13 +93,12 @@ class PageFill:
         self.blocks = fs.blocks
         self._store = store
         self.budget = default_budget() if budget is None else budget
-        self.concurrency = concurrency
         self.stats = PageFillStats()
         self.pending_bytes = 0
         self._fills: dict[int, _Fill] = {}
         self._send, self._receive = trio.open_memory_channel[_Fill](math.inf)
         self._disabled = False
-        self._slots: Optional[trio.CapacityLimiter] = None  # blocks in flight, over all files (run)
+        self._slots = trio.CapacityLimiter(concurrency)  # blocks in flight, over all files
         # Files filled to the end, with the content filled: a link of one later fetches nothing.
         self._filled: OrderedDict[int, int] = OrderedDict()
 
@@ -153,7 +152,6 @@ class PageFill:
     async def run(self) -> None:
         """Fill the queued files in the order they were linked, a few at a time."""
         files = trio.CapacityLimiter(FILES_AT_ONCE)
-        self._slots = trio.CapacityLimiter(self.concurrency)
         async with trio.open_nursery() as nursery:
             async for fill in self._receive:
                 token = object()  # a fill is a dataclass, not hashable
@@ -181,12 +179,11 @@ class PageFill:
 
     async def _fill(self, fill: _Fill) -> None:
         ino, size, bs = fill.node.id, fill.node.size, self.fs.block_size
-        limiter = self._slots or trio.CapacityLimiter(self.concurrency)
         failed = False
 
         async def one(index: int, key: str) -> None:
             nonlocal failed
-            async with limiter:
+            async with self._slots:
                 if failed:
                     return
                 try:

@@ -128,10 +128,9 @@ class RemoteStore:
     def get_block(self, key: str) -> bytes | memoryview:
         """A whole block object; on file:// read past the page cache (``localio.read_file``):
         the block store keeps what it fetched in its own caches."""
-        if not self._is_local:
-            data = self._call("get", key, lambda: self.fs.cat_file(self.path(key), **self._whole_get))
-        else:
-            data = self._call("get", key, lambda: read_file(self.path(key)))
+        path = self.path(key)
+        data = self._call("get", key, (lambda: read_file(path)) if self._is_local
+                          else lambda: self.fs.cat_file(path, **self._whole_get))
         self.stats.bytes_in += len(data)
         return data
 

@@ -161,6 +161,14 @@ class Node:
             return int(children[0]) if children else None
         return None
 
+    def spawn(self, argv: Sequence[str], **popen: Any) -> subprocess.Popen:
+        """``argv`` started inside the node's mount namespace (its mount as its own processes
+        see it), with the node's environment."""
+        pid = self._init_pid()
+        if pid is None:
+            raise ClusterError(f"node {self.name} is not running")
+        return subprocess.Popen(["nsenter", "--target", str(pid), "--mount", "--", *argv], env=self.env(), **popen)
+
     def processes(self) -> list[int]:
         """Every process of the node, as the machine sees them (the namespace's first one first)."""
         found: list[int] = []
