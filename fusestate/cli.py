@@ -178,6 +178,10 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--inline-max", type=int, default=unset, metavar="BYTES",
                    help="with --meta: a file of at most this size keeps its bytes in the database, not the "
                         f"bucket: its close is one transaction, no upload (0: off; default {_default('inline_max')})")
+    m.add_argument("--lookup-cache", choices=("on", "off"), default=unset,
+                   help="with --meta: answer lookups and attributes of names and files no node changed from this "
+                        "node's memory while the database's change notifications reach it (off: every lookup asks "
+                        f"the database; default {_default('lookup_cache')})")
     m.add_argument("--foreground", "-f", action="store_true", default=unset, help="stay in the foreground")
     m.add_argument("--attr-timeout", type=float, default=unset,
                    help="seconds the kernel caches names and attributes (default 10, or 1 with --meta: "
@@ -382,6 +386,10 @@ def _print_status(status: dict) -> None:
         live = sum(1 for s in status.get("sessions", []) if "id" in s)
         mine = "none (read-only)" if session["state"] == "read-only" else f"{session['id']}, {session['state']}"
         rows.append(("session", f"{mine}; {live} live sessions on the volume"))
+        if "lookup_cache_hits" in session:
+            followed = "following other nodes' changes" if session.get("changes_followed") else "not in use"
+            rows.append(("lookup cache", f"{followed}; {session['lookup_cache_hits']} hits, "
+                                         f"{session['lookup_cache_misses']} misses"))
     rows += [
         ("files / used", f"{status['files']} / {format_size(status['used_bytes'])}"),
         ("memory cache", f"{format_size(cache['memory_bytes'])} of {format_size(cache['memory_limit'])}, "

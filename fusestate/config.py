@@ -116,6 +116,7 @@ class MountConfig:
     meta_connections: int = 8                # shared engine: most connections this daemon opens to the database
     meta_pooler: str = "none"                # shared engine: "transaction" behind PgBouncer's transaction mode
     inline_max: int = 4096                   # shared engine: files up to this size keep their bytes in the database
+    lookup_cache: str = "on"                 # shared engine: on | off: lookups answered here while change notifications flow
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
 
@@ -130,6 +131,8 @@ class MountConfig:
             raise UserError(f"bad --meta-connections {self.meta_connections}: expected 2 or more")
         if not 0 <= self.inline_max <= 8192:
             raise UserError(f"bad --inline-max {self.inline_max}: expected 0 (off) to 8192 bytes")
+        if self.lookup_cache not in ("on", "off"):
+            raise UserError(f"bad --lookup-cache {self.lookup_cache!r}: expected on or off")
         if self.meta_pooler not in ("none", "session", "transaction"):
             raise UserError(f"bad --meta-pooler {self.meta_pooler!r}: expected none, session or transaction")
         if self.meta_url is not None:

@@ -806,9 +806,10 @@ def test_a_nodes_own_writes_answer_its_getattr_for_the_attribute_timeout(new_eng
 
 @shared_only
 def test_an_fsyncs_durable_commit_leaves_its_sync_nothing_to_do(new_engine, pg_url: str) -> None:
-    """fsync commits a file's last blocks with the WAL flushed (the server's own
-    synchronous_commit), so the sync that follows sends nothing; a namespace change after
-    it (the rename of a commit pattern) makes the next sync flush again."""
+    """fsync commits a file's last blocks, then waits for the WAL flush in a statement of
+    its own (the commit notifies other nodes, and must not hold the notification queue's
+    lock through a flush), so the sync that follows sends nothing; a namespace change
+    after it (the rename of a commit pattern) makes the next sync flush again."""
     async def body(a: MetaEngine) -> None:
         sent = []
         run, query = a.pool.run, a.pool.query
@@ -826,12 +827,13 @@ def test_an_fsyncs_durable_commit_leaves_its_sync_nothing_to_do(new_engine, pg_u
         await a.sync()
         assert len(sent) == 2  # the create committed without waiting for the WAL flush
         await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1, durable=True)
+        assert len(sent) == 4  # the commit, then its flush
         await a.sync()
-        assert len(sent) == 3
+        assert len(sent) == 4
         await a.rename(ROOT_INODE, b"tmp", ROOT_INODE, b"final")
         await a.sync()
         await a.sync()
-        assert len(sent) == 5
+        assert len(sent) == 6
 
     drive(new_engine, body)
 

@@ -14,7 +14,8 @@ import trio
 
 from fusestate.errors import FsError
 from fusestate.meta import journal
-from fusestate.meta.engine import ROOT_INODE, NewNode
+from fusestate.meta.engine import ROOT_INODE, Inode, NewNode
+from fusestate.meta.lookup_cache import LookupCache
 from fusestate.meta.postgres_engine import PostgresEngine
 from fusestate.meta.sqlite_engine import SQLiteEngine
 
@@ -249,3 +250,58 @@ def test_a_durable_commit_after_a_failover_does_not_vouch_for_commits_before_it(
     engine._committed_async(2)
     engine._made_durable(engine._async_commits, 2)  # reported once; the new timeline is fine
     assert engine._timelines == [(5, 2)]
+
+
+# --- the shared engine's lookup cache ----------------------------------------------------
+
+def _inode(ino: int, size: int = 0) -> Inode:
+    return Inode(id=ino, mode=stat.S_IFREG | 0o644, uid=0, gid=0, size=size, nlink=1,
+                 atime_ns=0, mtime_ns=0, ctime_ns=0)
+
+
+def test_lookup_cache_keeps_no_answer_of_a_read_that_a_change_overtook() -> None:
+    cache = LookupCache()
+    since = cache.generation
+    cache.changed_elsewhere([(1, b"f")], [])  # another node's change arrives while the read is out
+    cache.fill(since, 1, b"f", _inode(5))  # the read's answer, older than the change
+    assert cache.lookup(1, b"f") is None
+    cache.fill(cache.generation, 1, b"f", _inode(5))
+    assert cache.lookup(1, b"f") == _inode(5)
+
+
+def test_lookup_cache_drops_names_and_inodes_apart() -> None:
+    cache = LookupCache()
+    cache.fill(cache.generation, 1, b"a", _inode(5))
+    cache.fill(cache.generation, 1, b"b", _inode(5))  # a hard link: one inode, two names
+    cache.changed_elsewhere([], [5])  # the inode changed: both names need its attributes again
+    assert cache.lookup(1, b"a") is None and cache.lookup(1, b"b") is None
+    cache.fill(cache.generation, 1, b"a", _inode(5, size=10))
+    assert cache.lookup(1, b"b") == _inode(5, size=10)  # the name was kept
+    cache.changed_elsewhere([(1, b"a")], [])
+    assert cache.lookup(1, b"a") is None and cache.lookup(1, b"b") is not None
+    assert cache.dropped_elsewhere == 2
+
+
+def test_lookup_cache_own_writes_replace_only_what_it_holds() -> None:
+    """A row this node committed replaces the cached one; an inode not held stays out (it may
+    have been dropped by a later change from elsewhere); a deleted one and a renamed name go."""
+    cache = LookupCache()
+    cache.fill(cache.generation, 1, b"a", _inode(5))
+    cache.wrote({5: _inode(5, size=7), 6: _inode(6)})
+    assert cache.lookup(1, b"a") == _inode(5, size=7) and cache.node(6) is None
+    since = cache.generation
+    cache.wrote({}, [(1, b"a")])
+    cache.fill(since, 1, b"a", _inode(5))  # a lookup sent before this node's rename
+    assert cache.lookup(1, b"a") is None
+    cache.fill(cache.generation, 1, b"a", _inode(5))
+    cache.wrote({5: None})
+    assert cache.lookup(1, b"a") is None
+
+
+def test_lookup_cache_is_bounded_oldest_first() -> None:
+    cache = LookupCache(max_entries=3)
+    for i in range(5):
+        cache.fill(cache.generation, 1, b"f%d" % i, _inode(10 + i))
+    assert len(cache) == 3 and cache.lookup(1, b"f0") is None and cache.lookup(1, b"f4") is not None
+    cache.clear()
+    assert len(cache) == 0 and cache.lookup(1, b"f4") is None

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+import psycopg
 import pytest
 
 from conftest import Bucket, Mount, assert_one_line_error, fusestate, wait_for
@@ -153,6 +155,53 @@ def test_a_fill_never_outlives_a_change_made_on_another_node(make_mount, file_bu
     overwrite_synced(a.path / "f", new)
     assert (b.path / "g").read_bytes() == new + old[4096:]
     assert b.status()["page_fill"]["stopped"] == 1
+
+
+def test_a_node_answers_lookups_from_memory_and_drops_what_another_node_changed(make_mount, file_bucket: Bucket,
+                                                                               pg_url: str) -> None:
+    """With the kernel's cache off (--attr-timeout 0) every stat reaches the daemon: B answers
+    a name it knows from memory, and a chmod, a link, a rename and an unlink on A show on
+    B's next stat once the database's notification is in (0.5 s at the latest). (A file's
+    size is the kernel's own on B: semantics.md, a file rewritten in place.)"""
+    a, b = shared_pair(make_mount, file_bucket, pg_url, "--attr-timeout", "0")
+    (a.path / "f").write_bytes(b"x" * 100)
+    os.stat(b.path / "f")  # asked of the database once, then kept
+    hits = b.status()["session"]["lookup_cache_hits"]
+    for _ in range(20):
+        os.stat(b.path / "f")
+    assert b.status()["session"]["lookup_cache_hits"] >= hits + 20
+    os.chmod(a.path / "f", 0o600)
+    wait_for(lambda: stat.S_IMODE(os.stat(b.path / "f").st_mode) == 0o600, 2, "the chmod seen on B")
+    os.link(a.path / "f", a.path / "h")
+    wait_for(lambda: os.stat(b.path / "f").st_nlink == 2, 2, "the new link seen on B")
+    os.rename(a.path / "f", a.path / "g")
+    wait_for(lambda: not (b.path / "f").exists(), 2, "the rename seen on B")
+    assert os.stat(b.path / "g").st_size == 100
+    os.unlink(a.path / "g")
+    wait_for(lambda: not (b.path / "g").exists(), 2, "the unlink seen on B")
+    assert b.status()["session"]["lookup_cache_dropped"] >= 3
+
+
+def test_a_node_that_missed_change_notifications_forgets_what_it_knew(make_mount, file_bucket: Bucket,
+                                                                     pg_url: str) -> None:
+    """The listening connections are cut, and A renames a file B knows while none listens:
+    B asks the database until it listens again, and starts again from an empty memory."""
+    a, b = shared_pair(make_mount, file_bucket, pg_url, "--attr-timeout", "0")
+    (a.path / "f").write_bytes(b"x")
+    os.stat(b.path / "f")
+    os.stat(b.path / "f")
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        listeners = [r[0] for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE '%changes'")]
+        assert len(listeners) == 2  # one per node
+        for pid in listeners:
+            conn.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        os.rename(a.path / "f", a.path / "g")  # announced to no node
+    wait_for(lambda: not (b.path / "f").exists(), 2, "B asking the database")
+    wait_for(lambda: b.status()["session"]["changes_followed"] == 1, 10, "B listening again")
+    assert not (b.path / "f").exists() and (b.path / "g").exists()
+    os.unlink(a.path / "g")
+    wait_for(lambda: not (b.path / "g").exists(), 2, "the unlink seen on B")
 
 
 def test_namespace_changes_from_both_nodes_at_once(make_mount, file_bucket: Bucket, pg_url: str) -> None:

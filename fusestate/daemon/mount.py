@@ -136,7 +136,8 @@ class Daemon:
                                   read_only=cfg.read_only, session_ttl=cfg.session_timeout,
                                   attr_cache_seconds=cfg.attr_timeout or 0.0,
                                   outage_budget=cfg.meta_outage_budget, pool_size=cfg.meta_connections,
-                                  prepare=cfg.meta_pooler != "transaction", inline_max=cfg.inline_max)
+                                  prepare=cfg.meta_pooler != "transaction", inline_max=cfg.inline_max,
+                                  lookup_cache=cfg.lookup_cache == "on")
         known: dict[str, Any] = {}
         with contextlib.suppress(FileNotFoundError, ValueError), open(layout.volume_file) as f:
             known = json.load(f)

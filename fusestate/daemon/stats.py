@@ -273,11 +273,25 @@ STATS: list[Stat] = [
          "1 once the other nodes cleaned up this mount's session on the shared volume's database: it publishes "
          "nothing more until mounted again", lambda d: int(d.meta.lost), when=_is_shared),  # type: ignore[attr-defined]
     Stat("session.connections", "fusestate_meta_connections", GAUGE,
-         "Connections this mount holds to the shared volume's database (--meta-connections at most)",
-         lambda d: d.meta.pool.open_connections, when=_is_shared),  # type: ignore[attr-defined]
+         "Connections this mount holds to the shared volume's database (--meta-connections at most, and one that "
+         "listens for the other nodes' changes with --lookup-cache on)",
+         lambda d: d.meta.open_connections, when=_is_shared),  # type: ignore[attr-defined]
     Stat("session.reconnects", "fusestate_meta_connects_total", COUNTER,
          "Connections made to the shared volume's database (the first ones, and again after a restart or failover)",
          lambda d: d.meta.pool.reconnects, when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.lookup_cache_hits", "fusestate_lookup_cache_hits_total", COUNTER,
+         "Lookups and attribute requests answered from this node's memory, without the database (--lookup-cache)",
+         lambda d: d.meta.lookups.hits, when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.lookup_cache_misses", "fusestate_lookup_cache_misses_total", COUNTER,
+         "Lookups of names this node's memory did not hold, asked of the database",
+         lambda d: d.meta.lookups.misses, when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.lookup_cache_dropped", "fusestate_lookup_cache_dropped_total", COUNTER,
+         "Names and inodes dropped from this node's memory because another node changed them",
+         lambda d: d.meta.lookups.dropped_elsewhere, when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.changes_followed", "fusestate_meta_changes_followed", GAUGE,
+         "1 while this node receives the other nodes' changes from the database in time (the lookup cache "
+         "answers), 0 while every lookup asks the database",
+         lambda d: int(d.meta.changes is not None and d.meta.changes.fresh()), when=_is_shared),  # type: ignore[attr-defined]
     Stat("session.timeline", "fusestate_meta_timeline", GAUGE,
          "The database's timeline this mount writes to: it goes up by one at each failover to a standby",
          lambda d: d.meta.pool.timeline, when=_is_shared),  # type: ignore[attr-defined]

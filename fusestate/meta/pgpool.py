@@ -174,6 +174,9 @@ class PgPool:
         self._connecting = threading.Lock()
         self._watchdog: Optional[threading.Thread] = None
         self._closing = threading.Event()
+        # The server processes of this pool's connections: what this node's own transactions
+        # notify (``change_feed``) is known here already.
+        self.backend_pids: set[int] = set()
 
     @property
     def open_connections(self) -> int:
@@ -390,6 +393,8 @@ class PgPool:
         return conn
 
     def _accept(self, conn: psycopg.Connection) -> psycopg.Connection:
+        conn.backend_pid = conn.info.backend_pid  # type: ignore[attr-defined]  # kept: info needs it open
+        self.backend_pids.add(conn.backend_pid)  # type: ignore[attr-defined]
         timeline = conn.timeline  # type: ignore[attr-defined]
         if timeline > self.timeline:
             if self.timeline:
@@ -481,13 +486,17 @@ class PgPool:
         else:
             self._idle.append(conn)
 
-    @staticmethod
-    def _discard(conn: Optional[psycopg.Connection]) -> None:
+    def _discard(self, conn: Optional[psycopg.Connection]) -> None:
         if conn is not None:
-            try:
-                conn.close()
-            except psycopg.Error:
-                pass
+            self.backend_pids.discard(getattr(conn, "backend_pid", 0))
+            _close_quietly(conn)
+
+    def dedicated_connection(self) -> psycopg.Connection:
+        """A connection of its own, outside the pool and its limit (blocking), to the server
+        the pool's connections reach: for a session that only listens."""
+        conn = self._connect()
+        self.backend_pids.discard(conn.backend_pid)  # type: ignore[attr-defined]
+        return conn
 
     def close_idle(self) -> None:
         while True:
@@ -600,7 +609,7 @@ def _close_answers(answers: "queue.Queue[tuple[tuple[str, str], Optional[psycopg
     for _ in range(count):
         _server, conn, _failure = answers.get()
         if conn is not None:
-            PgPool._discard(conn)
+            _close_quietly(conn)
 
 
 def _shut_down(conn: psycopg.Connection) -> None:
@@ -614,4 +623,11 @@ def _shut_down(conn: psycopg.Connection) -> None:
         with socket.socket(fileno=os.dup(fd)) as sock:
             sock.shutdown(socket.SHUT_RDWR)
     except OSError:
+        pass
+
+
+def _close_quietly(conn: psycopg.Connection) -> None:
+    try:
+        conn.close()
+    except psycopg.Error:
         pass

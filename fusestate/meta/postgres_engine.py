@@ -50,6 +50,8 @@ from fusestate.meta import operations as ops
 from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
                                    ObjectInfo)
 from fusestate.meta import pg_functions as server
+from fusestate.meta.change_feed import CHANGE_TRIGGERS, ChangeFeed
+from fusestate.meta.lookup_cache import LookupCache, Name
 from fusestate.meta.pgpipeline import Pipeline, Slot
 from fusestate.meta.pgpool import PgPool, RefusedByServer, timeline_of
 
@@ -79,6 +81,13 @@ _MARK = "UPDATE counters SET inodes = inodes + ?, used = used + ?, op = ? WHERE 
 _DONE = "SELECT 1 FROM counters WHERE session_id = ? AND lane = ? AND op = ?"
 # A lane's lock (_Attempts) or an inode's fence (pg_functions.INODE_FENCE): (class, key).
 _ADVISORY_LOCK = "SELECT pg_advisory_xact_lock(?::int, ?::int)"
+# A transaction of its own that writes a WAL record (a commit without one does not wait for
+# the flush): an update of a lane's row, which no other transaction writes meanwhile
+# (``_Lanes``). With a server's synchronous_commit = off it waits all the same; a stronger
+# setting (remote_apply) is kept.
+_FLUSH_WAL = ("WITH mode AS (SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')"
+              " WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true))"
+              " UPDATE counters SET op = op FROM mode WHERE session_id = ? AND lane = ? RETURNING 1")
 # The session fence (``pg_functions``) and the commit mode of a namespace change, at once.
 _SESSION_CHECK = "SELECT fs_session_v1(?::bigint, false)"
 
@@ -362,7 +371,7 @@ class PostgresEngine:
     def __init__(self, url: str, block_size: int = DEFAULT_BLOCK_SIZE, *, mountpoint: str = "",
                  read_only: bool = False, pool_size: int = 8, session_ttl: float = SESSION_TTL,
                  attr_cache_seconds: float = 0.0, outage_budget: float = 60.0, prepare: bool = True,
-                 inline_max: int = INLINE_MAX) -> None:
+                 inline_max: int = INLINE_MAX, lookup_cache: bool = True) -> None:
         if not 0 <= inline_max <= INLINE_MAX * 2:
             raise ValueError(f"inline_max {inline_max}: expected 0 to {INLINE_MAX * 2} bytes")
         self.url = url
@@ -392,6 +401,11 @@ class PostgresEngine:
         # the kernel's cache.
         self.attr_cache_seconds = attr_cache_seconds
         self._recent: dict[int, tuple[float, Inode]] = {}
+        # Names and inodes answered here while the database's notifications of other nodes'
+        # changes come in (``change_feed``); not behind a pooler in transaction mode, where a
+        # session that listens does not keep its server connection.
+        self.lookups = LookupCache()
+        self.changes = ChangeFeed(self.pool, self.lookups) if lookup_cache and prepare else None
         # Commits that did not wait for the WAL flush, and how many of them a durable
         # commit has covered since: sync has nothing to do while the two are equal.
         self._async_commits = 0
@@ -401,12 +415,18 @@ class PostgresEngine:
         self._timelines: list[tuple[int, int]] = []
         self.pool.run_sync(self._create_schema)
 
+    @property
+    def open_connections(self) -> int:
+        """The pool's connections, and the one that listens for other nodes' changes."""
+        return self.pool.open_connections + (self.changes is not None and self.changes.connected)
+
     # --- setup ----------------------------------------------------------------
     @staticmethod
     def _create_schema(cur: Any) -> None:
         cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
         cur.execute(_SCHEMA)
         cur.execute(server.INSTALL)
+        cur.execute(CHANGE_TRIGGERS)
         now = time.time_ns()
         cur.execute("INSERT INTO inodes (id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns)"
                     " VALUES (%s, %s, 0, 0, 0, 2, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING id",
@@ -528,19 +548,24 @@ class PostgresEngine:
                 self._recent[ino] = (expires, node)
         while len(self._recent) > RECENT_ROWS_MAX:
             del self._recent[next(iter(self._recent))]
+        self.lookups.wrote(rows)
 
-    async def _call(self, statement: str, args: tuple, durable: bool = False,
-                    attempts: Optional[_Attempts] = None) -> list[tuple]:
+    def _renamed(self, *names: Name) -> None:
+        """This node changed what ``names`` point to (or may have: an outcome unknown)."""
+        self.lookups.wrote({}, names)
+
+    def _cached(self) -> Optional[LookupCache]:
+        """The lookup cache, if it holds every change of the last ``MAX_LAG`` seconds."""
+        return self.lookups if self.changes is not None and self.changes.fresh() else None
+
+    async def _call(self, statement: str, args: tuple, attempts: Optional[_Attempts] = None) -> list[tuple]:
         """One server-side operation (``pg_functions``): one statement, one round trip, one
-        transaction; its POSIX errors come back as :class:`RefusedByServer`. ``durable``:
-        it committed with the WAL flushed up to it, every earlier commit of this node too.
-        ``attempts``: records whether the last call was a retry after one that was sent;
+        transaction, committed without waiting for the WAL flush; its POSIX errors come back
+        as :class:`RefusedByServer`. ``attempts``: records whether the last call was a retry after one that was sent;
         with a number (``op``), the statement's first arguments after the session are the
         lane, the number and that (``_Attempts``)."""
         if self.read_only:
             raise FsError(errno.EROFS)
-        covered = self._async_commits
-
         timelines: list[int] = []
 
         def values(conn: Any) -> tuple:
@@ -558,10 +583,7 @@ class PostgresEngine:
             if exc.sqlstate == server.LOST_SQLSTATE:
                 raise self._lose() from None
             raise
-        if durable:
-            self._made_durable(covered, timelines[-1])
-        else:
-            self._committed_async(timelines[-1])
+        self._committed_async(timelines[-1])
         return rows
 
     def _count(self, inodes: int, used: int) -> None:
@@ -578,22 +600,33 @@ class PostgresEngine:
             if recent[0] > time.monotonic():
                 return dataclasses.replace(recent[1])
             del self._recent[ino]
+        cache = self._cached()
+        node = cache.node(ino) if cache is not None else None
+        if node is not None:
+            return node
         rows = await self.pool.query(ops.INODE_ROW, (ino,))
         return ops.found(rows[0] if rows else None)
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
-        if ops.plain_name(name):
-            rows = await self.pool.query(ops.LOOKUP, (name, parent))
-            node = ops.looked_up(rows[0] if rows else None)
-        else:
-            node = await self._read(ops.lookup, parent, name)
+        if not ops.plain_name(name):
+            return await self._read(ops.lookup, parent, name)
+        cache = self._cached()
+        node = cache.lookup(parent, name) if cache is not None else None
+        if node is not None:
+            return node
+        since = self.lookups.generation
+        rows = await self.pool.query(ops.LOOKUP, (name, parent))
+        node = ops.looked_up(rows[0] if rows else None)
         self._recent.pop(node.id, None)  # fresher than what this node wrote last
+        if self.changes is not None:
+            self.lookups.fill(since, parent, name, node)
         return node
 
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
         """One call of ``fs_create_v2``, holding a lane: a retry after its answer was lost
         returns the inode the call made rather than EEXIST (``_Attempts``)."""
         ops.check_name(name)
+        since = self.lookups.generation
         args = (self.session_id, parent, name, node.mode, node.uid, node.gid, node.rdev, node.symlink_target,
                 node.scratch_name, hold, time.time_ns())
         if not self.session_id:  # no session yet: lane 0, and nothing to look for on a retry
@@ -606,6 +639,8 @@ class PostgresEngine:
         if hold:
             self._held.add(new.id)
         changed = [ops.inode_of_row(row) for row in rows[1:]]  # none if a retry found the parent gone
+        if self.changes is not None and new.nlink:  # nlink 0: a retry found it removed meanwhile
+            self.lookups.fill(since, parent, name, new)
         self._remember({**{c.id: c for c in changed}, new.id: new})
         return dataclasses.replace(new)
 
@@ -613,6 +648,12 @@ class PostgresEngine:
         return await self._write(ops.link, ino, parent, name, once=True)
 
     async def unlink(self, parent: int, name: bytes) -> Freed:
+        try:
+            return await self._unlink(parent, name)
+        finally:
+            self._renamed((parent, name))
+
+    async def _unlink(self, parent: int, name: bytes) -> Freed:
         """One call of ``fs_unlink_v1``, holding a lane (as ``create``)."""
         if not self.session_id:
             return await self._write(ops.unlink, parent, name, once=True)
@@ -627,10 +668,20 @@ class PostgresEngine:
         return Freed(keys=list(freed), deleted_inode=columns[0] if deleted else None, unlinked=node)
 
     async def rmdir(self, parent: int, name: bytes) -> Freed:
-        return await self._write(ops.rmdir, parent, name, once=True)
+        try:
+            return await self._write(ops.rmdir, parent, name, once=True)
+        finally:
+            self._renamed((parent, name))
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
                      flags: int = 0) -> Freed:
+        try:
+            return await self._rename(src_parent, src_name, dst_parent, dst_name, flags)
+        finally:
+            self._renamed((src_parent, src_name), (dst_parent, dst_name))
+
+    async def _rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
+                      flags: int = 0) -> Freed:
         """A file's rename without flags: one call of ``fs_rename_v1``, holding a lane (as
         ``create``); a directory's, or one with flags, ``operations.rename``."""
         if flags or not self.session_id or src_name in (b".", b".."):
@@ -730,9 +781,13 @@ class PostgresEngine:
         data = [inline.get(b[0]) if b else None for b in found]
         attempts = _Attempts(0, 0)
         try:
+            # Committed without waiting for the WAL flush even for an fsync, which then waits
+            # on its own (``_flush_wal``): a transaction that notifies (``change_feed``) holds
+            # the server's lock on the notification queue until its commit ends, and would
+            # hold it through its flush, one fsync of the whole cluster after another.
             (row,) = await self._call(server.COMMIT, (
                 self.session_id, ino, order, [b[0] if b else None for b in found], [b[1] if b else 0 for b in found],
-                size, mtime_ns, time.time(), promote, durable, age, data), durable=durable, attempts=attempts)
+                size, mtime_ns, time.time(), promote, False, age, data), attempts=attempts)
         except RefusedByServer as exc:
             if not (promote and exc.errno == errno.EXDEV and attempts.retried):
                 raise
@@ -744,6 +799,8 @@ class PostgresEngine:
         self._count(0, used)
         node = ops.inode_of_row(tuple(columns))
         self._remember({ino: node})
+        if durable:
+            await self._flush_wal()
         return Freed(keys=list(freed))
 
     async def truncate(self, ino: int, size: int, mtime_ns: int) -> tuple[Inode, Freed]:
@@ -889,10 +946,16 @@ class PostgresEngine:
         return freed
 
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        """Heartbeat, and clean up the sessions of nodes that stopped beating."""
-        task_status.started()
-        if self.read_only:
-            return
+        """Follow the other nodes' changes; heartbeat, and clean up the sessions of nodes
+        that stopped beating."""
+        async with trio.open_nursery() as nursery:
+            if self.changes is not None:
+                nursery.start_soon(self.changes.run)
+            task_status.started()
+            if not self.read_only:
+                await self._keep_session()
+
+    async def _keep_session(self) -> None:
         while not self.lost:
             await trio.sleep(self.session_ttl / 3)
             try:
@@ -990,6 +1053,7 @@ class PostgresEngine:
                 log.warning("released the upload registrations of ended metadata session %d", session)
                 continue
             self.sessions_cleaned += 1
+            self.lookups.clear()  # its scratch files' names went, unannounced to this node
             log.warning("cleaned up metadata session %d (no heartbeat for %.0f s): %d blocks freed",
                         session, timeout, len(one.keys))
         return freed
@@ -1024,24 +1088,33 @@ class PostgresEngine:
 
         Namespace operations commit without waiting for the database's WAL flush
         (``fs_session_v1`` sets ``synchronous_commit = off``): they are visible to every
-        node when they return, and durable within the server's WAL writer delay, or at the next durable commit. A
-        transaction that writes and commits with ``synchronous_commit = on`` waits until the
-        WAL is flushed up to its commit record, which is after every commit before it, this
-        node's and the others'. Its write is this session's heartbeat (a transaction that
-        writes nothing commits without a WAL record, and does not wait). Nothing is sent when
+        node when they return, and durable within the server's WAL writer delay, or at the next
+        durable commit: one round trip (``_flush_wal``) whose commit waits until the WAL is
+        flushed up to its commit record, which is after every commit before it, this node's
+        and the others'. Nothing is sent when
         this node committed nothing since its last durable commit (an fsync commits the
         file's last blocks durably in place): what it saw other nodes commit is theirs to
         make durable. EIO when some of this node's commits since the last durable one ran
         on a primary that has been replaced since (a failover): they may be lost."""
-        def flush(cur: Any) -> int:  # one round trip
-            cur.execute(f"BEGIN; SET LOCAL synchronous_commit = on;"
-                        f" UPDATE sessions SET heartbeat={_NOW} WHERE id={int(self.session_id)}; COMMIT")
-            return timeline_of(cur)
-
-        covered = self._async_commits
-        if covered == self._durable_through:
+        if self._async_commits == self._durable_through:
             return  # nothing committed since the last durable commit (an fsync's own block commit)
-        self._made_durable(covered, await self.pool.run(flush, explicit=True))
+        await self._flush_wal()
+
+    async def _flush_wal(self) -> None:
+        """Wait until the server's WAL is on disk up to now: a transaction that writes
+        commits with a WAL record and waits for its flush, which covers every commit before
+        it, this node's and the others'. It writes a row of its own lane: flushes of one
+        node and of many wait for no lock and share the server's group commit."""
+        covered = self._async_commits
+        timelines: list[int] = []
+        async with self._lanes.hold() as lane:
+            def values(conn: Any) -> tuple:
+                timelines.append(int(getattr(conn, "timeline", 0)))
+                return (self.session_id, lane if self.session_id else 0)
+
+            if not await self.pool.query(_FLUSH_WAL, values):  # no row: nothing written, nothing waited for
+                raise self._lose() if self.session_id else FsError(errno.EIO, "no metadata session to flush with")
+        self._made_durable(covered, timelines[-1])
 
     def close(self) -> None:
         if self.session_id and not self.lost and not self.read_only:
