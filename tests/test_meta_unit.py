@@ -254,8 +254,8 @@ def test_a_durable_commit_after_a_failover_does_not_vouch_for_commits_before_it(
 
 # --- the shared engine's lookup cache ----------------------------------------------------
 
-def _inode(ino: int, size: int = 0) -> Inode:
-    return Inode(id=ino, mode=stat.S_IFREG | 0o644, uid=0, gid=0, size=size, nlink=1,
+def _inode(ino: int, size: int = 0, mode: int = stat.S_IFREG | 0o644) -> Inode:
+    return Inode(id=ino, mode=mode, uid=0, gid=0, size=size, nlink=1,
                  atime_ns=0, mtime_ns=0, ctime_ns=0)
 
 
@@ -305,3 +305,11 @@ def test_lookup_cache_is_bounded_oldest_first() -> None:
     assert len(cache) == 3 and cache.lookup(1, b"f0") is None and cache.lookup(1, b"f4") is not None
     cache.clear()
     assert len(cache) == 0 and cache.lookup(1, b"f4") is None
+
+
+def test_lookup_cache_keeps_no_directory() -> None:
+    """A directory's attributes change with every create and unlink in it, which is not
+    announced to the other nodes: a directory is always asked for."""
+    cache = LookupCache()
+    cache.fill(cache.generation, 1, b"d", _inode(5, mode=stat.S_IFDIR | 0o755))
+    assert cache.lookup(1, b"d") is None and cache.node(5) is None

@@ -1,9 +1,13 @@
 """Other nodes' changes of names and inodes, as the database announces them.
 
 Triggers on ``entries`` and ``inodes`` (``CHANGE_TRIGGERS``) send a notification on
-``CHANNEL`` for every name updated or deleted and every inode updated or deleted, in the
-transaction that changes it: PostgreSQL delivers it to each listening session once the
-transaction commits. A new name is not announced: no node caches a name as missing.
+``CHANNEL`` for every name updated or deleted and every inode other than a directory
+updated or deleted, in the transaction that changes it: PostgreSQL delivers it to each
+listening session once the transaction commits. A new name is not announced (no node
+caches a name as missing), nor a directory's attributes, which change with every create
+and unlink in it (no node caches them: ``LookupCache``). Each notifying commit wakes every
+node's listening session on the server, so a create announces nothing, and its close one
+inode.
 
 Each node keeps one connection of its own that listens, and asks the server ``SELECT 1``
 every ``PING_EVERY`` seconds. The server sends a session the notifications of every
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import stat
 from typing import Any, Optional
 
 import psycopg
@@ -39,6 +44,7 @@ MAX_LAG = 0.5  # the cache answers while the last answered question is younger t
 PING_TIMEOUT = 5.0  # an answer this late: the connection is made again
 RECONNECT_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)  # after a failed connection, then the last one
 
+_S_IFMT = 0o170000  # the file type bits of st_mode
 # Installed with the schema (idempotent: a node of this release creates them once).
 CHANGE_TRIGGERS = f"""
 CREATE OR REPLACE FUNCTION fs_entry_changed_v1() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -52,13 +58,13 @@ BEGIN
   RETURN NULL;
 END $$;
 DO $$ BEGIN
-  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_entries_changed') THEN
-    CREATE TRIGGER fs_entries_changed AFTER UPDATE OR DELETE ON entries
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_entries_changed_v1') THEN
+    CREATE TRIGGER fs_entries_changed_v1 AFTER UPDATE OR DELETE ON entries
       FOR EACH ROW EXECUTE FUNCTION fs_entry_changed_v1();
   END IF;
-  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_inodes_changed') THEN
-    CREATE TRIGGER fs_inodes_changed AFTER UPDATE OR DELETE ON inodes
-      FOR EACH ROW EXECUTE FUNCTION fs_inode_changed_v1();
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_inodes_changed_v1') THEN
+    CREATE TRIGGER fs_inodes_changed_v1 AFTER UPDATE OR DELETE ON inodes
+      FOR EACH ROW WHEN ((OLD.mode & {_S_IFMT}) <> {stat.S_IFDIR}) EXECUTE FUNCTION fs_inode_changed_v1();
   END IF;
 END $$;
 """
@@ -98,7 +104,7 @@ class ChangeFeed:
                 self.cache.clear()
                 failures = 0
                 await self._follow(conn.pgconn)
-            except (psycopg.Error, OSError, trio.TooSlowError) as exc:
+            except Exception as exc:  # noqa: BLE001 - lookups ask the database meanwhile; never the daemon's end
                 if failures == 0:
                     log.warning("metadata change notifications lost (%s): lookups ask the database until "
                                 "they are back", str(exc).strip() or type(exc).__name__)
@@ -165,14 +171,22 @@ class ChangeFeed:
         own = self.pool.backend_pids
         names: list[Name] = []
         inodes: list[int] = []
+        unknown = False
         while (note := pg.notifies()) is not None:
             if note.be_pid in own:
                 continue
             kind, payload = note.extra[:1], note.extra[1:]
-            if kind == b"i":
-                inodes.append(int(payload))
-            elif kind == b"e":
-                parent, _, name = payload.partition(b"/")
-                names.append((int(parent), bytes.fromhex(name.decode())))
-        if names or inodes:
+            try:
+                if kind == b"i":
+                    inodes.append(int(payload))
+                elif kind == b"e":
+                    parent, _, name = payload.partition(b"/")
+                    names.append((int(parent), bytes.fromhex(name.decode())))
+                else:
+                    unknown = True
+            except ValueError:
+                unknown = True
+        if unknown:  # a change this release cannot place (a newer node's): forget everything
+            self.cache.clear()
+        elif names or inodes:
             self.cache.changed_elsewhere(names, inodes)

@@ -7,7 +7,9 @@ while the database's change notifications reach the node (``change_feed``): ever
 node's change of a name or an inode drops that entry here, and this node's own changes
 update it as they commit. An entry is two parts, the name's inode and the inode's
 attributes, dropped apart: an inode changed elsewhere loses its attributes and keeps its
-names.
+names. Directories are not kept: their attributes change with every create and unlink in
+them, which would each be announced to every node; the kernel keeps a directory's name
+for ``--attr-timeout`` anyway, so a path walk asks for each directory at most that often.
 
 A read that started before a change was applied here may come back after it with what
 the change replaced; every change advances a generation, and a read fills the cache only
@@ -17,6 +19,7 @@ if the generation it started under is still the current one.
 from __future__ import annotations
 
 import dataclasses
+import stat
 from typing import Iterable, Optional
 
 from fusestate.meta.engine import Inode
@@ -53,7 +56,7 @@ class LookupCache:
 
     def fill(self, since: int, parent: int, name: bytes, node: Inode) -> None:
         """What a read (or this node's own create) started under generation ``since`` found."""
-        if since != self.generation:
+        if since != self.generation or stat.S_ISDIR(node.mode):
             return
         _put(self._names, (parent, name), node.id, self.max_entries)
         _put(self._nodes, node.id, dataclasses.replace(node), self.max_entries)
