@@ -164,6 +164,7 @@ def test_a_node_answers_lookups_from_memory_and_drops_what_another_node_changed(
     B's next stat once the database's notification is in (0.5 s at the latest). (A file's
     size is the kernel's own on B: semantics.md, a file rewritten in place.)"""
     a, b = shared_pair(make_mount, file_bucket, pg_url, "--attr-timeout", "0")
+    wait_for(lambda: b.status()["session"]["changes_followed"] == 1, 10, "B following the changes")
     (a.path / "f").write_bytes(b"x" * 100)
     os.stat(b.path / "f")  # asked of the database once, then kept
     hits = b.status()["session"]["lookup_cache_hits"]
@@ -187,6 +188,7 @@ def test_a_node_that_missed_change_notifications_forgets_what_it_knew(make_mount
     """The listening connections are cut, and A renames a file B knows while none listens:
     B asks the database until it listens again, and starts again from an empty memory."""
     a, b = shared_pair(make_mount, file_bucket, pg_url, "--attr-timeout", "0")
+    wait_for(lambda: b.status()["session"]["changes_followed"] == 1, 10, "B following the changes")
     (a.path / "f").write_bytes(b"x")
     os.stat(b.path / "f")
     os.stat(b.path / "f")
