@@ -5,7 +5,7 @@ Triggers on ``entries`` and ``inodes`` (``CHANGE_TRIGGERS``) send a notification
 updated or deleted, in the transaction that changes it: PostgreSQL delivers it to each
 listening session once the transaction commits. A new name is not announced (no node
 caches a name as missing), nor a directory's attributes, which change with every create
-and unlink in it (no node caches them: ``LookupCache``). Each notifying commit wakes every
+and unlink in it (no node caches them: ``LookupCache``). Each notifying commit signals every
 node's listening session on the server, so a create announces nothing, and its close one
 inode.
 
@@ -13,10 +13,11 @@ Each node keeps one connection of its own that listens, and asks the server one 
 after another, each a sleep of ``PING_EVERY`` seconds (``_QUESTION``). The server sends a
 session the notifications of every transaction committed before a statement ends ahead of
 that statement's answer, so once the answer is in, every change committed before the
-question was sent has been applied to the cache. The cache is trusted while the last answered question was sent less than
-``MAX_LAG`` seconds ago: a lost connection, a server that stops answering or a daemon too
-busy to read its socket turn it off within that time, and every lookup asks the database
-until the connection is back (the cache emptied first: what came meanwhile is unknown).
+question was sent has been applied to the cache. The cache is trusted while the last
+answered question was sent less than ``MAX_LAG`` seconds ago: a lost connection, a server
+that stops answering or a daemon too busy to read its socket turn it off within that time,
+and every lookup asks the database until the connection is back (the cache emptied first:
+what came meanwhile is unknown).
 
 A change another node made shows here within about ``PING_EVERY`` seconds (the answer it
 comes with), at the latest ``MAX_LAG``. Notifications sent by this node's own connections
