@@ -173,6 +173,7 @@ def test_a_node_answers_lookups_from_memory_and_drops_what_another_node_changed(
     # Most from memory: on a loaded machine an answer of the listening session may come
     # late (over 0.5 s), and the lookups meanwhile ask the database, as they must.
     assert b.status()["session"]["lookup_cache_hits"] >= hits + 10
+    assert re.search(r"lookup cache +following other nodes' changes; \d+ hits", fusestate("status", str(b.path)).stdout)
     os.chmod(a.path / "f", 0o600)
     wait_for(lambda: stat.S_IMODE(os.stat(b.path / "f").st_mode) == 0o600, 2, "the chmod seen on B")
     os.link(a.path / "f", a.path / "h")
