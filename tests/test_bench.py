@@ -425,7 +425,8 @@ def test_juicefs_cluster_nodes_share_one_volume_at_one_path(postgres_server, tmp
         assert not a.local_dir.startswith(str(mnt))  # the state stays on the node's local disk
         cluster.workers += [a, b]  # stopped by the cluster on the way out
         a.start(["sh", "-c", f"echo from-a > {mnt}/a.txt && exec sleep 300"])
-        b.start(["sh", "-c", f"until [ -s {mnt}/a.txt ]; do sleep 0.1; done; cat {mnt}/a.txt > {tmp_path}/b-saw; "
+        b.start(["sh", "-c", f"until [ -s {mnt}/a.txt ]; do sleep 0.1; done; cat {mnt}/a.txt > {tmp_path}/b-saw.tmp; "
+                             f"mv {tmp_path}/b-saw.tmp {tmp_path}/b-saw; "
                              "exec sleep 300"])
         deadline = time.monotonic() + 30
         while not (tmp_path / "b-saw").exists() and time.monotonic() < deadline:
