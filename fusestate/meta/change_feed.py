@@ -86,7 +86,6 @@ class ChangeFeed:
         self.cache = cache
         self._answered_since = -math.inf  # when the last answered question was sent (trio clock)
         self._pg: Any = None  # the listening connection's libpq side, while connected
-        self.connects = 0
 
     @property
     def connected(self) -> bool:
@@ -103,7 +102,6 @@ class ChangeFeed:
             conn: Optional[psycopg.Connection] = None
             try:
                 conn = await trio.to_thread.run_sync(self._listen, abandon_on_cancel=True)
-                self.connects += 1
                 self.cache.clear()
                 failures = 0
                 await self._follow(conn.pgconn)

@@ -354,9 +354,10 @@ class PgPool:
         if conn is not None:
             return conn
         self.reconnects += 1
-        if on_loop():
-            return await_(lambda: trio.to_thread.run_sync(self._connect))
-        return self._connect()
+        conn = await_(lambda: trio.to_thread.run_sync(self._connect)) if on_loop() else self._connect()
+        conn.backend_pid = conn.info.backend_pid  # type: ignore[attr-defined]  # kept: info needs it open
+        self.backend_pids.add(conn.backend_pid)  # type: ignore[attr-defined]
+        return conn
 
     def _connect(self) -> psycopg.Connection:
         """A new connection (blocking: a worker thread's job on the loop) to a server that
@@ -393,8 +394,6 @@ class PgPool:
         return conn
 
     def _accept(self, conn: psycopg.Connection) -> psycopg.Connection:
-        conn.backend_pid = conn.info.backend_pid  # type: ignore[attr-defined]  # kept: info needs it open
-        self.backend_pids.add(conn.backend_pid)  # type: ignore[attr-defined]
         timeline = conn.timeline  # type: ignore[attr-defined]
         if timeline > self.timeline:
             if self.timeline:
@@ -494,9 +493,7 @@ class PgPool:
     def dedicated_connection(self) -> psycopg.Connection:
         """A connection of its own, outside the pool and its limit (blocking), to the server
         the pool's connections reach: for a session that only listens."""
-        conn = self._connect()
-        self.backend_pids.discard(conn.backend_pid)  # type: ignore[attr-defined]
-        return conn
+        return self._connect()
 
     def close_idle(self) -> None:
         while True:

@@ -418,7 +418,7 @@ class PostgresEngine:
     @property
     def open_connections(self) -> int:
         """The pool's connections, and the one that listens for other nodes' changes."""
-        return self.pool.open_connections + (self.changes is not None and self.changes.connected)
+        return self.pool.open_connections + int(self.changes is not None and self.changes.connected)
 
     # --- setup ----------------------------------------------------------------
     @staticmethod
@@ -1091,13 +1091,12 @@ class PostgresEngine:
         node when they return, and durable within the server's WAL writer delay, or at the next
         durable commit: one round trip (``_flush_wal``) whose commit waits until the WAL is
         flushed up to its commit record, which is after every commit before it, this node's
-        and the others'. Nothing is sent when
-        this node committed nothing since its last durable commit (an fsync commits the
-        file's last blocks durably in place): what it saw other nodes commit is theirs to
-        make durable. EIO when some of this node's commits since the last durable one ran
+        and the others'. Nothing is sent when this node committed nothing since its last
+        flush (an fsync's block commit is followed by its own): what it saw other nodes commit
+        is theirs to make durable. EIO when some of this node's commits since the last durable one ran
         on a primary that has been replaced since (a failover): they may be lost."""
         if self._async_commits == self._durable_through:
-            return  # nothing committed since the last durable commit (an fsync's own block commit)
+            return  # nothing committed since the last flush (an fsync's block commit and its own)
         await self._flush_wal()
 
     async def _flush_wal(self) -> None:
