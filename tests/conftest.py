@@ -112,6 +112,13 @@ def resident_bytes(paths: list[Path]) -> int:
     return sum(int(line) for line in out.split())
 
 
+def mostly_resident(paths: list[Path], expected: int) -> bool:
+    """Whether the page cache holds these files' ``expected`` bytes, give or take the few
+    pages the kernel may have reclaimed meanwhile: pages stored and never read sit on the
+    inactive list, the first reclaimed once a long run has filled the memory with cache."""
+    return expected - expected // 16 <= resident_bytes(paths) <= expected
+
+
 def proc_stat(pid: int) -> list[str]:
     """A process's /proc/<pid>/stat fields after its command name (state, ppid, ... as
     proc(5) numbers them from 3); the name may hold spaces and parentheses itself."""

@@ -14,7 +14,7 @@ import os
 import zipfile
 from pathlib import Path
 
-from conftest import fusestate, new_bucket, resident_bytes, wait_for
+from conftest import fusestate, mostly_resident, new_bucket, resident_bytes, wait_for
 
 from fusestate.spark.snapshot_fill import fill_latest_snapshot
 
@@ -74,20 +74,24 @@ def test_a_restart_fills_the_latest_snapshot_and_not_older_versions(make_mount, 
     assert fill["bytes"] >= wanted
     # The latest snapshot's files are in the page cache, the older versions' are not, and
     # nothing of theirs crossed the network (each is at least 1 MiB).
-    assert resident_bytes(latest) == wanted
+    assert mostly_resident(latest, wanted), (resident_bytes(latest), wanted)
     assert resident_bytes(old) == 0
     assert wanted <= fetched < wanted + sum(p.stat().st_size for p in zips) + MIB, (fetched, wanted)
     # Held open until the loads link them: the kernel must not forget an inode being filled.
     assert len(found.held) == len(found.paths)
     found.release()
 
-    # The load links the files into its working dir: nothing is fetched again.
+    # The load links the files into its working dir: nothing is fetched again (but the blocks
+    # of any pages the kernel reclaimed since).
     for i, path in enumerate(latest):
         os.link(path, m.path / "job" / "work" / f"{i}")
     wait_for(lambda: m.status()["page_fill"]["pending_bytes"] == 0, what="any fill to finish")
+    dropped = latest[0].stat().st_size - resident_bytes(latest[:1])
     assert (m.path / "job" / "work" / "0").read_bytes() == latest[0].read_bytes()
     after = m.status()
-    assert after["remote"]["bytes_in"] == fetched and after["page_fill"]["files"] == fill["files"]
+    refetched = after["remote"]["bytes_in"] - fetched
+    assert refetched <= (latest[0].stat().st_size if dropped else 0), (refetched, dropped)
+    assert after["page_fill"]["files"] == fill["files"]
 
 
 def test_spark_fill_names_what_it_queued(make_mount, file_bucket) -> None:
@@ -104,5 +108,5 @@ def test_spark_fill_names_what_it_queued(make_mount, file_bucket) -> None:
     assert out.strip() == (f"{m.path}: 2 files (2 MiB) of 1 state stores' latest snapshot queued for the page "
                            f"cache (3 found, 2 MiB)"), out
     assert m.status()["page_fill"]["files"] == 2  # --wait returned once they were filled
-    assert resident_bytes(ssts) == 2 * MIB
+    assert mostly_resident(ssts, 2 * MIB), resident_bytes(ssts)
     assert fusestate("spark-fill", str(m.path), check=False).stdout.startswith(f"{m.path}: 0 files")
