@@ -169,6 +169,9 @@ def test_link_and_unlink_count_names(new_engine) -> None:
         assert (await m.link(f.id, d.id, b"g")).nlink == 2
         await raises(errno.EEXIST, m.link(f.id, ROOT_INODE, b"d"))
         await raises(errno.EPERM, m.link(d.id, ROOT_INODE, b"d2"))
+        await raises(errno.ENOTDIR, m.link(f.id, f.id, b"x"))
+        await raises(errno.ENOENT, m.link(f.id, 999_999, b"x"))
+        assert [e.name for e, _ in await m.readdir(ROOT_INODE, 0, 100)] == [b"f", b"d"]  # nothing made by them
         await raises(errno.EISDIR, m.unlink(ROOT_INODE, b"d"))
         await raises(errno.ENOENT, m.unlink(ROOT_INODE, b"missing"))
         freed = await m.unlink(ROOT_INODE, b"f")

@@ -305,6 +305,56 @@ BEGIN
   RETURN QUERY SELECT par, NULL::text[], false, 0, 0::bigint;
 END $$;
 
+-- operations.link: two rows back, the file as changed, then its new directory. p_lane,
+-- p_op, p_retry as fs_unlink_v1's; the lane's row records the file's inode (made), so a
+-- retry that finds the link done returns both rows as they are now (the name made once,
+-- even if another node removed it meanwhile).
+CREATE OR REPLACE FUNCTION fs_link_v1(p_session bigint, p_lane int, p_op bigint, p_retry boolean,
+    p_ino bigint, p_parent bigint, p_name bytea, p_now bigint)
+RETURNS SETOF inodes
+LANGUAGE plpgsql AS $$
+DECLARE
+  par inodes;
+  node inodes;
+BEGIN
+  IF fs_lane_begin_v1(p_session, p_lane, p_op, p_retry) IS NOT NULL THEN  -- done by an earlier attempt
+    RETURN QUERY SELECT * FROM inodes WHERE id = p_ino;
+    RETURN QUERY SELECT * FROM inodes WHERE id = p_parent;
+    RETURN;
+  END IF;
+  PERFORM 1 FROM inodes WHERE id IN (p_ino, p_parent) ORDER BY id FOR UPDATE;
+  SELECT * INTO node FROM inodes WHERE id = p_ino;
+  IF NOT FOUND THEN
+    RAISE EXCEPTION 'no such file' USING ERRCODE = 'FS002';
+  ELSIF (node.mode & 61440) = 16384 THEN
+    RAISE EXCEPTION 'a directory cannot be linked' USING ERRCODE = 'FS001';
+  ELSIF node.nlink = 0 THEN
+    RAISE EXCEPTION 'no such file' USING ERRCODE = 'FS002';
+  END IF;
+  SELECT * INTO par FROM inodes WHERE id = p_parent;
+  IF NOT FOUND THEN
+    RAISE EXCEPTION 'no such directory' USING ERRCODE = 'FS002';
+  ELSIF (par.mode & 61440) <> 16384 THEN
+    RAISE EXCEPTION 'not a directory' USING ERRCODE = 'FS020';
+  ELSIF par.nlink = 0 THEN
+    RAISE EXCEPTION 'no such directory' USING ERRCODE = 'FS002';
+  END IF;
+  -- operations._check_scratch_move, for a file: its own scratch, or a file of the volume
+  -- named in this node's scratch dir.
+  IF node.scratch <> par.scratch AND NOT (node.scratch = 0 AND par.scratch = p_session) THEN
+    RAISE EXCEPTION 'scratch and the rest of the volume are separate' USING ERRCODE = 'FS018';
+  END IF;
+  IF EXISTS (SELECT 1 FROM entries WHERE parent = p_parent AND name = p_name) THEN
+    RAISE EXCEPTION 'file exists' USING ERRCODE = 'FS017';
+  END IF;
+  INSERT INTO entries (parent, name, inode) VALUES (p_parent, p_name, p_ino);
+  UPDATE inodes SET nlink = nlink + 1, ctime_ns = p_now WHERE id = p_ino RETURNING * INTO node;
+  UPDATE inodes SET mtime_ns = p_now, ctime_ns = p_now WHERE id = p_parent RETURNING * INTO par;
+  UPDATE counters SET op = p_op, made = p_ino WHERE session_id = p_session AND lane = p_lane;
+  RETURN NEXT node;
+  RETURN NEXT par;
+END $$;
+
 -- operations.rename without flags, of a file that is not a directory (the rename of a
 -- commit: a new file over an old name); anything else answers FSRUN, and the node runs
 -- operations.rename instead. Rows back: the file, the file it replaced (with freed,
@@ -515,6 +565,8 @@ OPEN = f"SELECT {_NODE_COLUMNS}, idx, keys, data FROM fs_open_v2(?::bigint, ?::b
 RENAME = (f"SELECT {_NODE_COLUMNS}, role, freed, deleted, inodes_delta, used_delta FROM fs_rename_v1(?::bigint,"
           " ?::int, ?::bigint, ?::boolean, ?::bigint, ?::bytea, ?::bigint, ?::bytea, ?::bigint, ?::float8)")
 RUN_GENERAL_SQLSTATE = "FSRUN"  # a server-side operation's answer: run operations.py's instead
+LINK = (f"SELECT {INODE_COLUMNS} FROM fs_link_v1(?::bigint, ?::int, ?::bigint, ?::boolean, ?::bigint, ?::bigint,"
+        " ?::bytea, ?::bigint)")
 UNLINK = (f"SELECT {_NODE_COLUMNS}, freed, deleted, inodes_delta, used_delta"
           " FROM fs_unlink_v1(?::bigint, ?::int, ?::bigint, ?::boolean, ?::bigint, ?::bytea, ?::bigint, ?::float8)")
 COMMIT = ("SELECT " + ", ".join(f"(node).{c}" for c in INODE_COLUMNS.split(", ")) + ", freed, used_delta"

@@ -645,7 +645,20 @@ class PostgresEngine:
         return dataclasses.replace(new)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
-        return await self._write(ops.link, ino, parent, name, once=True)
+        """One call of ``fs_link_v1``, holding a lane (as ``create``): one round trip, where
+        ``operations.link`` takes two (a RocksDB checkpoint is mostly links)."""
+        ops.check_name(name)
+        if not self.session_id:
+            return await self._write(ops.link, ino, parent, name, once=True)
+        async with self._lanes.hold() as lane:
+            rows = await self._call(server.LINK, (self.session_id, ino, parent, name, time.time_ns()),
+                                    attempts=_Attempts(lane, next(self._ops)))
+        changed = {row[0]: ops.inode_of_row(row) for row in rows}  # none if a retry found both gone
+        self._remember(changed)
+        node = changed.get(ino)
+        if node is None:  # linked, then removed by another node before a retry could look
+            raise FsError(errno.ENOENT)
+        return dataclasses.replace(node)
 
     async def unlink(self, parent: int, name: bytes) -> Freed:
         try:
