@@ -86,11 +86,12 @@ def test_a_restart_fills_the_latest_snapshot_and_not_older_versions(make_mount, 
     for i, path in enumerate(latest):
         os.link(path, m.path / "job" / "work" / f"{i}")
     wait_for(lambda: m.status()["page_fill"]["pending_bytes"] == 0, what="any fill to finish")
-    dropped = latest[0].stat().st_size - resident_bytes(latest[:1])
+    size = latest[0].stat().st_size
+    dropped = size - resident_bytes(latest[:1])
     assert (m.path / "job" / "work" / "0").read_bytes() == latest[0].read_bytes()
     after = m.status()
     refetched = after["remote"]["bytes_in"] - fetched
-    assert refetched <= (latest[0].stat().st_size if dropped else 0), (refetched, dropped)
+    assert refetched <= (size if dropped else 0), (refetched, dropped)
     assert after["page_fill"]["files"] == fill["files"]
 
 

@@ -647,16 +647,18 @@ class PostgresEngine:
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
         """One call of ``fs_link_v1``, holding a lane (as ``create``): one round trip, where
         ``operations.link`` takes two (a RocksDB checkpoint is mostly links)."""
-        ops.check_name(name)
         if not self.session_id:
             return await self._write(ops.link, ino, parent, name, once=True)
+        ops.check_name(name)
         async with self._lanes.hold() as lane:
             rows = await self._call(server.LINK, (self.session_id, ino, parent, name, time.time_ns()),
                                     attempts=_Attempts(lane, next(self._ops)))
-        changed = {row[0]: ops.inode_of_row(row) for row in rows}  # none if a retry found both gone
+        # A retry finds what is there now: the file may be gone (another node removed it
+        # since), and a row this node remembers of it with it.
+        changed: dict[int, Optional[Inode]] = {ino: None, **{row[0]: ops.inode_of_row(row) for row in rows}}
         self._remember(changed)
-        node = changed.get(ino)
-        if node is None:  # linked, then removed by another node before a retry could look
+        node = changed[ino]
+        if node is None:
             raise FsError(errno.ENOENT)
         return dataclasses.replace(node)
 
