@@ -455,7 +455,7 @@ def test_an_executor_ends_at_once_when_its_mount_dies(make_mount, file_bucket: B
     m = make_mount(file_bucket).mount()
     local = m.path / "spark-local"
     local.mkdir()
-    assert state_conf(m.path / "job", use_shim=True).conf["spark.plugins"] == MOUNT_WATCH_CLASS
+    assert MOUNT_WATCH_CLASS in state_conf(m.path / "job", use_shim=True).conf["spark.plugins"].split(",")
     (tmp_path / "WatchCheck.java").write_text(WATCH_CHECK)
     classpath = f"{shim}:{Path(pyspark.__file__).parent / 'jars'}/*:{tmp_path}"
     subprocess.run(["javac", "-nowarn", "-d", str(tmp_path), "-cp", classpath, str(tmp_path / "WatchCheck.java")],

@@ -161,6 +161,9 @@ def test_a_worker_daemon_killed_alone_does_not_fail_the_query(cluster: Cluster, 
     again = hit.status()
     assert again["pid"] != old_daemon
     assert links + again["fuse"]["operation_counts"].get("link", 0) >= files, (links, files)
+    # As soon as Spark noticed the lost executor, the survivor's executor asked its daemon to
+    # fill the stores the lost one held (the shim's LossFill plugin), before their tasks came.
+    assert after["page_fill"]["requested"] > before["page_fill"]["requested"], after["page_fill"]
     lines = hit.log.read_text()
     assert "died (killed by SIGKILL)" in lines and "stopped the node's" in lines and "mounted" in lines
 

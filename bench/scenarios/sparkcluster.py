@@ -11,10 +11,6 @@ worker nodes and a driver node, each node in its own mount and PID namespace):
   ``fusestate://`` through the shim;
 - ``fusestate@s3``: the same with the volume's bucket on the shaped S3 endpoint
   (``bench/endpoints.py``), the endpoint ``s3a`` uses;
-- ``fusestate@s3+fill-at-loss`` (only when ``--systems`` names it): fusestate@s3, and at the loss
-  the survivor runs ``fusestate spark-fill --wait`` on the checkpoint, which puts every state
-  store's latest snapshot that the node did not write into its page cache: what filling the lost
-  stores before their tasks come would give (no deployment has that signal yet);
 - ``s3a``: what most jobs run today: every node's local dir on local disk, the checkpoint in a
   bucket of the shaped S3 endpoint (``bench/endpoints.py``) through Hadoop's S3A connector
   (``bench/s3a.py`` fetches it): every commit uploads through S3A, and the node that takes a
@@ -67,14 +63,10 @@ TITLE = "Spark cluster on one shared volume"
 SUMMARY = "Spark pipeline on 2 worker nodes: records/s, and recovery after losing a node, vs local disk"
 BUDGET = {"tiny": None, "quick": 900.0, "full": None}
 FUSESTATE_S3 = "fusestate@s3"  # the shared volume's bucket on the shaped endpoint, as s3a's checkpoint
-# fusestate@s3, and at the loss the survivor is asked for every state store's latest snapshot
-# (``fusestate spark-fill``, as a restart does): what filling the lost stores before their tasks
-# come would give. Nothing in a deployment gives that signal yet; only --systems names it.
-FUSESTATE_S3_FILL = "fusestate@s3+fill-at-loss"
 JUICEFS = "juicefs-pg"  # the checkpoint on a JuiceFS volume every node mounts, the state on local disk
 SETUPS = ["local", "fusestate", S3A, FUSESTATE_S3, JUICEFS]
-ON_POSTGRES = ("fusestate", FUSESTATE_S3, FUSESTATE_S3_FILL, JUICEFS)
-ON_ENDPOINT = (S3A, FUSESTATE_S3, FUSESTATE_S3_FILL)
+ON_POSTGRES = ("fusestate", FUSESTATE_S3, JUICEFS)
+ON_ENDPOINT = (S3A, FUSESTATE_S3)
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"keys": [4_000], "payload_bytes": 256, "events_per_batch": 1_000, "timeout": 600, "repeats": 1},
     "quick": {"keys": [20_000, 80_000], "payload_bytes": 1024, "events_per_batch": 10_000, "timeout": 1200,
@@ -103,7 +95,7 @@ WARMUP_BATCHES = 2   # the executors' JVMs compile the query's code: not steady
 # --gc-grace (an hour), so 4 GB of state left 41 GB in the bucket and 7 GB in the nodes' caches.
 # s3a: the nodes' local state, and the endpoint's objects (moto spools them to its temp dir).
 # juicefs-pg: the nodes' local state, the checkpoint's copies in the bucket and the nodes' caches.
-DISK_PER_STATE_BYTE = {"local": 4, "fusestate": 12, S3A: 6, FUSESTATE_S3: 12, FUSESTATE_S3_FILL: 12, JUICEFS: 8}
+DISK_PER_STATE_BYTE = {"local": 4, "fusestate": 12, S3A: 6, FUSESTATE_S3: 12, JUICEFS: 8}
 STEADY_BATCHES = 4   # batches that every key has been written before, before the loss
 
 
@@ -139,7 +131,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             peer = JuiceFSSystem(JUICEFS, work / "juicefs", server)  # format only: the nodes mount it
             peer.format()
             juicefs_meta = peer.meta_url
-        elif server is not None and setup in (FUSESTATE_S3, FUSESTATE_S3_FILL):
+        elif server is not None and setup == FUSESTATE_S3:
             assert endpoint is not None
             buckets.append(endpoint.create_bucket('volume'))
             volume, meta = f"s3://{buckets[-1]}/volume", server.create_database("volume")
@@ -193,21 +185,17 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             cpu_used = cpu.spent(cpu_before, cpu.snapshot())
             survivor = cluster.workers[0]
             fetched_before = _bucket_bytes_in(survivor) if volume else 0
-            requested_before = _requested_bytes(survivor) if setup == FUSESTATE_S3_FILL else 0
+            requested_before = _requested_bytes(survivor) if volume else 0
             lost_at = time.time()
             cluster.workers[-1].kill()
             cluster.workers[-1].wipe_cache()
-            filler = _fill_at_loss(survivor, cluster.checkpoint("q"), work) if setup == FUSESTATE_S3_FILL else None
             # The batch running at the loss is the first to complete after it. Meanwhile, what the
             # survivor reads from the bucket, every half second: when its fetch of the lost stores ended.
             fetches = FetchTimeline(survivor, lost_at, fetched_before) if volume else None
             wait_for_batch(lose_after + 1, fetches.sample if fetches else None)
             fetched = _bucket_bytes_in(survivor) - fetched_before if volume else 0
-            if filler is not None:
-                parts_at_loss = {"fill_at_loss_mb": (_requested_bytes(survivor) - requested_before) / 1e6}
-                if filler.poll() is None:
-                    filler.terminate()
-                    filler.wait(10)
+            # What the survivor's executor asked its daemon to fill at the loss (the shim's LossFill).
+            filled_at_loss = _requested_bytes(survivor) - requested_before if volume else 0
             if driver.wait(p["timeout"]) != 0:
                 raise RuntimeError(f"the pipeline failed; see {driver.log}")
         doc = json.loads(report.read_text())
@@ -230,8 +218,8 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     parts = recovery_parts(before, after[0] if after else None, lost_at, out / SPARK_LOG_NAME)
     if fetches is not None:
         parts.update(fetches.summary(fetched))
-    if filler is not None:
-        parts.update(parts_at_loss)
+    if volume:
+        parts["fill_at_loss_mb"] = filled_at_loss / 1e6
     return {"records_per_s": rows / (ms / 1000) if ms else 0.0,
             **({"commit_ms_median": float(statistics.median(commits))} if commits else {}),
             "recovery_s": first_end - lost_at,
@@ -299,15 +287,6 @@ def recovery_parts(before: list[dict[str, Any]], batch: Optional[dict[str, Any]]
     return out
 
 
-def _fill_at_loss(node: Any, checkpoint: str, work: Path) -> subprocess.Popen:
-    """``fusestate spark-fill --wait`` in ``node``'s mount namespace: every state store's latest
-    snapshot that the node does not hold (its own stores' files it wrote are skipped) into its
-    page cache, the files held until filled."""
-    with open(work / "fill-at-loss.log", "ab") as out:
-        return node.spawn([sys.executable, "-m", "fusestate", "spark-fill", checkpoint, "--wait"],
-                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
 def _requested_bytes(node: Any) -> int:
     """Bytes of files asked for by name (a snapshot fill), as the node's daemon counts them."""
     return int(node.status()["page_fill"]["requested_bytes"])
@@ -326,7 +305,7 @@ def _end_time(batch: dict[str, Any]) -> float:
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
     p["keys"] = ctx.state_keys(p["keys"], p["payload_bytes"])  # --state-gb
-    setups, no_s3a = fetch_connector(ctx.wanted(SETUPS, [*SETUPS, FUSESTATE_S3_FILL]))
+    setups, no_s3a = fetch_connector(ctx.wanted(SETUPS))
     variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
     runs: list[dict[str, Any]] = [record(S3A, 0, v, error=no_s3a) for v in variants] if no_s3a else []
     if ctx.mount_options:

@@ -327,8 +327,9 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
             f"spark.hadoop.fs.{SHIM_SCHEME}.impl.disable.cache": "false",
         })
         # An executor whose mount died exits at once, and Spark moves its work elsewhere,
-        # rather than failing every task it is given until the job aborts.
-        conf["spark.plugins"] = shim.MOUNT_WATCH_CLASS
+        # rather than failing every task it is given until the job aborts; a lost executor's
+        # state stores are filled into the page cache of the executors left.
+        conf["spark.plugins"] = shim.PLUGINS
     check_state_conf(conf, on_mount=not local)
     for d in ([local_dir] + ([checkpoint_dir.parent] if checkpoint_dir else [])) if create else []:
         try:

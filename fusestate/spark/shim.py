@@ -24,6 +24,9 @@ FS_CLASS = "io.fusestate.hadoop.FusestateFileSystem"
 AFS_CLASS = "io.fusestate.hadoop.FusestateFs"
 # A Spark plugin (spark.plugins) that ends an executor at once when its local dirs' mount dies.
 MOUNT_WATCH_CLASS = "io.fusestate.hadoop.MountWatch"
+# A Spark plugin that fills a lost executor's state stores into the survivors' page cache.
+LOSS_FILL_CLASS = "io.fusestate.hadoop.LossFill"
+PLUGINS = f"{MOUNT_WATCH_CLASS},{LOSS_FILL_CLASS}"
 
 
 def installed_jar() -> Path:

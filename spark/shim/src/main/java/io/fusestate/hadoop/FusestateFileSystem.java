@@ -331,6 +331,7 @@ public class FusestateFileSystem extends RawLocalFileSystem {
     public void copyFromLocalFile(boolean delSrc, boolean overwrite, Path src, Path dst) throws IOException {
         java.nio.file.Path s = localPath(src);
         java.nio.file.Path d = localPath(dst);
+        HeldStores.noteCheckpointFile(d);
         if (tryLink(s, d, overwrite)) {
             LINKED.incrementAndGet();
             if (delSrc) {
@@ -346,6 +347,7 @@ public class FusestateFileSystem extends RawLocalFileSystem {
     public void copyToLocalFile(boolean delSrc, Path src, Path dst, boolean useRawLocalFileSystem) throws IOException {
         java.nio.file.Path s = localPath(src);
         java.nio.file.Path d = localPath(dst);
+        HeldStores.noteCheckpointFile(s);
         if (tryLink(s, d, true)) {
             LINKED.incrementAndGet();
             if (delSrc) {
