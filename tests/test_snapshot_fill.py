@@ -111,3 +111,61 @@ def test_spark_fill_names_what_it_queued(make_mount, file_bucket) -> None:
     assert m.status()["page_fill"]["files"] == 2  # --wait returned once they were filled
     assert mostly_resident(ssts, 2 * MIB), resident_bytes(ssts)
     assert fusestate("spark-fill", str(m.path), check=False).stdout.startswith(f"{m.path}: 0 files")
+
+
+LIST_CHECK = """
+package io.fusestate.hadoop;
+
+public class ListCheck {
+    public static void main(String[] args) throws Exception {
+        for (String store : args) {
+            for (java.nio.file.Path p : LatestSnapshot.files(java.nio.file.Paths.get(store))) {
+                System.out.println(p);
+            }
+        }
+    }
+}
+"""
+
+
+def test_the_shim_lists_a_lost_store_as_the_restart_fill_does(tmp_path: Path) -> None:
+    """The shim's LossFill plugin lists a lost store's files in Java: the same files as
+    ``latest_snapshot_files`` (the last committed version's snapshot, the SSTs and logs its
+    metadata names, the changelogs after it), and nothing of an uncommitted version."""
+    import shutil
+    import subprocess
+
+    import pytest
+    if shutil.which("javac") is None:
+        pytest.skip("no JDK on this machine")
+    pyspark = pytest.importorskip("pyspark")
+    from fusestate.spark.config import shim_jar
+    from fusestate.spark.snapshot_fill import latest_snapshot_files
+
+    ckpt = tmp_path / "q"
+    for batch in range(3):
+        write(ckpt / "commits" / str(batch), b"v1\n{}")
+    a, b, c = ckpt / "state" / "0" / "0", ckpt / "state" / "0" / "1" / "left", ckpt / "state" / "1" / "0"
+    snapshot(a, 2, {"old": 10})
+    snapshot(a, 3, {"x": 10, "y": 20})
+    snapshot(a, 4, {"uncommitted": 10})
+    snapshot(b, 1, {"b": 10})
+    for v in (1, 2, 3, 4):
+        write(b / f"{v}.changelog", b"c")
+    write(c / "1.changelog", b"c")  # no snapshot yet: the changelogs alone
+    _, expected = latest_snapshot_files(ckpt)
+
+    src = tmp_path / "src" / "io" / "fusestate" / "hadoop" / "ListCheck.java"
+    src.parent.mkdir(parents=True)
+    src.write_text(LIST_CHECK)
+    classes = tmp_path / "classes"
+    classpath = f"{shim_jar()}:{Path(pyspark.__file__).parent / 'jars'}/*"
+    subprocess.run(["javac", "-nowarn", "-d", str(classes), "-cp", classpath, str(src)],
+                   check=True, capture_output=True, timeout=120)
+    listed = subprocess.run(["java", "-cp", f"{classes}:{classpath}", "io.fusestate.hadoop.ListCheck",
+                             str(a), str(b), str(c)], check=True, capture_output=True, text=True, timeout=60)
+    got = [Path(line) for line in listed.stdout.splitlines()]
+    assert sorted(got) == sorted(expected) and len(got) == len(set(got))
+    assert {a / "3.zip", b / "1.zip", b / "2.changelog", b / "3.changelog", c / "1.changelog"} <= set(got)
+    assert not {a / "2.zip", a / "4.zip", b / "1.changelog", b / "4.changelog"} & set(got)
+    assert not any("uncommitted" in p.name or "old" in p.name for p in got)
