@@ -354,11 +354,11 @@ def test_cluster_summary_shows_what_the_nodes_did() -> None:
     each node's bucket traffic; then where the detail is."""
     mib = 2**20
 
-    def node(up: int, down: int, fill: int = 0) -> dict:
+    def node(up: int, down: int, fill: int = 0, asked: int = 0) -> dict:
         return {"links": 0, "uploaded_bytes": up * mib, "fetched_bytes": down * mib, "page_fill_bytes": fill * mib,
-                "daemons": 1}
+                "asked_fill_bytes": asked * mib, "daemons": 1}
 
-    nodes = {"driver1": node(0, 0), "worker1": node(12, 3, 2), "worker2": node(10, 1)}
+    nodes = {"driver1": node(0, 0), "worker1": node(12, 3, 2, 1), "worker2": node(10, 1)}
     lost = {"kind": "lose-node", "node": "worker2", "after_batch": 0, "injected": True, "back_after_s": None,
             "nodes_before": {"worker1": node(4, 1, 0), "worker2": node(5, 1)}}
     report = {"summary": {"batches": 2, "rows": 2000, "records_per_second": 800.0, "batch_ms_median": 1200,
@@ -372,7 +372,7 @@ def test_cluster_summary_shows_what_the_nodes_did() -> None:
     assert "state files   40 linked by the shim on loads and commits (12.0 MiB that no node copied)" in lines
     assert ("lost node     worker2 after batch 0: its partitions moved to the remaining workers; after it 3 state "
             "stores loaded from the checkpoint by links; worker1 fetched 2.0 MiB from the bucket and filled 2.0 MiB "
-            "into the page cache") in lines
+            "into the page cache, 1.0 MiB of the lost stores' files asked for at the loss") in lines
     assert ("bucket        22.0 MiB uploaded, 4.0 MiB fetched (driver1 0.0 MiB up, 0.0 MiB down, worker1 12.0 MiB up, "
             "3.0 MiB down, worker2 10.0 MiB up, 1.0 MiB down)") in lines
     assert lines[-2:] == ["report        /out/report.json (every batch's metrics)", "Spark's log   /out/spark.log"]
@@ -423,7 +423,7 @@ def test_traffic_adds_up_a_restarted_daemon_to_the_dead_one() -> None:
     node.answer = status(9, 40, 2)  # the new daemon, counting from its own start
     traffic.sample([node])
     assert traffic.totals() == {"worker2": {"links": 4 + 2, "uploaded_bytes": 150 + 40, "fetched_bytes": 0,
-                                            "page_fill_bytes": 0, "daemons": 2}}
+                                            "page_fill_bytes": 0, "asked_fill_bytes": 0, "daemons": 2}}
 
 
 def test_a_node_holds_up_no_unmount_of_the_machine(make_mount, file_bucket: Bucket, tmp_path: Path) -> None:

@@ -420,6 +420,8 @@ class Cluster:
 COUNTERS = {  # what the summary shows of each node's daemon: name -> (status section, key)
     "links": ("fuse", "operation_counts.link"), "uploaded_bytes": ("writeback", "uploaded_bytes"),
     "fetched_bytes": ("remote", "bytes_in"), "page_fill_bytes": ("page_fill", "bytes"),
+    # files asked for by name: a lost executor's stores, by the shim's LossFill plugin
+    "asked_fill_bytes": ("page_fill", "requested_bytes"),
 }
 
 
@@ -746,9 +748,11 @@ def fault_row(report: dict[str, Any], fault: dict[str, Any], nodes: dict[str, di
     others = sorted(n for n in since if n != fault["node"] and n.startswith("worker"))
     fetched = sum(since[n]["fetched_bytes"] for n in others)
     filled = sum(since[n]["page_fill_bytes"] for n in others)
+    asked = sum(since[n].get("asked_fill_bytes", 0) for n in others)
     moved = (f"after it {loaded:,} state stores loaded from the checkpoint by links"
              + (f"; {', '.join(others)} fetched {_mib(fetched)} from the bucket" if others else "")
-             + (f" and filled {_mib(filled)} into the page cache" if others and filled else ""))
+             + (f" and filled {_mib(filled)} into the page cache" if others and filled else "")
+             + (f", {_mib(asked)} of the lost stores' files asked for at the loss" if others and asked else ""))
     if fault["kind"] == FAIL_OVER:
         back = (f"its standby promoted {fault['back_after_s']:.1f} s later" if fault["back_after_s"] is not None
                 else "no standby promoted before the query ended")
