@@ -44,8 +44,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
