@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import zipfile
 from pathlib import Path
 
+import pytest
 from conftest import fusestate, mostly_resident, new_bucket, resident_bytes, wait_for
 
 from fusestate.spark.snapshot_fill import fill_latest_snapshot
@@ -132,10 +135,6 @@ def test_the_shim_lists_a_lost_store_as_the_restart_fill_does(tmp_path: Path) ->
     """The shim's LossFill plugin lists a lost store's files in Java: the same files as
     ``latest_snapshot_files`` (the last committed version's snapshot, the SSTs and logs its
     metadata names, the changelogs after it), and nothing of an uncommitted version."""
-    import shutil
-    import subprocess
-
-    import pytest
     if shutil.which("javac") is None:
         pytest.skip("no JDK on this machine")
     pyspark = pytest.importorskip("pyspark")

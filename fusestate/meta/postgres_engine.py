@@ -622,6 +622,12 @@ class PostgresEngine:
             self.lookups.fill(since, parent, name, node)
         return node
 
+    async def _call_in_lane(self, statement: str, args: tuple) -> list[tuple]:
+        """A server-side namespace operation holding one of the session's lanes, so that a
+        retry after a lost answer finds what the first attempt did (``_Attempts``)."""
+        async with self._lanes.hold() as lane:
+            return await self._call(statement, args, attempts=_Attempts(lane, next(self._ops)))
+
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
         """One call of ``fs_create_v2``, holding a lane: a retry after its answer was lost
         returns the inode the call made rather than EEXIST (``_Attempts``)."""
@@ -632,8 +638,7 @@ class PostgresEngine:
         if not self.session_id:  # no session yet: lane 0, and nothing to look for on a retry
             rows = await self._call(server.CREATE, (args[0], 0, 0, False, *args[1:]))
         else:
-            async with self._lanes.hold() as lane:
-                rows = await self._call(server.CREATE, args, attempts=_Attempts(lane, next(self._ops)))
+            rows = await self._call_in_lane(server.CREATE, args)
         self._count(1, 0)
         new = ops.inode_of_row(rows[0])
         if hold:
@@ -650,9 +655,7 @@ class PostgresEngine:
         if not self.session_id:
             return await self._write(ops.link, ino, parent, name, once=True)
         ops.check_name(name)
-        async with self._lanes.hold() as lane:
-            rows = await self._call(server.LINK, (self.session_id, ino, parent, name, time.time_ns()),
-                                    attempts=_Attempts(lane, next(self._ops)))
+        rows = await self._call_in_lane(server.LINK, (self.session_id, ino, parent, name, time.time_ns()))
         # A retry finds what is there now: the file may be gone (another node removed it
         # since), and a row this node remembers of it with it.
         changed: dict[int, Optional[Inode]] = {ino: None, **{row[0]: ops.inode_of_row(row) for row in rows}}
@@ -672,9 +675,7 @@ class PostgresEngine:
         """One call of ``fs_unlink_v1``, holding a lane (as ``create``)."""
         if not self.session_id:
             return await self._write(ops.unlink, parent, name, once=True)
-        async with self._lanes.hold() as lane:
-            rows = await self._call(server.UNLINK, (self.session_id, parent, name, time.time_ns(), time.time()),
-                                    attempts=_Attempts(lane, next(self._ops)))
+        rows = await self._call_in_lane(server.UNLINK, (self.session_id, parent, name, time.time_ns(), time.time()))
         *columns, freed, deleted, inodes, used = rows[0]
         self._count(inodes, used)
         changed = [ops.inode_of_row(tuple(row[:-4])) for row in rows[1:]]
@@ -703,10 +704,8 @@ class PostgresEngine:
             return await self._write(ops.rename, src_parent, src_name, dst_parent, dst_name, flags, once=True)
         ops.check_name(dst_name)
         try:
-            async with self._lanes.hold() as lane:
-                rows = await self._call(server.RENAME, (self.session_id, src_parent, src_name, dst_parent, dst_name,
-                                                        time.time_ns(), time.time()),
-                                        attempts=_Attempts(lane, next(self._ops)))
+            rows = await self._call_in_lane(server.RENAME, (self.session_id, src_parent, src_name, dst_parent,
+                                                            dst_name, time.time_ns(), time.time()))
         except RefusedByServer as exc:
             if exc.sqlstate != server.RUN_GENERAL_SQLSTATE:
                 raise

@@ -748,7 +748,7 @@ def fault_row(report: dict[str, Any], fault: dict[str, Any], nodes: dict[str, di
     others = sorted(n for n in since if n != fault["node"] and n.startswith("worker"))
     fetched = sum(since[n]["fetched_bytes"] for n in others)
     filled = sum(since[n]["page_fill_bytes"] for n in others)
-    asked = sum(since[n].get("asked_fill_bytes", 0) for n in others)
+    asked = sum(since[n]["asked_fill_bytes"] for n in others)
     moved = (f"after it {loaded:,} state stores loaded from the checkpoint by links"
              + (f"; {', '.join(others)} fetched {_mib(fetched)} from the bucket" if others else "")
              + (f" and filled {_mib(filled)} into the page cache" if others and filled else "")

@@ -10,6 +10,8 @@ import java.nio.file.Paths;
 import java.nio.file.StandardOpenOption;
 import java.util.ArrayList;
 import java.util.Collections;
+import java.util.HashMap;
+import java.util.HashSet;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
@@ -74,38 +76,47 @@ public class LossFill implements SparkPlugin {
         }
     }
 
-    /** An executor asking which stores were lost after the {@code seen}-th. */
+    /** An executor asking for the losses after the first {@code seen}. */
     static final class Poll implements Serializable {
         private static final long serialVersionUID = 1L;
-        final long seen;
+        final int seen;
 
-        Poll(long seen) {
+        Poll(int seen) {
             this.seen = seen;
         }
     }
 
-    /** The driver's answer: the stores lost after the asked-for one, how many there are in all,
-     *  the executors that lost them and how many executors are left. */
+    /** One lost executor and the stores it held. */
+    static final class Loss implements Serializable {
+        private static final long serialVersionUID = 1L;
+        final String executor;
+        final List<String> stores;
+
+        Loss(String executor, List<String> stores) {
+            this.executor = executor;
+            this.stores = stores;
+        }
+    }
+
+    /** The driver's answer: the losses after the asked-for ones, how many there are in all and
+     *  how many executors are left. */
     static final class Lost implements Serializable {
         private static final long serialVersionUID = 1L;
-        final long total;
-        final List<String> stores;
-        final List<String> executors;
+        final int total;
+        final List<Loss> losses;
         final int alive;
 
-        Lost(long total, List<String> stores, List<String> executors, int alive) {
+        Lost(int total, List<Loss> losses, int alive) {
             this.total = total;
-            this.stores = stores;
-            this.executors = executors;
+            this.losses = losses;
             this.alive = alive;
         }
     }
 
     static final class Driver implements DriverPlugin {
-        private final Map<String, Set<String>> held = new ConcurrentHashMap<>();
+        private final Map<String, Set<String>> held = new HashMap<>(); // under this object's lock
         private final Set<String> alive = ConcurrentHashMap.newKeySet();
-        private final List<String> lostStores = new ArrayList<>();
-        private final List<String> lostBy = new ArrayList<>();
+        private final List<Loss> losses = new ArrayList<>();
 
         @Override
         public Map<String, String> init(SparkContext sc, PluginContext ctx) {
@@ -126,12 +137,8 @@ public class LossFill implements SparkPlugin {
         synchronized void lost(String executor) {
             alive.remove(executor);
             Set<String> stores = held.remove(executor);
-            if (stores == null) {
-                return;
-            }
-            for (String store : new TreeSet<>(stores)) {
-                lostStores.add(store);
-                lostBy.add(executor);
+            if (stores != null) {
+                losses.add(new Loss(executor, new ArrayList<>(new TreeSet<>(stores))));
             }
         }
 
@@ -139,13 +146,12 @@ public class LossFill implements SparkPlugin {
         public synchronized Object receive(Object message) {
             if (message instanceof Held) {
                 Held h = (Held) message;
-                held.computeIfAbsent(h.executor, k -> ConcurrentHashMap.newKeySet()).addAll(h.stores);
+                held.computeIfAbsent(h.executor, k -> new HashSet<>()).addAll(h.stores);
                 return null;
             }
             if (message instanceof Poll) {
-                int from = (int) Math.min(Math.max(((Poll) message).seen, 0), lostStores.size());
-                return new Lost(lostStores.size(), new ArrayList<>(lostStores.subList(from, lostStores.size())),
-                        new ArrayList<>(lostBy.subList(from, lostBy.size())), alive.size());
+                int from = Math.min(Math.max(((Poll) message).seen, 0), losses.size());
+                return new Lost(losses.size(), new ArrayList<>(losses.subList(from, losses.size())), alive.size());
             }
             return null;
         }
@@ -154,7 +160,7 @@ public class LossFill implements SparkPlugin {
     static final class Filler implements ExecutorPlugin {
         private PluginContext ctx;
         private String executor = "?";
-        private long seen = -1; // the first answer only says where the list stands
+        private int seen = -1; // the first answer only says where the list stands
         private long holdSeconds;
         private int maxSurvivors;
         private boolean quiet;
@@ -199,7 +205,7 @@ public class LossFill implements SparkPlugin {
                 }
                 mine = Collections.emptyList();
                 Lost lost = (Lost) ctx.ask(new Poll(seen));
-                if (seen >= 0 && !lost.stores.isEmpty()) {
+                if (seen >= 0 && !lost.losses.isEmpty()) {
                     fill(lost);
                 }
                 seen = lost.total;
@@ -214,17 +220,23 @@ public class LossFill implements SparkPlugin {
         }
 
         private void fill(Lost lost) {
-            String who = String.join(", ", new TreeSet<>(lost.executors));
+            Set<String> executors = new TreeSet<>();
+            List<String> stores = new ArrayList<>();
+            for (Loss loss : lost.losses) {
+                executors.add(loss.executor);
+                stores.addAll(loss.stores);
+            }
+            String who = String.join(", ", executors);
             if (lost.alive > maxSurvivors) {
                 System.err.println("fusestate: executor " + who + " lost; " + lost.alive + " executors left (more than "
-                        + "spark.fusestate.lossFill.maxSurvivors=" + maxSurvivors + "): its " + lost.stores.size()
+                        + "spark.fusestate.lossFill.maxSurvivors=" + maxSurvivors + "): its " + stores.size()
                         + " state stores fill as their tasks load them");
                 return;
             }
             Map<String, List<Long>> inodes = new LinkedHashMap<>();
             List<Path> files = new ArrayList<>();
             long bytes = 0;
-            for (String store : lost.stores) {
+            for (String store : stores) {
                 Path dir = Paths.get(store);
                 String mount = FusestateFileSystem.fusestateMountOf(dir);
                 if (mount == null) {
@@ -233,8 +245,9 @@ public class LossFill implements SparkPlugin {
                 try {
                     for (Path f : LatestSnapshot.files(dir)) {
                         try {
-                            inodes.computeIfAbsent(mount, k -> new ArrayList<>()).add((Long) Files.getAttribute(f, "unix:ino"));
-                            bytes += Files.size(f);
+                            Map<String, Object> attrs = Files.readAttributes(f, "unix:ino,size");
+                            inodes.computeIfAbsent(mount, k -> new ArrayList<>()).add((Long) attrs.get("ino"));
+                            bytes += (Long) attrs.get("size");
                             files.add(f);
                         } catch (NoSuchFileException e) {
                             // deleted since the listing (maintenance): nothing to fill
@@ -265,7 +278,7 @@ public class LossFill implements SparkPlugin {
             holding.addAll(opened);
             timer.schedule(() -> close(opened), holdSeconds, TimeUnit.SECONDS);
             System.err.println("fusestate: executor " + who + " lost; executor " + executor + " asked its daemon to fill "
-                    + files.size() + " files (" + bytes / 1000000 + " MB) of " + lost.stores.size()
+                    + files.size() + " files (" + bytes / 1000000 + " MB) of " + stores.size()
                     + " lost state stores: " + answers);
         }
 
