@@ -9,6 +9,7 @@ import java.nio.file.Path;
 import java.nio.file.Paths;
 import java.nio.file.StandardOpenOption;
 import java.util.ArrayList;
+import java.util.Collection;
 import java.util.Collections;
 import java.util.HashMap;
 import java.util.HashSet;
@@ -64,13 +65,14 @@ public class LossFill implements SparkPlugin {
         return new Filler();
     }
 
-    /** An executor's stores, reported as they come. */
+    /** An executor's stores: reported by it as they come (new ones only), and kept by the
+     *  driver as one loss once the executor is removed. */
     static final class Held implements Serializable {
         private static final long serialVersionUID = 1L;
         final String executor;
         final List<String> stores;
 
-        Held(String executor, List<String> stores) {
+        Held(String executor, Collection<String> stores) {
             this.executor = executor;
             this.stores = new ArrayList<>(stores);
         }
@@ -86,27 +88,15 @@ public class LossFill implements SparkPlugin {
         }
     }
 
-    /** One lost executor and the stores it held. */
-    static final class Loss implements Serializable {
-        private static final long serialVersionUID = 1L;
-        final String executor;
-        final List<String> stores;
-
-        Loss(String executor, List<String> stores) {
-            this.executor = executor;
-            this.stores = stores;
-        }
-    }
-
     /** The driver's answer: the losses after the asked-for ones, how many there are in all and
      *  how many executors are left. */
     static final class Lost implements Serializable {
         private static final long serialVersionUID = 1L;
         final int total;
-        final List<Loss> losses;
+        final List<Held> losses;
         final int alive;
 
-        Lost(int total, List<Loss> losses, int alive) {
+        Lost(int total, List<Held> losses, int alive) {
             this.total = total;
             this.losses = losses;
             this.alive = alive;
@@ -116,7 +106,7 @@ public class LossFill implements SparkPlugin {
     static final class Driver implements DriverPlugin {
         private final Map<String, Set<String>> held = new HashMap<>(); // under this object's lock
         private final Set<String> alive = ConcurrentHashMap.newKeySet();
-        private final List<Loss> losses = new ArrayList<>();
+        private final List<Held> losses = new ArrayList<>();
 
         @Override
         public Map<String, String> init(SparkContext sc, PluginContext ctx) {
@@ -138,7 +128,7 @@ public class LossFill implements SparkPlugin {
             alive.remove(executor);
             Set<String> stores = held.remove(executor);
             if (stores != null) {
-                losses.add(new Loss(executor, new ArrayList<>(new TreeSet<>(stores))));
+                losses.add(new Held(executor, new TreeSet<>(stores)));
             }
         }
 
@@ -222,7 +212,7 @@ public class LossFill implements SparkPlugin {
         private void fill(Lost lost) {
             Set<String> executors = new TreeSet<>();
             List<String> stores = new ArrayList<>();
-            for (Loss loss : lost.losses) {
+            for (Held loss : lost.losses) {
                 executors.add(loss.executor);
                 stores.addAll(loss.stores);
             }
