@@ -863,6 +863,11 @@ def test_xattrs_unsupported(mnt: Mount) -> None:
     assert info.value.errno in (errno.ENODATA, errno.EOPNOTSUPP)
     assert os.listxattr(p) == []
     assert os.listxattr(mnt.path) == []
+    # One name is a request (a page-cache fill, test_snapshot_fill), taken and not stored.
+    os.setxattr(p, "user.fusestate.fill", b"")
+    os.setxattr(mnt.path, "user.fusestate.fill", b"f\0no-such-file")
+    assert os.listxattr(p) == [] and os.listxattr(mnt.path) == []
+    raises_errno(errno.EOPNOTSUPP, os.setxattr, p, "user.fusestate.other", b"")
 
 
 # --- fallocate, locks, copy_file_range ----------------------------------------------------

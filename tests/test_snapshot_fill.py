@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -168,3 +169,78 @@ def test_the_shim_lists_a_lost_store_as_the_restart_fill_does(tmp_path: Path) ->
     assert {a / "3.zip", b / "1.zip", b / "2.changelog", b / "3.changelog", c / "1.changelog"} <= set(got)
     assert not {a / "2.zip", a / "4.zip", b / "1.changelog", b / "4.changelog"} & set(got)
     assert not any("uncommitted" in p.name or "old" in p.name for p in got)
+
+
+ASK_CHECK = """
+package io.fusestate.hadoop;
+
+public class AskCheck {
+    public static void main(String[] args) {
+        LossFill.Asked asked = LossFill.ask(java.util.Arrays.asList(args));
+        System.out.println(asked.files.size() + " " + asked.bytes);
+        System.out.println(asked.error == null ? "" : asked.error);
+    }
+}
+"""
+NOBODY = 65534
+
+
+def test_an_executor_asks_its_daemon_through_the_mount_at_another_path_as_another_user(
+        make_mount, tmp_path: Path, request) -> None:
+    """LossFill asks for a fill by setting ``user.fusestate.fill`` on the store's directories,
+    so an executor reaches its daemon where the control socket is out of reach: here as
+    another user, on a bind mount of the volume at another path (a pod's view of it). A
+    directory that user may not write refuses, and nothing of it is filled."""
+    if shutil.which("javac") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs a JDK and setpriv")
+    pyspark = pytest.importorskip("pyspark")
+    from fusestate.spark.config import shim_jar
+
+    spark_jars = Path(pyspark.__file__).parent / "jars"
+    if subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "test", "-r",
+                       str(next(spark_jars.glob("spark-core_*.jar")))], capture_output=True).returncode:
+        pytest.skip(f"the user {NOBODY} cannot read {spark_jars}")
+    bucket = new_bucket("s3", tmp_path, request)
+    m = make_mount(bucket, extra=["--allow-other"]).mount()
+    ckpt = m.path / "checkpoints" / "q"
+    write(ckpt / "commits" / "0", b"v1\n{}")
+    a, b = ckpt / "state" / "0" / "0", ckpt / "state" / "0" / "1"
+    latest = snapshot(a, 1, {"a1": 2 * MIB, "a2": MIB})
+    refused = snapshot(b, 1, {"b1": 2 * MIB})
+    for path in [ckpt, ckpt / "state", ckpt / "state" / "0", a, a / "SSTs"]:
+        os.chown(path, NOBODY, NOBODY)  # the executor's user wrote the store; b is root's
+    m.umount()
+    m.wipe_cache()  # a fresh node
+    m.mount()
+
+    view = Path(tempfile.mkdtemp(prefix="fusestate-pod-"))
+    try:
+        view.chmod(0o755)
+        (view / "volume").mkdir()
+        src = view / "src" / "io" / "fusestate" / "hadoop" / "AskCheck.java"
+        src.parent.mkdir(parents=True)
+        src.write_text(ASK_CHECK)
+        shutil.copy(shim_jar(), view / "shim.jar")
+        classpath = f"{view / 'shim.jar'}:{spark_jars}/*"
+        subprocess.run(["javac", "-nowarn", "-d", str(view / "classes"), "-cp", classpath, str(src)],
+                       check=True, capture_output=True, timeout=120)
+        for d in view.rglob("*"):
+            d.chmod(0o755 if d.is_dir() else 0o644)
+        pod = view / "volume"
+        stores = [str(pod / s.relative_to(m.path)) for s in (a, b)]
+        script = (f'mount --bind "{m.path}" "{pod}" && exec setpriv --reuid={NOBODY} --regid={NOBODY} '
+                  f'--clear-groups java -cp "{view / "classes"}:{classpath}" io.fusestate.hadoop.AskCheck "$@"')
+        proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *stores],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr
+    counts, error = proc.stdout.split("\n")[:2]
+    listed = latest + refused + [a / "1.zip", b / "1.zip"]
+    assert counts == f"{len(listed)} {sum(p.stat().st_size for p in listed)}"
+    assert "Permission denied" in error and str(pod / b.relative_to(m.path)) in error, error
+    wait_for(lambda: m.status()["page_fill"]["pending_bytes"] == 0, what="the fill to finish")
+    fill = m.status()["page_fill"]
+    assert fill["requested"] == len(latest) and fill["failures"] == 0, fill  # a's zip: read here already
+    assert mostly_resident(latest, 3 * MIB), resident_bytes(latest)
+    assert resident_bytes(refused) == 0

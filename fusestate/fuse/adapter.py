@@ -7,6 +7,7 @@ Every request stays on the trio loop; slow work is sent elsewhere by the vfs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -25,6 +26,10 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 ST_BLKSIZE = 128 * 1024
+# The extended attribute whose setting asks for a fill (see setxattr), and how many names one
+# request may carry (the kernel's 64 KiB value limit holds about this many SST names).
+FILL_XATTR = b"user.fusestate.fill"
+FILL_NAMES_MAX = 4096
 
 
 def _translate_errors(fn: F) -> F:
@@ -246,9 +251,32 @@ class FuseOperations(pyfuse3.Operations):
         out.f_namemax = s.name_max
         return out
 
-    # --- extended attributes: not supported, answered cleanly --------------
+    # --- extended attributes: none stored; one name is a request -------------
+    @_translate_errors
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
-        raise pyfuse3.FUSEError(errno.ENOTSUP)
+        """``user.fusestate.fill`` asks for files to be put into the page cache: on a file, that
+        file; on a directory, the entries its value names (NUL-separated). Nothing is stored.
+        Through the mount, so it reaches this daemon from any process that sees the volume, at
+        any path and as any user the kernel lets set the attribute (write access), where the
+        control socket is this daemon's user's only. The caller has looked the files up (the
+        kernel must know an inode to take its pages) and opens them only after asking (a file
+        open here is not filled)."""
+        if name != FILL_XATTR:
+            raise pyfuse3.FUSEError(errno.ENOTSUP)
+        node = await self.fs.getattr(inode)
+        if node.is_dir:
+            names = [n for n in value.split(b"\0") if n]
+            targets = []
+            for child in names[:FILL_NAMES_MAX]:
+                with contextlib.suppress(FsError):  # gone since the caller listed it: nothing to fill
+                    targets.append(await self.fs.lookup(inode, child))
+        elif node.is_reg:
+            targets = [node]
+        else:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        if self.page_fill is not None:
+            for target in targets:
+                await self.page_fill.requested(target)
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         # ENOSYS, not ENODATA: the kernel then stops sending getxattr for good (callers

@@ -13,7 +13,6 @@ import java.util.Collection;
 import java.util.Collections;
 import java.util.HashMap;
 import java.util.HashSet;
-import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
@@ -44,7 +43,8 @@ import org.apache.spark.scheduler.SparkListenerExecutorRemoved;
  * (those whose files the shim linked, {@link HeldStores}); the driver's listener sees an executor
  * removed and keeps its stores as lost; every executor asks the driver every
  * {@code spark.fusestate.lossFill.intervalMs} (500) milliseconds and, after a loss, asks its
- * daemon to fill each lost store's latest snapshot ({@link LatestSnapshot}), holding the files
+ * daemon, through the mount ({@link FillRequest}), to fill each lost store's latest snapshot
+ * ({@link LatestSnapshot}), holding the files
  * open for {@code spark.fusestate.lossFill.holdSeconds} (120) so that the kernel keeps their
  * pages until the loads link them. A daemon fills only files the node does not hold already.
  *
@@ -147,6 +147,44 @@ public class LossFill implements SparkPlugin {
         }
     }
 
+    /** What an executor asked its daemon to fill for lost stores. */
+    static final class Asked {
+        final List<Path> files = new ArrayList<>();
+        long bytes;
+        String error; // the first refusal (a store not on fusestate is skipped, not refused)
+    }
+
+    /** Asks this node's daemon, through the mount ({@link FillRequest}), to fill each store's
+     *  latest snapshot ({@link LatestSnapshot}); looks every file up first, so the kernel
+     *  knows the inodes the daemon will hand it pages of. */
+    static Asked ask(List<String> stores) {
+        Asked asked = new Asked();
+        for (String store : stores) {
+            Path dir = Paths.get(store);
+            if (FusestateFileSystem.fusestateMountOf(dir) == null) {
+                continue;
+            }
+            try {
+                for (Path f : LatestSnapshot.files(dir)) {
+                    try {
+                        asked.bytes += Files.size(f);
+                        asked.files.add(f);
+                    } catch (NoSuchFileException e) {
+                        // deleted since the listing (maintenance): nothing to fill
+                    }
+                }
+            } catch (IOException e) {
+                System.err.println("fusestate: listing the lost state store " + store + ": " + e);
+            }
+        }
+        try {
+            FillRequest.ask(asked.files);
+        } catch (IOException e) {
+            asked.error = String.valueOf(e);
+        }
+        return asked;
+    }
+
     static final class Filler implements ExecutorPlugin {
         private PluginContext ctx;
         private String executor = "?";
@@ -223,42 +261,11 @@ public class LossFill implements SparkPlugin {
                         + " state stores fill as their tasks load them");
                 return;
             }
-            Map<String, List<Long>> inodes = new LinkedHashMap<>();
-            List<Path> files = new ArrayList<>();
-            long bytes = 0;
-            for (String store : stores) {
-                Path dir = Paths.get(store);
-                String mount = FusestateFileSystem.fusestateMountOf(dir);
-                if (mount == null) {
-                    continue;
-                }
-                try {
-                    for (Path f : LatestSnapshot.files(dir)) {
-                        try {
-                            Map<String, Object> attrs = Files.readAttributes(f, "unix:ino,size");
-                            inodes.computeIfAbsent(mount, k -> new ArrayList<>()).add((Long) attrs.get("ino"));
-                            bytes += (Long) attrs.get("size");
-                            files.add(f);
-                        } catch (NoSuchFileException e) {
-                            // deleted since the listing (maintenance): nothing to fill
-                        }
-                    }
-                } catch (IOException e) {
-                    System.err.println("fusestate: listing the lost state store " + store + ": " + e);
-                }
-            }
-            StringBuilder answers = new StringBuilder();
-            for (Map.Entry<String, List<Long>> m : inodes.entrySet()) {
-                try {
-                    answers.append(DaemonSocket.fill(m.getKey(), m.getValue()));
-                } catch (IOException e) {
-                    answers.append("no answer from the daemon of ").append(m.getKey()).append(": ").append(e);
-                }
-            }
+            Asked asked = ask(stores);
             // Held open after the request (the daemon does not fill a file open here) until the
             // loads have linked them: the kernel keeps the pages of inodes something holds.
             List<FileChannel> opened = new ArrayList<>();
-            for (Path f : files) {
+            for (Path f : asked.files) {
                 try {
                     opened.add(FileChannel.open(f, StandardOpenOption.READ));
                 } catch (IOException e) {
@@ -268,8 +275,8 @@ public class LossFill implements SparkPlugin {
             holding.addAll(opened);
             timer.schedule(() -> close(opened), holdSeconds, TimeUnit.SECONDS);
             System.err.println("fusestate: executor " + who + " lost; executor " + executor + " asked its daemon to fill "
-                    + files.size() + " files (" + bytes / 1000000 + " MB) of " + stores.size()
-                    + " lost state stores: " + answers);
+                    + asked.files.size() + " files (" + asked.bytes / 1000000 + " MB) of " + stores.size()
+                    + " lost state stores" + (asked.error == null ? "" : ", which did not take it: " + asked.error));
         }
 
         private void close(List<FileChannel> channels) {
