@@ -58,11 +58,15 @@ def module_mount(base: Path, extra: list[str]) -> Iterator[Mount]:
         m.cleanup()
 
 
-@pytest.fixture(scope="module", params=ENGINES)
+@pytest.fixture(scope="module", params=[*ENGINES, "postgresql-scratch"])
 def model_mnt(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Mount]:
-    """One mount per metadata engine for the whole module (PostgreSQL: a fresh database)."""
+    """One mount per metadata engine for the whole module (PostgreSQL: a fresh database).
+    ``postgresql-scratch``: every example's directory is a scratch dir (``ex-*``), whose
+    contents a shared volume keeps in the node's memory (``meta.node_local``)."""
     extra = ["--block-size", "64K"]
-    if request.param == "postgresql":
+    if request.param == "postgresql-scratch":
+        extra += ["--scratch", "ex-*"]
+    if request.param.startswith("postgresql"):
         server = request.getfixturevalue("postgres_server")
         extra += ["--meta", server.create_database(f"model{uuid.uuid4().hex[:12]}")]
     with module_mount(tmp_path_factory.mktemp("model"), extra) as m:

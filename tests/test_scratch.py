@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import trio
@@ -211,10 +212,10 @@ def test_scratch_filling_the_cache_disk_fails_with_enospc(make_mount, file_bucke
 
 def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, file_bucket: Bucket,
                                                                     pg_url: str) -> None:
-    """Every node of a shared volume has its own scratch dirs: their names are in the shared
-    namespace, their bytes only on the node that wrote them (another node cannot open
-    them), and their names go when that node unmounts. The same bytes in a normal file
-    still reach the bucket for it."""
+    """Every node of a shared volume has its own scratch dirs: the others see each one,
+    empty, and can neither add to it nor remove it; what is inside (names and bytes) is on
+    the node that made it, and goes when that node unmounts. The same bytes in a normal
+    file still reach the bucket for it."""
     opts = [*SCRATCH, "--meta", pg_url, "--metrics-addr", "off", "--session-timeout", "3"]
     a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=opts).mount()
     b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=opts).mount()
@@ -226,27 +227,25 @@ def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, 
     assert a.status()["cache"]["scratch_bytes"] == len(shuffle) + len(spill)
     assert file_bucket.block_objects() == block_keys(state)  # the state file's fsync waited for them
 
-    assert (b.path / shuffle_file).stat().st_size == len(shuffle)
+    assert os.listdir(b.path / "job" / "blockmgr-5f1c") == []
+    assert not (b.path / shuffle_file).exists()
     with pytest.raises(OSError) as exc:
-        (b.path / shuffle_file).read_bytes()
+        (b.path / "job" / "blockmgr-5f1c" / "from-b").write_bytes(b"x")
     assert exc.value.errno == errno.EIO
     with pytest.raises(OSError) as exc:
-        (b.path / shuffle_file).with_name("from-b").write_bytes(b"x")
-    assert exc.value.errno == errno.EIO
+        os.rmdir(b.path / "job" / "blockmgr-5f1c")
+    assert exc.value.errno == errno.ENOTEMPTY
     assert (b.path / "job" / "state" / "000012.sst").read_bytes() == state
     write(a.path / "job" / "state" / "copy.sst", shuffle)  # bytes A held as scratch only
     assert (b.path / "job" / "state" / "copy.sst").read_bytes() == shuffle
     assert read_cold(a.path / shuffle_file) == shuffle
-    os.unlink(b.path / "job" / "blockmgr-5f1c" / "0d" / "temp_shuffle_2")  # another node may delete it
-    wait_for(lambda: a.status()["cache"]["scratch_bytes"] == len(shuffle), timeout=60,
-             what="the bytes of the spill B deleted to go from A")
+    os.unlink(a.path / "job" / "blockmgr-5f1c" / "0d" / "temp_shuffle_2")
+    assert a.status()["cache"]["scratch_bytes"] == len(shuffle)
     assert sorted(os.listdir(a.cache_dir / "scratch")) == [str(os.stat(a.path / shuffle_file).st_ino)]
     mine = rand(MiB + 7, 3)
     write(b.path / "job" / "blockmgr-b" / "f", mine)
     assert read_cold(b.path / "job" / "blockmgr-b" / "f") == mine
-    with pytest.raises(OSError) as exc:
-        (a.path / "job" / "blockmgr-b" / "f").read_bytes()
-    assert exc.value.errno == errno.EIO
+    assert os.listdir(a.path / "job" / "blockmgr-b") == []
     fsck = fusestate("fsck", file_bucket.url, "--meta", pg_url, check=False)  # scratch blocks are not missing
     assert fsck.returncode == 0, fsck.stdout + fsck.stderr
 
@@ -367,5 +366,53 @@ def test_promotion_and_loads_on_a_shared_volume(make_mount, file_bucket: Bucket,
     a.mount()
     assert sorted(os.listdir(a.path)) == ["ckpt"] and not os.listdir(a.path / "ckpt")
     a.umount()
+    fsck = fusestate("fsck", file_bucket.url, "--meta", pg_url, check=False)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+
+
+def reads(path: Path) -> Optional[bytes]:
+    """``read_cold``, or None while another node's cached name still points at a removed file."""
+    try:
+        return read_cold(path)
+    except FileNotFoundError:
+        return None
+
+
+def test_renames_across_a_shared_scratch_dir_keep_files_whole(make_mount, file_bucket: Bucket, pg_url: str) -> None:
+    """A scratch dir's contents live on its node (not in the database): a file renamed out of
+    it becomes a file of the volume the other node reads, replacing what was there at once; a
+    file of the volume renamed into it leaves the volume, and this node keeps its data, even
+    once no name of it is left in the database; a directory does not cross (EXDEV)."""
+    opts = [*SCRATCH, "--meta", pg_url, "--metrics-addr", "off"]
+    a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=opts).mount()
+    b = make_mount(file_bucket, name="node-b", cache="cache-b", extra=opts).mount()
+    work, out = a.path / "blockmgr-a", a.path / "out"
+    out.mkdir()
+    old, new = rand(MiB + 1, 11), rand(2 * MiB + 3, 12)
+    write(out / "f", old)
+    write(work / "tmp" / "f", new)
+    assert read_cold(b.path / "out" / "f") == old
+    os.rename(work / "tmp" / "f", out / "f")  # promoted, then renamed over the old one
+    assert os.listdir(work / "tmp") == []
+    wait_for(lambda: reads(b.path / "out" / "f") == new, timeout=10,  # B's kernel's name: --attr-timeout
+             what="B to see the file renamed over the old one")
+    assert block_keys(new) <= file_bucket.block_objects()
+    assert a.status()["cache"]["promoted_files"] == 1
+
+    os.rename(out / "f", work / "g")  # into the scratch dir: out of the volume
+    wait_for(lambda: not (b.path / "out" / "f").exists(), timeout=10, what="B to see the name go")
+    assert os.listdir(b.path / "blockmgr-a") == []
+    os.link(work / "g", work / "h")
+    assert os.stat(work / "g").st_nlink == 2
+    assert read_cold(work / "h") == new
+    os.unlink(work / "g")
+    assert read_cold(work / "h") == new  # held by A while its scratch names last
+    with pytest.raises(OSError) as exc:
+        os.rename(work / "tmp", out / "tmp")
+    assert exc.value.errno == errno.EXDEV
+    os.rename(work / "h", out / "back")  # and out again: a file of the volume all along
+    assert read_cold(b.path / "out" / "back") == new
+    a.umount()
+    b.umount()
     fsck = fusestate("fsck", file_bucket.url, "--meta", pg_url, check=False)
     assert fsck.returncode == 0, fsck.stdout + fsck.stderr

@@ -20,6 +20,7 @@ from fusestate.blocks.uploader import Uploader
 from fusestate.blocks.warmer import CacheWarmer
 from fusestate.daemon.paths import CacheLayout
 from fusestate.meta.engine import MetaEngine
+from fusestate.meta.node_local import node_local
 from fusestate.remote.store import RemoteStore
 from fusestate.vfs import FileSystem
 
@@ -82,7 +83,7 @@ def build(meta: MetaEngine, remote: RemoteStore, layout: CacheLayout, settings: 
     blocks = BlockStore(meta, remote, staging, memory, disk, uploader, block_size=s.block_size,
                         local_io=local_io, whole_blocks=s.whole_blocks)
     warmer = CacheWarmer(blocks, meta, mode=s.prefetch, disk_cache_bytes=s.read_cache_size)
-    fs = FileSystem(meta, blocks, uploader, block_size=s.block_size, durability=s.durability,
+    fs = FileSystem(node_local(meta) if s.scratch_dirs else meta, blocks, uploader, block_size=s.block_size, durability=s.durability,
                     readahead_blocks=s.readahead_blocks, read_only=s.read_only, scratch_dirs=s.scratch_dirs,
                     scratch_files=ScratchFiles(layout.scratch, reserve=s.staging_reserve))
     return Components(meta, remote, memory, disk, staging, uploader, blocks, warmer, fs)

@@ -160,6 +160,13 @@ def _has_entries(tx: Tx, ino: int) -> bool:
     return tx.one("SELECT 1 FROM entries WHERE parent=? LIMIT 1", (ino,)) is not None
 
 
+def _not_empty(tx: Tx, directory: Inode) -> bool:
+    """Whether a directory may not be removed: it has entries, or it is another node's
+    scratch directory, whose entries live on that node (``meta.node_local``) until its
+    session ends and takes the directory with it."""
+    return bool(directory.scratch and directory.scratch != tx.scratch_owner) or _has_entries(tx, directory.id)
+
+
 def _check_scratch_move(tx: Tx, node: Inode, new_parent: Inode) -> None:
     """A scratch file gets no name outside its scratch (EXDEV, as between two file systems:
     mv then copies, and a link promotes the file first, see ``promote``), nor in another
@@ -274,14 +281,28 @@ def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False
     return node
 
 
-def link(tx: Tx, ino: int, parent_id: int, name: bytes) -> Inode:
+def adopt(tx: Tx, node: Inode) -> None:
+    """An inode made on one node alone (``meta.node_local``) becomes a row under the number
+    it had there, with no name yet and held by this node, as a scratch file of its own: so
+    that ``promote`` can commit its blocks and a link then name it."""
+    columns = (node.mode, node.uid, node.gid, 0, 0, node.atime_ns, node.mtime_ns, node.ctime_ns, node.rdev,
+               node.symlink_target, tx.scratch_owner)
+    tx.exec(f"INSERT INTO inodes (id, {_NEW_INODE_COLUMNS}) VALUES (?, {_NEW_INODE_VALUES})", (node.id, *columns))
+    tx.inodes_delta += 1
+    tx.holds.add(tx, node.id)
+
+
+def link(tx: Tx, ino: int, parent_id: int, name: bytes, held: bool = False) -> Inode:
+    """``held``: the caller holds the file, which may have no name in the database (made a
+    row by ``adopt``, or named only in the node's scratch dirs); a file with no name is
+    otherwise one that was deleted."""
     check_name(name)
     tx.lock([ino, parent_id])
     existing = _entry(tx, parent_id, name)  # with the lock; checked last, as create does
     node = get(tx, ino)
     if node.is_dir:
         raise FsError(errno.EPERM)
-    if node.nlink == 0:
+    if node.nlink == 0 and not held:
         raise FsError(errno.ENOENT)
     parent = _directory(tx, parent_id)
     if parent.nlink == 0:
@@ -333,7 +354,7 @@ def rmdir(tx: Tx, parent_id: int, name: bytes) -> Freed:
     parent, node = _locked_child(tx, parent_id, name)
     if not node.is_dir:
         raise FsError(errno.ENOTDIR)
-    if _has_entries(tx, node.id):
+    if _not_empty(tx, node):
         raise FsError(errno.ENOTEMPTY)
     tx.exec("DELETE FROM entries WHERE parent=? AND name=?", (parent_id, name))
     node.nlink = 0
@@ -399,7 +420,7 @@ def rename(tx: Tx, src_parent: int, src_name: bytes, dst_parent: int, dst_name: 
             raise FsError(errno.ENOTDIR)
         if not node.is_dir and replaced.is_dir:
             raise FsError(errno.EISDIR)
-        if replaced.is_dir and _has_entries(tx, replaced.id):
+        if replaced.is_dir and _not_empty(tx, replaced):
             raise FsError(errno.ENOTEMPTY)
     tx.exec("DELETE FROM entries WHERE parent=? AND name=?", (src_parent, src_name))
     if replaced is not None:

@@ -734,6 +734,23 @@ class PostgresEngine:
     async def existing(self, inodes: Sequence[int]) -> set[int]:
         return await self._read(ops.existing, inodes)
 
+    async def reserve_inode_ids(self, count: int) -> list[int]:
+        """Numbers of the inode sequence no row will ever take: for inodes made on this node
+        alone (``node_local``), which may become rows under them."""
+        rows = await self._write(lambda tx: tx.all(
+            "SELECT nextval(pg_get_serial_sequence('inodes', 'id')) FROM generate_series(1, ?::int)", (count,)))
+        return [row[0] for row in rows]
+
+    async def adopt_scratch(self, node: Inode) -> None:
+        """``operations.adopt``: a node-local inode becomes a row, held here, to be promoted."""
+        await self._write(ops.adopt, node, once=True)
+        self._held.add(node.id)
+
+    async def link_held(self, ino: int, parent: int, name: bytes) -> Inode:
+        """A name for a file this node holds, which may have none in the database (made a row
+        by ``adopt_scratch``, or named only in this node's scratch dirs)."""
+        return await self._write(ops.link, ino, parent, name, True, once=True)
+
     # --- file data ------------------------------------------------------------------
     async def read_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
         self._recent.pop(ino, None)

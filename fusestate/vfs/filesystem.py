@@ -1043,7 +1043,11 @@ class FileSystem:
                 raise FsError(errno.EIO, str(exc)) from exc
 
     async def fsyncdir(self, fh: int) -> None:
-        node = await self._check_dir(self._dir_handles[fh].ino)
+        ino = self._dir_handles[fh].ino
+        kept_here = getattr(self.meta, "kept_here", None)
+        if kept_here is not None and kept_here(ino):
+            return  # its entries are in this node's memory (meta.node_local): gone at the unmount anyway
+        node = await self._check_dir(ino)
         if node is None or not node.scratch:  # shared: asking would cost what syncing does
             await self.sync_metadata()
 
