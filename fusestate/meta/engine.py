@@ -28,7 +28,7 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
 __all__ = ["ROOT_INODE", "NAME_MAX", "RENAME_NOREPLACE", "RENAME_EXCHANGE", "FsError", "Inode", "DirEntry",
-           "ObjectInfo", "NewNode", "AttrChange", "Freed", "MetaEngine", "EngineStats"]
+           "ObjectInfo", "NewNode", "AttrChange", "Freed", "MetaEngine", "EngineStats", "inherited"]
 
 
 @dataclass
@@ -104,6 +104,28 @@ class AttrChange:
     gid: Optional[int] = None
     atime_ns: Optional[int] = None
     mtime_ns: Optional[int] = None
+
+    def apply(self, node: Inode, now_ns: int) -> None:
+        """Change ``node`` as this says; its ctime becomes ``now_ns``."""
+        if self.mode is not None:
+            node.mode = stat.S_IFMT(node.mode) | (self.mode & 0o7777)
+        if self.uid is not None:
+            node.uid = self.uid
+        if self.gid is not None:
+            node.gid = self.gid
+        if self.atime_ns is not None:
+            node.atime_ns = self.atime_ns
+        if self.mtime_ns is not None:
+            node.mtime_ns = self.mtime_ns
+        node.ctime_ns = now_ns
+
+
+def inherited(parent: Inode, mode: int, gid: int) -> tuple[int, int]:
+    """A new inode's mode and group in ``parent``: in a set-group-ID directory the group,
+    and for a directory the bit too, come from the parent."""
+    if parent.mode & stat.S_ISGID:
+        return (mode | stat.S_ISGID if stat.S_ISDIR(mode) else mode), parent.gid
+    return mode, gid
 
 
 @dataclass

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 import trio
 
 from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, AttrChange, DirEntry, EngineStats,
-                                   Freed, FsError, Inode, MetaEngine, NewNode)
+                                   Freed, FsError, Inode, MetaEngine, NewNode, inherited)
 
 ID_BATCH = 1024  # inode numbers reserved from the database at a time
 
@@ -226,7 +226,10 @@ class NodeLocalNames:
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
         d = self._dirs.get(parent)
         if d is None:
-            return self._noted(await self.inner.create(parent, name, node, hold), parent, name)
+            made = self._noted(await self.inner.create(parent, name, node, hold), parent, name)
+            if hold:
+                self._vfs_open.add(made.id)
+            return made
         _check_name(name)
         if getattr(self.inner, "lost", False):
             raise FsError(errno.EIO, "this mount's metadata session ended")
@@ -238,12 +241,8 @@ class NodeLocalNames:
         ino = await self._new_id()
         if name in d.entries or parent not in self._dirs:  # made, or the parent removed, meanwhile
             raise FsError(errno.EEXIST if name in d.entries else errno.ENOENT)
-        mode, gid = node.mode, node.gid
+        mode, gid = inherited(at, node.mode, node.gid)
         is_dir = stat.S_ISDIR(mode)
-        if at.mode & stat.S_ISGID:
-            gid = at.gid
-            if is_dir:
-                mode |= stat.S_ISGID
         now = time.time_ns()
         size = len(node.symlink_target) if node.symlink_target is not None else 0
         made = Inode(ino, mode, node.uid, gid, size, 2 if is_dir else 1, now, now, now, node.rdev,
@@ -486,17 +485,7 @@ class NodeLocalNames:
         node = self._nodes.get(ino)
         if node is None:
             return self._noted(await self.inner.setattr(ino, change))
-        if change.mode is not None:
-            node.mode = stat.S_IFMT(node.mode) | (change.mode & 0o7777)
-        if change.uid is not None:
-            node.uid = change.uid
-        if change.gid is not None:
-            node.gid = change.gid
-        if change.atime_ns is not None:
-            node.atime_ns = change.atime_ns
-        if change.mtime_ns is not None:
-            node.mtime_ns = change.mtime_ns
-        node.ctime_ns = time.time_ns()
+        change.apply(node, time.time_ns())
         return _copy(node)
 
     async def readdir(self, ino: int, after_id: int, limit: int = 1000) -> list[tuple[DirEntry, Inode]]:

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from fusestate.errors import FsError
 from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, DirEntry,
-                                   Freed, Inode, NewNode, ObjectInfo)
+                                   Freed, Inode, NewNode, ObjectInfo, inherited)
 
 INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
 INODE_ROW = f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?"  # one inode's row, unlocked
@@ -251,12 +251,8 @@ def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False
     if parent.scratch and parent.scratch != tx.scratch_owner:
         # Its files' bytes would be on this node, its names go with the other one.
         raise FsError(errno.EIO, "a scratch directory of another node")
-    mode, gid = new.mode, new.gid
+    mode, gid = inherited(parent, new.mode, new.gid)
     is_dir = stat.S_ISDIR(mode)
-    if parent.mode & stat.S_ISGID:
-        gid = parent.gid
-        if is_dir:
-            mode |= stat.S_ISGID
     scratch = parent.scratch or (tx.scratch_owner if is_dir and new.scratch_name else 0)
     size = len(new.symlink_target) if new.symlink_target is not None else 0
     nlink = 2 if is_dir else 1
@@ -467,17 +463,7 @@ def _exchange(tx: Tx, src_dir: Inode, src_name: bytes, a: Inode, dst_dir: Inode,
 def setattr(tx: Tx, ino: int, change: AttrChange) -> Inode:
     tx.lock([ino])
     node = get(tx, ino)
-    if change.mode is not None:
-        node.mode = stat.S_IFMT(node.mode) | (change.mode & 0o7777)
-    if change.uid is not None:
-        node.uid = change.uid
-    if change.gid is not None:
-        node.gid = change.gid
-    if change.atime_ns is not None:
-        node.atime_ns = change.atime_ns
-    if change.mtime_ns is not None:
-        node.mtime_ns = change.mtime_ns
-    node.ctime_ns = tx.now_ns
+    change.apply(node, tx.now_ns)
     _save(tx, node)
     return node
 

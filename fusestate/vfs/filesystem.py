@@ -40,8 +40,6 @@ __all__ = ["FileSystem", "RequestContext", "StatFs", "RENAME_NOREPLACE", "RENAME
 
 REMOTE_CAPACITY = 1 << 50  # what statfs reports: the bucket has no practical limit
 DIRTY_EXPIRE_SECONDS = 5.0
-# Shared volumes: how often a node checks that the scratch files it keeps bytes of still exist.
-STALE_SCRATCH_SECONDS = 10.0
 SEALING_LIMIT_BLOCKS = 16  # blocks being hashed and staged at once, beyond which writers wait
 
 
@@ -147,7 +145,6 @@ class FileSystem:
         await self.blocks.release((await self.meta.start()).keys)
         nursery.start_soon(self._expire_dirty_loop)
         if self.meta.shared and not self.read_only:
-            nursery.start_soon(self._drop_stale_scratch_loop)
             nursery.start_soon(self._release_holds_loop)
 
     async def flush_all(self) -> None:
@@ -1063,28 +1060,6 @@ class FileSystem:
                         for index in old:
                             if index in f.dirty:
                                 self._seal(f, index)
-
-    async def drop_stale_scratch(self) -> int:
-        """Drop the backing files of this node's scratch files that another node deleted
-        (any node may remove names in any scratch dir; the node that deletes a file's last
-        name drops its backing file only where that is its own). Returns how many went."""
-        idle = [ino for ino in self.scratch.inodes() if ino not in self._files]
-        if not idle:
-            return 0
-        gone = set(idle) - await self.meta.existing(idle)
-        for ino in gone:
-            if ino not in self._files:  # an inode that is gone cannot be opened again
-                self.scratch.remove(ino)
-        return len(gone)
-
-    async def _drop_stale_scratch_loop(self) -> None:
-        while True:
-            await trio.sleep(STALE_SCRATCH_SECONDS)
-            try:
-                if dropped := await self.drop_stale_scratch():
-                    log.info("dropped the bytes of %d scratch files another node deleted", dropped)
-            except Exception as exc:  # noqa: BLE001 - the database may be restarting: try again later
-                log.warning("could not check this node's scratch files: %s", exc)
 
     # --- whole-file helpers (warmup) ---------------------------------------------
     async def file_keys(self, ino: int) -> list[str]:
