@@ -103,6 +103,10 @@ class NodeLocalNames:
         if node.is_dir and node.scratch and node.scratch == self.inner.scratch_owner:
             if node.id not in self._dirs:
                 self._dirs[node.id] = _Dir(parent or 0)
+            seen = self._roots.get(node.id)
+            if seen is not None:  # changed here since: its times are this node's
+                node.mtime_ns = max(node.mtime_ns, seen.mtime_ns)
+                node.ctime_ns = max(node.ctime_ns, seen.ctime_ns)
             self._roots[node.id] = _copy(node)
             if parent is not None and name is not None:
                 self._root_names[node.id] = (parent, name)
@@ -172,8 +176,7 @@ class NodeLocalNames:
         """A name of ``ino`` went from a directory here (the entry is gone already)."""
         node = self._nodes.get(ino)
         if node is None:
-            freed = await self._drop_foreign(ino)
-            return freed
+            return await self._drop_foreign(ino)
         if node.is_dir:
             parent = self._dirs.pop(ino).parent
             self._dirs[parent].subdirs -= 1
