@@ -200,18 +200,6 @@ def test_a_freed_inode_number_is_not_handed_out_again(new_engine) -> None:
     drive(new_engine, body)
 
 
-def test_existing_names_the_inodes_left(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        files = [await m.create(ROOT_INODE, f"f{n}".encode(), FILE) for n in range(70)]  # two batches
-        for f in files[::3]:
-            await m.unlink(ROOT_INODE, f"f{files.index(f)}".encode())
-        left = {f.id for f in files} - {f.id for f in files[::3]}
-        assert await m.existing([f.id for f in files] + [10**9]) == left
-        assert await m.existing([]) == set()
-
-    drive(new_engine, body)
-
-
 def test_rmdir_rules(new_engine) -> None:
     async def body(m: MetaEngine) -> None:
         d = await m.create(ROOT_INODE, b"d", DIR)

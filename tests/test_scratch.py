@@ -240,7 +240,8 @@ def test_scratch_on_a_shared_volume_stays_on_the_node_that_wrote_it(make_mount, 
     assert (b.path / "job" / "state" / "copy.sst").read_bytes() == shuffle
     assert read_cold(a.path / shuffle_file) == shuffle
     os.unlink(a.path / "job" / "blockmgr-5f1c" / "0d" / "temp_shuffle_2")
-    assert a.status()["cache"]["scratch_bytes"] == len(shuffle)
+    wait_for(lambda: a.status()["cache"]["scratch_bytes"] == len(shuffle),  # once the close's hold goes
+             what="the deleted spill's bytes to go")
     assert sorted(os.listdir(a.cache_dir / "scratch")) == [str(os.stat(a.path / shuffle_file).st_ino)]
     mine = rand(MiB + 7, 3)
     write(b.path / "job" / "blockmgr-b" / "f", mine)

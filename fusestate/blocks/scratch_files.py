@@ -141,10 +141,6 @@ class ScratchFiles:
             except FileNotFoundError:
                 pass
 
-    def inodes(self) -> list[int]:
-        """The inodes this node keeps backing files of."""
-        return list(self._sizes)
-
     @property
     def files(self) -> int:
         return len(self._sizes)

@@ -191,12 +191,6 @@ class MetaEngine(Protocol):
         """Entries with id greater than ``after_id``, in id order, with their attributes."""
         ...
     async def parent_of(self, ino: int) -> int: ...
-    async def existing(self, inodes: Sequence[int]) -> set[int]:
-        """Which of these inodes exist: a node's check of the scratch files whose bytes it
-        keeps, which another node may have deleted."""
-        ...
-
-    # --- file data ------------------------------------------------------------
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
         """Fresh attributes and block map (close-to-open), and mark the file held open by
         this node. Called once per file per node while any handle is open."""

@@ -512,11 +512,6 @@ class NodeLocalNames:
             return self._dirs[ino].parent
         return await self.inner.parent_of(ino)
 
-    async def existing(self, inodes: Sequence[int]) -> set[int]:
-        here = {ino for ino in inodes if ino in self._nodes}
-        rest = [ino for ino in inodes if ino not in self._nodes]
-        return here | (await self.inner.existing(rest) if rest else set())
-
     # --- file data -----------------------------------------------------------------------
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
         node = self._nodes.get(ino)

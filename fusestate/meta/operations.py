@@ -184,19 +184,6 @@ def _check_scratch_move(tx: Tx, node: Inode, new_parent: Inode) -> None:
 
 # --- namespace -----------------------------------------------------------------------
 
-EXISTING_BATCH = 64  # inodes per query: one statement text, whatever the count asked
-
-
-def existing(tx: Tx, inodes: Sequence[int]) -> set[int]:
-    found: set[int] = set()
-    sql = f"SELECT id FROM inodes WHERE id IN ({', '.join('?' * EXISTING_BATCH)})"
-    for start in range(0, len(inodes), EXISTING_BATCH):
-        batch = list(inodes[start:start + EXISTING_BATCH])
-        batch += [-1] * (EXISTING_BATCH - len(batch))  # no inode has a negative id
-        found.update(ino for (ino,) in tx.all(sql, tuple(batch)))
-    return found
-
-
 def parent_of(tx: Tx, ino: int) -> int:
     if ino == ROOT_INODE:
         return ROOT_INODE

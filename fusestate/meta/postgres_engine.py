@@ -731,9 +731,6 @@ class PostgresEngine:
     async def parent_of(self, ino: int) -> int:
         return await self._read(ops.parent_of, ino)
 
-    async def existing(self, inodes: Sequence[int]) -> set[int]:
-        return await self._read(ops.existing, inodes)
-
     async def reserve_inode_ids(self, count: int) -> list[int]:
         """Numbers of the inode sequence no row will ever take: for inodes made on this node
         alone (``node_local``), which may become rows under them."""

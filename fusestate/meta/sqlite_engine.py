@@ -353,9 +353,6 @@ class SQLiteEngine:
     async def parent_of(self, ino: int) -> int:
         return self._read(ops.parent_of, ino)
 
-    async def existing(self, inodes: Sequence[int]) -> set[int]:
-        return self._read(ops.existing, inodes)
-
     # --- file data ------------------------------------------------------------
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
         return self._read(ops.open_file, ino)
