@@ -117,6 +117,17 @@ def test_spark_fill_names_what_it_queued(make_mount, file_bucket) -> None:
     assert fusestate("spark-fill", str(m.path), check=False).stdout.startswith(f"{m.path}: 0 files")
 
 
+def java_check(where: Path, name: str, source: str, shim: Path, spark_jars: Path) -> str:
+    """Compile a check program of the shim's package under ``where``; its class path."""
+    src = where / "src" / "io" / "fusestate" / "hadoop" / f"{name}.java"
+    src.parent.mkdir(parents=True)
+    src.write_text(source)
+    classpath = f"{shim}:{spark_jars}/*"
+    subprocess.run(["javac", "-nowarn", "-d", str(where / "classes"), "-cp", classpath, str(src)],
+                   check=True, capture_output=True, timeout=120)
+    return f"{where / 'classes'}:{classpath}"
+
+
 LIST_CHECK = """
 package io.fusestate.hadoop;
 
@@ -155,14 +166,8 @@ def test_the_shim_lists_a_lost_store_as_the_restart_fill_does(tmp_path: Path) ->
     write(c / "1.changelog", b"c")  # no snapshot yet: the changelogs alone
     _, expected = latest_snapshot_files(ckpt)
 
-    src = tmp_path / "src" / "io" / "fusestate" / "hadoop" / "ListCheck.java"
-    src.parent.mkdir(parents=True)
-    src.write_text(LIST_CHECK)
-    classes = tmp_path / "classes"
-    classpath = f"{shim_jar()}:{Path(pyspark.__file__).parent / 'jars'}/*"
-    subprocess.run(["javac", "-nowarn", "-d", str(classes), "-cp", classpath, str(src)],
-                   check=True, capture_output=True, timeout=120)
-    listed = subprocess.run(["java", "-cp", f"{classes}:{classpath}", "io.fusestate.hadoop.ListCheck",
+    classpath = java_check(tmp_path, "ListCheck", LIST_CHECK, shim_jar(), Path(pyspark.__file__).parent / "jars")
+    listed = subprocess.run(["java", "-cp", classpath, "io.fusestate.hadoop.ListCheck",
                              str(a), str(b), str(c)], check=True, capture_output=True, text=True, timeout=60)
     got = [Path(line) for line in listed.stdout.splitlines()]
     assert sorted(got) == sorted(expected) and len(got) == len(set(got))
@@ -217,19 +222,14 @@ def test_an_executor_asks_its_daemon_through_the_mount_at_another_path_as_anothe
     try:
         view.chmod(0o755)
         (view / "volume").mkdir()
-        src = view / "src" / "io" / "fusestate" / "hadoop" / "AskCheck.java"
-        src.parent.mkdir(parents=True)
-        src.write_text(ASK_CHECK)
         shutil.copy(shim_jar(), view / "shim.jar")
-        classpath = f"{view / 'shim.jar'}:{spark_jars}/*"
-        subprocess.run(["javac", "-nowarn", "-d", str(view / "classes"), "-cp", classpath, str(src)],
-                       check=True, capture_output=True, timeout=120)
+        classpath = java_check(view, "AskCheck", ASK_CHECK, view / "shim.jar", spark_jars)
         for d in view.rglob("*"):
             d.chmod(0o755 if d.is_dir() else 0o644)
         pod = view / "volume"
         stores = [str(pod / s.relative_to(m.path)) for s in (a, b)]
         script = (f'mount --bind "{m.path}" "{pod}" && exec setpriv --reuid={NOBODY} --regid={NOBODY} '
-                  f'--clear-groups java -cp "{view / "classes"}:{classpath}" io.fusestate.hadoop.AskCheck "$@"')
+                  f'--clear-groups java -cp "{classpath}" io.fusestate.hadoop.AskCheck "$@"')
         proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *stores],
                               capture_output=True, text=True, timeout=120)
     finally:

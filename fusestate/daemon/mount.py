@@ -496,13 +496,11 @@ class Daemon:
         fill = self.ops.page_fill
         queued = queued_bytes = 0
         if fill is not None:
+            nodes = []
             for ino in inodes:
-                try:
-                    node = await self.fs.getattr(ino)
-                except OSError:
-                    continue  # deleted since the caller looked it up: nothing to fill
-                if await fill.requested(node):
-                    queued, queued_bytes = queued + 1, queued_bytes + node.size
+                with contextlib.suppress(OSError):  # deleted since the caller looked it up: nothing to fill
+                    nodes.append(await self.fs.getattr(ino))
+            queued, queued_bytes = await fill.requested_all(nodes)
         return {"queued": queued, "queued_bytes": queued_bytes, "enabled": fill is not None}
 
     @property

@@ -264,9 +264,9 @@ class FuseOperations(pyfuse3.Operations):
         if name != FILL_XATTR:
             raise pyfuse3.FUSEError(errno.ENOTSUP)
         node = await self.fs.getattr(inode)
+        targets: list[Inode] = []
         if node.is_dir:
             names = [n for n in value.split(b"\0") if n]
-            targets = []
             for child in names[:FILL_NAMES_MAX]:
                 with contextlib.suppress(FsError):  # gone since the caller listed it: nothing to fill
                     targets.append(await self.fs.lookup(inode, child))
@@ -275,8 +275,7 @@ class FuseOperations(pyfuse3.Operations):
         else:
             raise pyfuse3.FUSEError(errno.EINVAL)
         if self.page_fill is not None:
-            for target in targets:
-                await self.page_fill.requested(target)
+            await self.page_fill.requested_all(targets)
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         # ENOSYS, not ENODATA: the kernel then stops sending getxattr for good (callers

@@ -111,6 +111,14 @@ class PageFill:
             self.stats.requested_bytes += node.size
         return queued
 
+    async def requested_all(self, nodes: list[Inode]) -> tuple[int, int]:
+        """``requested`` for each of ``nodes``: the files and bytes queued."""
+        queued = queued_bytes = 0
+        for node in nodes:
+            if await self.requested(node):
+                queued, queued_bytes = queued + 1, queued_bytes + node.size
+        return queued, queued_bytes
+
     async def linked(self, node: Inode) -> bool:
         """A name for ``node`` was just made here: queue its fill if it is worth one (True
         if queued).

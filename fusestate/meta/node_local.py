@@ -85,9 +85,6 @@ class NodeLocalNames:
         return getattr(self.inner, name)  # everything about blocks, objects and sessions
 
     # --- bookkeeping -------------------------------------------------------------------
-    def _is_local(self, ino: int) -> bool:
-        return ino in self._nodes
-
     async def _new_id(self) -> int:
         if not self._ids:
             async with self._reserving:
@@ -265,7 +262,7 @@ class NodeLocalNames:
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
         d = self._dirs.get(parent)
         if d is None:
-            if self._is_local(ino):
+            if ino in self._nodes:
                 raise FsError(errno.EXDEV)  # the vfs promotes it, then links again
             return self._noted(await self._inner_link(ino, parent, name))
         _check_name(name)
@@ -627,15 +624,10 @@ class NodeLocalNames:
         """Whether ``ino`` is a directory whose entries live here (nothing to sync)."""
         return ino in self._dirs
 
-    @property
-    def local_inodes(self) -> int:
-        """Inodes this node keeps in memory (scratch files and directories)."""
-        return len(self._nodes)
-
 
 def node_local(inner: MetaEngine) -> MetaEngine:
     """``inner`` with its scratch directories' contents kept on this node, where that pays:
     a shared engine (the embedded one answers from local disk already)."""
-    if not inner.shared or not hasattr(inner, "adopt_scratch"):
+    if not inner.shared:
         return inner
     return NodeLocalNames(inner)  # type: ignore[return-value]
