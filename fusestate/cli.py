@@ -145,6 +145,10 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
                    help="a file hard-linked on this node whose blocks the node does not hold (a Spark "
                         "state store loaded from its checkpoint) is fetched in the background into the "
                         "kernel's page cache, so its reads skip the daemon (default on)")
+    m.add_argument("--page-fill-budget", default=unset,
+                   help="bytes of linked files queued for the page cache at once; a link beyond it is "
+                        "not filled, a requested file (spark-fill, the fill attribute) waits, up to twice "
+                        "the budget (default: a quarter of the memory, at most 8G)")
     m.add_argument("--whole-blocks", default=unset, choices=WHOLE_BLOCK_MODES,
                    help="cold reads bring whole blocks to this node (scans and their readahead, blocks "
                         "small reads come back to) instead of reading only their range: 'auto' (default) "
@@ -191,7 +195,7 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
 
 
 SIZE_OPTIONS = {"cache_size": "--cache-size", "memory_cache_size": "--memory-cache-size",
-                "max_dirty": "--max-dirty", "block_size": "--block-size", "kernel_readahead": "--kernel-readahead"}
+                "max_dirty": "--max-dirty", "block_size": "--block-size", "kernel_readahead": "--kernel-readahead", "page_fill_budget": "--page-fill-budget"}
 
 
 def _mount_config(args: argparse.Namespace) -> MountConfig:

@@ -108,6 +108,7 @@ class MountConfig:
     lease_ttl: float = 30.0                  # seconds a lease stays valid without a heartbeat
     prefetch: str = "auto"                   # auto | off | recent | all: background cache warming after mounting
     prefetch_links: str = "on"               # on | off: files linked here from elsewhere go to the page cache
+    page_fill_budget: Optional[int] = None   # bytes queued for the page cache at once; None: a quarter of memory, <= 8 GiB
     whole_blocks: str = "auto"               # auto | always | never: cold reads bring whole blocks to the node
     scratch_dirs: list[str] = field(default_factory=list)  # name globs of node-local directories (--scratch)
     meta_url: Optional[str] = None           # a shared metadata engine (postgresql://...); None: embedded SQLite
@@ -148,6 +149,8 @@ class MountConfig:
             self.prefetch = default_prefetch(self.url)
         if self.prefetch_links not in ("on", "off"):
             raise UserError(f"bad --prefetch-links {self.prefetch_links!r}: expected on or off")
+        if self.page_fill_budget is not None and self.page_fill_budget <= 0:
+            raise UserError(f"bad --page-fill-budget {self.page_fill_budget}: expected a size such as 4G, more than 0")
         if self.whole_blocks not in WHOLE_BLOCK_MODES:
             raise UserError(f"bad --whole-blocks {self.whole_blocks!r}: expected auto, always or never")
         for pattern in self.scratch_dirs:

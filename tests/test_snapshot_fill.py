@@ -117,6 +117,25 @@ def test_spark_fill_names_what_it_queued(make_mount, file_bucket) -> None:
     assert fusestate("spark-fill", str(m.path), check=False).stdout.startswith(f"{m.path}: 0 files")
 
 
+def test_a_snapshot_larger_than_the_fill_budget_is_filled_whole(make_mount, tmp_path: Path, request) -> None:
+    """A restart's request is not cut at the budget: what does not fit waits for the fills
+    before it (up to twice the budget), so every file of the snapshot reaches the page cache."""
+    bucket = new_bucket("s3", tmp_path, request)
+    m = make_mount(bucket, extra=["--page-fill-budget", "4M"]).mount()
+    ckpt = m.path / "checkpoints" / "q"
+    write(ckpt / "commits" / "0", b"v1\n{}")
+    ssts = snapshot(ckpt / "state" / "0" / "0", 1, {f"s{i}": 2 * MIB for i in range(4)})
+    m.umount()
+    m.wipe_cache()
+    m.mount()
+    out = fusestate("spark-fill", f"fusestate://{ckpt}", "--wait").stdout
+    assert out.startswith(f"{m.path}: 4 files (8 MiB)"), out
+    fill = m.status()["page_fill"]
+    assert fill["files"] == fill["requested"] == 4 and fill["pending_bytes"] == 0, fill
+    assert fill["budget_bytes"] == 4 * MIB
+    assert mostly_resident(ssts, 8 * MIB), resident_bytes(ssts)
+
+
 def java_check(where: Path, name: str, source: str, shim: Path, spark_jars: Path) -> str:
     """Compile a check program of the shim's package under ``where``; its class path."""
     src = where / "src" / "io" / "fusestate" / "hadoop" / f"{name}.java"

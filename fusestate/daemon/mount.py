@@ -110,7 +110,7 @@ class Daemon:
         assert cfg.attr_timeout is not None
         self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
         if cfg.prefetch_links == "on" and not cfg.read_only:
-            self.ops.page_fill = PageFill(self.fs, pyfuse3.notify_store)
+            self.ops.page_fill = PageFill(self.fs, pyfuse3.notify_store, budget=cfg.page_fill_budget)
         # The embedded engine's own durability: its journal shipped to the bucket, fenced by the lease.
         self.shipper: Optional[JournalShipper] = None
         if isinstance(self.meta, SQLiteEngine):

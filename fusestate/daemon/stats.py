@@ -237,6 +237,9 @@ STATS: list[Stat] = [
     Stat("page_fill.pending_bytes", "fusestate_page_fill_pending_bytes", GAUGE,
          "Bytes of linked files waiting to be put into the page cache, or being put",
          lambda d: d.ops.page_fill.pending_bytes if d.ops.page_fill else 0),
+    Stat("page_fill.budget_bytes", "fusestate_page_fill_budget_bytes", GAUGE,
+         "Bytes of files that may be queued for the page cache at once (--page-fill-budget)",
+         lambda d: d.ops.page_fill.budget if d.ops.page_fill else 0),
     # --- metadata
     Stat("metadata.journal_pending", "fusestate_journal_entries_pending", GAUGE, "Journal entries not yet in the bucket",
          lambda d: 0 if d.cfg.read_only else d.shipper.pending_entries(), when=_has_journal),  # type: ignore[union-attr]

@@ -17,8 +17,10 @@ any cold read is.
 A restart can start sooner: the files a state store will link are known before the load, as
 soon as the job knows its checkpoint (the latest snapshot's files, fusestate.spark.snapshot_fill).
 The job looks them up through the mount, so the kernel has their inodes, and asks for them over
-the control socket (``requested``); they are filled the same way while the JVM starts, and the
-links that come later find them filled.
+the control socket or the fill attribute (``requested``); they are filled the same way while the
+JVM starts, and the links that come later find them filled. A request larger than the budget
+is not cut short: what does not fit waits, in order, and is queued as earlier fills finish
+(up to twice the budget in all; the kernel holds filled pages, not this process).
 
 The kernel copies what it is given over the pages it has, dirty ones included, so a fill
 must never meet other content: a file open here, or (on a shared volume) cached here
@@ -33,7 +35,7 @@ import errno
 import logging
 import math
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -53,7 +55,8 @@ CONCURRENCY = 8
 # left connections idle at each file's last blocks; the blocks of these files share the
 # CONCURRENCY slots in the order they were queued, so the first file still comes first.
 FILES_AT_ONCE = 4
-BUDGET_SHARE = 4         # files waiting or being filled: at most this share of the memory
+BUDGET_SHARE = 4         # files queued or being filled: at most this share of the memory
+REQUEST_SHARE = 2        # a request's files queued, being filled or waiting: at most this many budgets
 FILLED_MEMORY = 100_000  # files remembered as filled, so a later link of one does not fill it again
 
 
@@ -71,13 +74,14 @@ class PageFillStats:
     files: int = 0        # filled to the end
     bytes: int = 0        # handed to the kernel
     skipped: int = 0      # linked, not filled: held here already, open or cached here, or over the budget
+                          # (a requested file waits instead, up to twice the budget)
     stopped: int = 0      # stopped midway by a change to the file (a write, a truncate, another node's)
     failures: int = 0     # a block could not be fetched, or the kernel refused it
     requested: int = 0    # files asked for by name before any link (a restart's latest snapshot)
     requested_bytes: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # one per queued file: compared and hashed as itself
 class _Fill:
     node: Inode
     keys: dict[int, str]
@@ -94,7 +98,9 @@ class PageFill:
         self._store = store
         self.budget = default_budget() if budget is None else budget
         self.stats = PageFillStats()
-        self.pending_bytes = 0
+        self.queued_bytes = 0  # queued or being filled: what the budget bounds
+        self._waiting: deque[_Fill] = deque()  # requested over the budget: queued as fills finish
+        self._waiting_bytes = 0
         self._fills: dict[int, _Fill] = {}
         self._send, self._receive = trio.open_memory_channel[_Fill](math.inf)
         self._disabled = False
@@ -102,10 +108,16 @@ class PageFill:
         # Files filled to the end, with the content filled: a link of one later fetches nothing.
         self._filled: OrderedDict[int, int] = OrderedDict()
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of files queued, being filled, or (requested) waiting for the budget."""
+        return self.queued_bytes + self._waiting_bytes
+
     async def requested(self, node: Inode) -> bool:
         """``node`` was named by a job about to link it (and looked up, so the kernel knows
-        its inode): queue its fill now. True if queued."""
-        queued = await self.linked(node)
+        its inode): queue its fill now, or after the fills before it if the budget is spent.
+        True if queued or waiting."""
+        queued = await self.linked(node, may_wait=True)
         if queued:
             self.stats.requested += 1
             self.stats.requested_bytes += node.size
@@ -119,15 +131,16 @@ class PageFill:
                 queued, queued_bytes = queued + 1, queued_bytes + node.size
         return queued, queued_bytes
 
-    async def linked(self, node: Inode) -> bool:
+    async def linked(self, node: Inode, *, may_wait: bool = False) -> bool:
         """A name for ``node`` was just made here: queue its fill if it is worth one (True
-        if queued).
+        if queued). ``may_wait``: over the budget, wait for the fills before it to finish
+        rather than skip it.
 
         Called before the link is answered, so that the content the fill will store is
         remembered (as the page cache's) before any open of the new name can come."""
         if self._disabled or not node.is_reg or node.size == 0 or node.scratch or node.id in self._fills:
             return False
-        if not self.fs.unknown_to_page_cache(node.id) or self.pending_bytes + node.size > self.budget:
+        if not self.fs.unknown_to_page_cache(node.id) or not self._has_room(node.size, may_wait):
             self.stats.skipped += 1
             return False
         keys = await self.fs.meta.block_map(node.id)
@@ -142,17 +155,48 @@ class PageFill:
         self.fs.remember_page_cache(node.id, node.size, keys)
         fill = self._fills[node.id] = _Fill(node, keys)
         self.blocks.will_fill(list(keys.values()))
-        self.pending_bytes += node.size
-        self._send.send_nowait(fill)
+        if may_wait and self.queued_bytes + node.size > self.budget:
+            self._waiting.append(fill)
+            self._waiting_bytes += node.size
+        else:
+            self._queue(fill)
         return True
+
+    def _has_room(self, size: int, may_wait: bool) -> bool:
+        if self.queued_bytes + size <= self.budget:
+            return True
+        return may_wait and size <= self.budget and self.pending_bytes + size <= REQUEST_SHARE * self.budget
+
+    def _queue(self, fill: _Fill) -> None:
+        self.queued_bytes += fill.node.size
+        self._send.send_nowait(fill)
+
+    def _queue_waiting(self) -> None:
+        """Queue the fills that wait, in order, while the budget has room."""
+        while self._waiting and self.queued_bytes + self._waiting[0].node.size <= self.budget:
+            fill = self._waiting.popleft()
+            self._waiting_bytes -= fill.node.size
+            self._queue(fill)
 
     async def stop(self, ino: int) -> None:
         """Before the kernel's pages of ``ino`` may hold other content: no store after this."""
         fill = self._fills.get(ino)
         if fill is None:
             return
+        if fill in self._waiting:  # never started: nothing to wait for
+            self._waiting.remove(fill)
+            self._waiting_bytes -= fill.node.size
+            self._end(fill)
+            self.stats.stopped += 1
+            return
         fill.scope.cancel()
         await fill.done.wait()
+
+    def _end(self, fill: _Fill) -> None:
+        self.blocks.filled(list(fill.keys.values()))
+        if self._fills.get(fill.node.id) is fill:
+            del self._fills[fill.node.id]
+        fill.done.set()
 
     def filling(self, ino: int) -> bool:
         return ino in self._fills
@@ -162,11 +206,10 @@ class PageFill:
         files = trio.CapacityLimiter(FILES_AT_ONCE)
         async with trio.open_nursery() as nursery:
             async for fill in self._receive:
-                token = object()  # a fill is a dataclass, not hashable
-                await files.acquire_on_behalf_of(token)
-                nursery.start_soon(self._run_one, fill, files, token)
+                await files.acquire_on_behalf_of(fill)
+                nursery.start_soon(self._run_one, fill, files)
 
-    async def _run_one(self, fill: _Fill, files: trio.CapacityLimiter, token: object) -> None:
+    async def _run_one(self, fill: _Fill, files: trio.CapacityLimiter) -> None:
         try:
             try:
                 with fill.scope:
@@ -177,13 +220,11 @@ class PageFill:
                 self.stats.failures += 1
                 log.warning("filling the page cache with inode %d failed: %s", fill.node.id, exc)
             finally:
-                self.blocks.filled(list(fill.keys.values()))
-                self.pending_bytes -= fill.node.size
-                if self._fills.get(fill.node.id) is fill:
-                    del self._fills[fill.node.id]
-                fill.done.set()
+                self.queued_bytes -= fill.node.size
+                self._end(fill)
+                self._queue_waiting()
         finally:
-            files.release_on_behalf_of(token)
+            files.release_on_behalf_of(fill)
 
     async def _fill(self, fill: _Fill) -> None:
         ino, size, bs = fill.node.id, fill.node.size, self.fs.block_size
