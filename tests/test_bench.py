@@ -441,7 +441,7 @@ def test_juicefs_cluster_nodes_share_one_volume_at_one_path(postgres_server, tmp
     assert any(p.is_file() for p in (tmp_path / "volume" / "bucket").rglob("*"))  # the data went to the bucket
 
 
-def test_spark_cluster_goals_against_juicefs() -> None:
+def test_spark_cluster_goals_against_juicefs(tmp_path: Path) -> None:
     """Issue 46's cluster goals: fusestate's records/s at least 1.1x the JuiceFS-checkpoint
     setup's, its recovery and median state commit at most 0.7x, each at every size."""
     from bench.scenarios import sparkcluster as sc
@@ -466,8 +466,34 @@ def test_spark_cluster_goals_against_juicefs() -> None:
     assert not recovery["met"] and recovery["measured"].startswith("0.80 (16.0 against 20.0 s")
     assert goals["Spark cluster loss to the first batch completed after it at 0.02 GB, fusestate / juicefs-pg ≤ 0.7"][
         "met"]
-    assert "*juicefs-pg*" in sc.render({**doc, "params": {"keys": [1], "payload_bytes": 1, "events_per_batch": 1},
-                                        "repeats": 1}, Path("."), "img")
+    block = sc.render({**doc, "params": {"keys": [1], "payload_bytes": 1, "events_per_batch": 1}, "repeats": 1},
+                      tmp_path, "img")
+    assert "*juicefs-pg*" in block
+    # A bar per setup and size: records/s and recovery.
+    assert "](img/spark-cluster-recovery-s.png)" in block
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spark-cluster-records-per-s.png",
+                                                          "spark-cluster-recovery-s.png"]
+
+
+def test_spark_cluster_goals_on_the_shaped_endpoint() -> None:
+    """Issue 48's cluster goals: fusestate@s3 at least 0.9 of all-local's records/s at every
+    size, its recovery at most 0.4 of s3a's, and its largest size's recovery at most 1.2 of
+    its smallest's."""
+    from bench.scenarios import sparkcluster as sc
+
+    systems = ["local", sc.S3A, sc.FUSESTATE_S3]
+    runs = []
+    for variant, (rate, recovery) in {"1 GB": (950.0, 15.0), "4 GB": (850.0, 20.0)}.items():
+        runs.append(record("local", 0, variant, {"records_per_s": 1000.0, "recovery_s": 12.0}))
+        runs.append(record(sc.S3A, 0, variant, {"records_per_s": 500.0, "recovery_s": 40.0}))
+        runs.append(record(sc.FUSESTATE_S3, 0, variant, {"records_per_s": rate, "recovery_s": recovery}))
+    doc = {"systems": systems, "summary": summarize(runs, sc.METRICS, systems, ["1 GB", "4 GB"])}
+    goals = {g["goal"]: g["met"] for g in sc.goals(doc)}
+    assert goals["Spark cluster records/s at 1 GB, fusestate@s3 / local ≥ 0.9"]
+    assert not goals["Spark cluster records/s at 4 GB, fusestate@s3 / local ≥ 0.9"]
+    assert not goals["Spark cluster recovery on fusestate@s3, 4 GB / 1 GB ≤ 1.2 (does not grow with the state)"]
+    assert goals["Spark cluster loss to the first batch completed after it at 1 GB, fusestate@s3 / s3a ≤ 0.4"]
+    assert not goals["Spark cluster loss to the first batch completed after it at 4 GB, fusestate@s3 / s3a ≤ 0.4"]
 
 
 def test_spark_cluster_records_what_a_recovery_was_made_of(tmp_path: Path) -> None:

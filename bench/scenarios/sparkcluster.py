@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 from bench import cpu
 from bench.common import Context, Metric, RunError, error_text, juicefs_binary, log, record, summarize
 from bench.endpoints import ShapedMoto
-from bench.render import goal_row, medians_note, ratio_table
+from bench.render import goal_row, grouped_bars, medians_note, ratio_table
 from bench.s3a import jars_argument
 from bench.scenarios.spark import S3A, fetch_connector
 
@@ -346,7 +346,7 @@ def runs_of(ctx: Context, p: dict[str, Any], setups: list[str], variants: list[s
     return runs
 
 
-def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: ARG001 - no plot
+def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p = doc["params"]
     sizes = ", ".join(f"{k:,}" for k in p["keys"])
     text = (f"`fusestate.spark.cluster`: a Spark standalone master, two single-core worker nodes and a driver node, "
@@ -371,7 +371,22 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:  # noqa: AR
             + f"Once "
             f"the state is built, the second worker node is killed (its JVMs and daemon at once) and its cache wiped. "
             + medians_note(doc))
-    return "\n\n".join([text, ratio_table(doc["summary"], doc["systems"])])
+    return "\n\n".join([text, ratio_table(doc["summary"], doc["systems"]), *plots(doc, img_dir, img_rel)])
+
+
+def plots(doc: dict[str, Any], img_dir: Path, img_rel: str) -> list[str]:
+    """Records/s and recovery per state size, a bar per setup: the two numbers a user weighs."""
+    images = []
+    for metric, ylabel, title in (("records_per_s", "records/s", "Spark cluster: steady records/s before the loss"),
+                                  ("recovery_s", "seconds", "Spark cluster: loss to the first batch completed after it")):
+        rows = [r for r in doc.get("summary", []) if r["metric"] == metric]
+        if not rows:
+            continue
+        series = {s: [r["systems"].get(s, {}).get("median") for r in rows] for s in doc["systems"]}
+        img = grouped_bars(img_dir / f"spark-cluster-{metric.replace('_', '-')}.png", [r["variant"] for r in rows],
+                           series, ylabel=ylabel, title=title)
+        images.append(f"![{title}]({img_rel}/{img.name})")
+    return [" ".join(images)] if images else []
 
 
 def s3a_goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -415,20 +430,21 @@ def juicefs_goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = [r for r in doc.get("summary", []) if r["metric"] == "records_per_s"]
     out = []
-    for r in rows[-1:]:
-        base, mine = (r["systems"].get(s, {}).get("median") for s in ("local", "fusestate"))
-        if base and mine:
-            out.append(goal_row(f"Spark cluster records/s at {r['variant']}, fusestate / local ≥ 0.9",
-                                f"{mine / base:.2f}", mine / base >= 0.9))
+    for r in (r for r in doc.get("summary", []) if r["metric"] == "records_per_s"):
+        base = r["systems"].get("local", {}).get("median")
+        for name in ("fusestate", FUSESTATE_S3):
+            mine = r["systems"].get(name, {}).get("median")
+            if base and mine:
+                out.append(goal_row(f"Spark cluster records/s at {r['variant']}, {name} / local ≥ 0.9",
+                                    f"{mine / base:.2f}", mine / base >= 0.9))
     # Recovery on fusestate must not grow with the state: the largest size's against the
-    # smallest's, within a tenth (one run's spread).
-    for name in ("fusestate", FUSESTATE_S3):
+    # smallest's (within a tenth on file://, a fifth on the shaped endpoint).
+    for name, limit in (("fusestate", 1.1), (FUSESTATE_S3, 1.2)):
         recovery = [(r["variant"], r["systems"].get(name, {}).get("median"))
                     for r in doc.get("summary", []) if r["metric"] == "recovery_s"]
         if len(recovery) >= 2 and recovery[0][1] and recovery[-1][1]:
             (small, first), (large, last) = recovery[0], recovery[-1]
-            out.append(goal_row(f"Spark cluster recovery on {name}, {large} / {small} ≤ 1.1 "
-                                "(does not grow with the state)", f"{last / first:.2f}", last / first <= 1.1))
+            out.append(goal_row(f"Spark cluster recovery on {name}, {large} / {small} ≤ {limit:g} "
+                                "(does not grow with the state)", f"{last / first:.2f}", last / first <= limit))
     return out + s3a_goals(doc) + juicefs_goals(doc)
