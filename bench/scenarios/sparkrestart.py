@@ -266,17 +266,22 @@ def replay_sentence(doc: dict[str, Any]) -> str:
 
 
 def describe_setups(doc: dict[str, Any]) -> str:
-    """What each setup of the result is, and the checkpointing it ran with."""
+    """What each setup of the result is (only those it ran), and the checkpointing it ran with."""
     p = doc["params"]
-    text = ("*local*: state and checkpoint on local disk; *fusestate+shim*: a `file://` mount with the "
-            "`fusestate://` checkpoint, restarted on a fresh cache dir after its daemon was killed. ")
+    present = setups_of(doc)
+    said = {"local": "*local*: state and checkpoint on local disk",
+            "fusestate+shim": "*fusestate+shim*: a `file://` mount with the `fusestate://` checkpoint, restarted on a "
+                              "fresh cache dir after its daemon was killed"}
+    text = "".join(f"{said[s]}. " for s in said if s in present)
+    on_endpoint = {S3A: S3A_TEXT,
+                   "local+download": "*local+download*: the state on local disk, its checkpoint in one of the "
+                                     "endpoint's buckets, which the fresh node downloads before the query restarts, "
+                                     "file by file as Spark's state store copies each file (*local+download-parallel*: "
+                                     "all files at once, a generous bound); the download is part of their restart. ",
+                   "fusestate+shim@s3": "*fusestate+shim@s3*: a mount of one of its buckets with the `fusestate://` "
+                                        "checkpoint, restarted on a fresh cache dir after its daemon was killed. "}
     if p.get("shape"):
-        text += (f"On the shaped S3 endpoint ({p['shape']}): " + (S3A_TEXT if S3A in setups_of(doc) else "")
-                 + f"*local+download*: the state on local disk, its "
-                 f"checkpoint in one of the endpoint's buckets, which the fresh node downloads before the query "
-                 f"restarts, file by file as Spark's state store copies each file (*local+download-parallel*: all "
-                 f"files at once, a generous bound); the download is part of their restart. "
-                 f"*fusestate+shim@s3*: fusestate+shim on one of its buckets. ")
+        text += f"On the shaped S3 endpoint ({p['shape']}): " + "".join(t for s, t in on_endpoint.items() if s in present)
     if "--no-changelog" in p.get("extra", []):
         text += ("Local disk with changelog checkpointing; the fusestate setups with a snapshot on every commit "
                  "(`--no-changelog`). ")
