@@ -195,7 +195,8 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
 
 
 SIZE_OPTIONS = {"cache_size": "--cache-size", "memory_cache_size": "--memory-cache-size",
-                "max_dirty": "--max-dirty", "block_size": "--block-size", "kernel_readahead": "--kernel-readahead", "page_fill_budget": "--page-fill-budget"}
+                "max_dirty": "--max-dirty", "block_size": "--block-size", "kernel_readahead": "--kernel-readahead",
+                "page_fill_budget": "--page-fill-budget"}
 
 
 def _mount_config(args: argparse.Namespace) -> MountConfig:
