@@ -57,7 +57,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="fusestate-s3-shaped: the node's bandwidth, each direction (default %(default)s)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing: regenerate docs/benchmarks.md's blocks from --results (default docs/bench-data)")
+                   help="run nothing: regenerate docs/benchmarks.md's blocks (those of --scenario, else all) from "
+                        "--results (default docs/bench-data)")
     p.add_argument("--no-report", action="store_true", help="write results, do not touch docs/")
     p.add_argument("--results", type=Path, default=None,
                    help="results directory (default bench/results; docs/bench-data with --report-only)")
@@ -163,7 +164,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.report_only:
         source = args.results or DATA_DIR
-        out = report.generate(source, copy_to=None if source.resolve() == DATA_DIR.resolve() else DATA_DIR)
+        out = report.generate(source, copy_to=None if source.resolve() == DATA_DIR.resolve() else DATA_DIR,
+                              only=args.scenario or None)
         log(f"report written to {out}")
         return 0
     t = time.monotonic()

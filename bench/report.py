@@ -56,8 +56,9 @@ def generate(source: Path, *, copy_to: Optional[Path] = DATA_DIR, only: Optional
         publish(found, copy_to)
         found = load_results(copy_to)
     img_dir.mkdir(parents=True, exist_ok=True)
-    for old in img_dir.glob("*.png"):
-        old.unlink()
+    if not only:  # every block is made again: no plot of an old block stays behind
+        for old in img_dir.glob("*.png"):
+            old.unlink()
     img_rel = os.path.relpath(img_dir, out_md.parent)
     data_rel = os.path.relpath(copy_to or source, out_md.parent)
     text = out_md.read_text() if out_md.exists() else SKELETON

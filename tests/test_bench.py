@@ -87,6 +87,25 @@ def test_report_appends_a_scenario_without_a_block(tmp_path: Path) -> None:
     assert text.rstrip().endswith("<!-- /bench: rocksdb -->")
 
 
+def test_a_report_of_one_scenario_leaves_the_other_blocks_and_plots(tmp_path: Path) -> None:
+    """``--report-only --scenario X`` remakes X's block only: a block kept by hand from a newer
+    run than its scenario's JSON, and another block's plot, stay as they are."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "rocksdb-new.json").write_text(json.dumps(fixture_doc("rocksdb", "2026-01-02T00:00:00")))
+    out, img = tmp_path / "benchmarks.md", tmp_path / "img"
+    img.mkdir()
+    (img / "files-throughput.png").write_bytes(b"another block's plot")
+    out.write_text("# Benchmarks\n\n<!-- bench: rocksdb -->\nold\n<!-- /bench: rocksdb -->\n\n"
+                   "<!-- bench: files -->\nKEPT BY HAND\n<!-- /bench: files -->\n")
+    (data / "files-old.json").write_text(json.dumps({**fixture_doc("rocksdb", "2026-01-01T00:00:00"),
+                                                     "scenario": "files"}))
+    report.generate(data, copy_to=None, only=["rocksdb"], out_md=out, img_dir=img)
+    text = out.read_text()
+    assert "KEPT BY HAND" in text and "old\n" not in text and "](img/rocksdb-wal-off.png)" in text
+    assert (img / "files-throughput.png").read_bytes() == b"another block's plot"
+
+
 def test_variant_table_folds_systems_into_cells() -> None:
     from bench.render import variant_table
 
