@@ -265,23 +265,30 @@ def replay_sentence(doc: dict[str, Any]) -> str:
             f"restart); the state store load above is that replay, and the bytes fetched are the changelogs.")
 
 
+_RESTARTED = "restarted on a fresh cache dir after its daemon was killed"
+# What each setup is, in the order the text names them; the last three run on the shaped endpoint.
+SETUP_TEXT = {
+    "local": "*local*: state and checkpoint on local disk. ",
+    "fusestate+shim": f"*fusestate+shim*: a `file://` mount with the `fusestate://` checkpoint, {_RESTARTED}. ",
+    S3A: S3A_TEXT,
+    "local+download": "*local+download*: the state on local disk, its checkpoint in one of the endpoint's buckets, "
+                      "which the fresh node downloads before the query restarts, file by file as Spark's state store "
+                      "copies each file (*local+download-parallel*: all files at once, a generous bound); the "
+                      "download is part of their restart. ",
+    "fusestate+shim@s3": f"*fusestate+shim@s3*: a mount of one of its buckets with the `fusestate://` checkpoint, "
+                         f"{_RESTARTED}. ",
+}
+ON_ENDPOINT_SETUPS = (S3A, "local+download", "fusestate+shim@s3")
+
+
 def describe_setups(doc: dict[str, Any]) -> str:
     """What each setup of the result is (only those it ran), and the checkpointing it ran with."""
     p = doc["params"]
     present = setups_of(doc)
-    said = {"local": "*local*: state and checkpoint on local disk",
-            "fusestate+shim": "*fusestate+shim*: a `file://` mount with the `fusestate://` checkpoint, restarted on a "
-                              "fresh cache dir after its daemon was killed"}
-    text = "".join(f"{said[s]}. " for s in said if s in present)
-    on_endpoint = {S3A: S3A_TEXT,
-                   "local+download": "*local+download*: the state on local disk, its checkpoint in one of the "
-                                     "endpoint's buckets, which the fresh node downloads before the query restarts, "
-                                     "file by file as Spark's state store copies each file (*local+download-parallel*: "
-                                     "all files at once, a generous bound); the download is part of their restart. ",
-                   "fusestate+shim@s3": "*fusestate+shim@s3*: a mount of one of its buckets with the `fusestate://` "
-                                        "checkpoint, restarted on a fresh cache dir after its daemon was killed. "}
+    text = "".join(t for s, t in SETUP_TEXT.items() if s in present and s not in ON_ENDPOINT_SETUPS)
     if p.get("shape"):
-        text += f"On the shaped S3 endpoint ({p['shape']}): " + "".join(t for s, t in on_endpoint.items() if s in present)
+        text += f"On the shaped S3 endpoint ({p['shape']}): " + "".join(
+            t for s, t in SETUP_TEXT.items() if s in present and s in ON_ENDPOINT_SETUPS)
     if "--no-changelog" in p.get("extra", []):
         text += ("Local disk with changelog checkpointing; the fusestate setups with a snapshot on every commit "
                  "(`--no-changelog`). ")
