@@ -4,8 +4,10 @@ The vfs asks the engine for operations (create, link, rename, "commit this file'
 block map and size"), never for rows, so an engine on a database shared by many nodes
 can run each operation as one transaction, checked and retried as a whole, with one
 round trip. Every operation is async: the embedded SQLite engine answers on the event
-loop (local disk, tens of microseconds), a networked engine from worker threads, so the
-trio loop never waits on the network.
+loop (local disk, tens of microseconds); the PostgreSQL engine runs its queries on the
+event loop too, awaiting the database's answers there (``PgPool.query``, or a greenlet
+through ``loop_io``), with worker threads only for making new connections, so the loop
+serves other requests while it waits on the network.
 
 Operations that drop the last reference to a block return the freed object keys; the
 block layer decides what becomes of them (see ``fusestate.blocks``).
