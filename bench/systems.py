@@ -6,8 +6,9 @@ server; ``fusestate-pg`` is ``fusestate-file`` with its metadata in a PostgreSQL
 127.0.0.1 (the shared engine, without a network between); ``rclone`` (``--vfs-cache-mode full``) and ``s3fs`` (s3fs-fuse) are the peers, mounted
 on the same moto endpoint. ``juicefs-pg`` is JuiceFS, the peer on a shared volume: its
 metadata in a database of its own on the same PostgreSQL server as ``fusestate-pg``'s, its
-data in a ``file://`` directory (``juicefs-pg-s3``: a bucket of the moto server;
-``juicefs-pg-s3-shaped``: of the shaped endpoint). Every mountpoint is unique under the run's work dir, and
+data in a ``file://`` directory (``juicefs-pg-fast``: the same with the kernel's write-back
+cache and no trash; ``juicefs-pg-s3``: a bucket of the moto server; ``juicefs-pg-s3-shaped``:
+of the shaped endpoint). Every mountpoint is unique under the run's work dir, and
 :func:`open_systems` unmounts all of them on the way out, lazily if a clean unmount fails.
 A system that cannot start (peer not installed, mount refused) is kept with its ``error``:
 the scenario records that error in each of its cells instead of leaving a gap.
@@ -33,13 +34,19 @@ from bench.pgwork import Database
 from fusestate.meta.local_postgres import LocalPostgres as Postgres, free_port
 
 ALL = ["local", "fusestate-file", "fusestate-pg", "fusestate-s3", "fusestate-s3-shaped", "rclone", "s3fs",
-       "juicefs-pg", "juicefs-pg-s3", "juicefs-pg-s3-shaped"]
-ON_REQUEST = {"juicefs-pg-s3", "juicefs-pg-s3-shaped"}  # run only when --systems names them
+       "juicefs-pg", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"]
+ON_REQUEST = {"juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"}  # run only when --systems names them
 DEFAULT = [n for n in ALL if n not in ON_REQUEST]
 SHAPED = "fusestate-s3-shaped"  # a bucket on bench/shaped_s3.py's endpoint: S3's latency and bandwidth
 S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3", "juicefs-pg-s3"}
 SHAPED_BACKED = {SHAPED, "juicefs-pg-s3-shaped"}
-PG_BACKED = {"fusestate-pg", "juicefs-pg", "juicefs-pg-s3", "juicefs-pg-s3-shaped"}
+PG_BACKED = {"fusestate-pg", "juicefs-pg", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"}
+# JuiceFS systems that differ from juicefs-pg by options: (``juicefs format``'s, ``juicefs mount``'s).
+# juicefs-pg-fast: its fastest settings comparable with fusestate's, the kernel's write-back cache
+# (FUSE's writeback_cache: writes gathered in the page cache) and no trash (a removed file is gone at once).
+JUICEFS_OPTIONS: dict[str, tuple[list[str], list[str]]] = {
+    "juicefs-pg-fast": (["--trash-days", "0"], ["-o", "writeback_cache"]),
+}
 SETTLE_TIMEOUT = 300.0
 RCLONE_UPLOAD_TRIES = 3  # an rclone upload failing this many times in a row is a failed run
 RCLONE_TRY = re.compile(r"failed to upload try #(\d+)")
@@ -349,14 +356,18 @@ class JuiceFSSystem(MountedPeer):
     work dir), ``--cache-size`` (the same bound as fusestate's), ``--log`` (the background
     mount's log with the run, not in /var/log) and ``--no-usage-report`` (nothing sent off
     the machine). ``juicefs format`` too keeps its defaults (4 MiB blocks, no compression,
-    a trash kept for a day)."""
+    a trash kept for a day). ``format_options`` and ``mount_options`` are added to those
+    commands (:data:`JUICEFS_OPTIONS`)."""
 
     kind = "JuiceFS"
 
     def __init__(self, name: str, root: Path, server: Postgres, *, endpoint: Optional[Moto] = None,
-                 cache_size: str = "8G") -> None:
+                 cache_size: str = "8G", format_options: Optional[list[str]] = None,
+                 mount_options: Optional[list[str]] = None) -> None:
         super().__init__(name, root)
         self.server = server
+        self.format_options = list(format_options or [])
+        self.mount_options = list(mount_options or [])
         self.db_name = name.replace("-pg", "").replace("-", "_")  # juicefs-pg: "juicefs"
         self.meta_url = f"postgres://postgres@127.0.0.1:{server.port}/{self.db_name}?sslmode=disable"
         self.endpoint = endpoint
@@ -385,13 +396,14 @@ class JuiceFSSystem(MountedPeer):
             storage = ["--storage", "s3", "--bucket", f"{self.endpoint.endpoint}/{self.bucket}",
                        "--access-key", "testing", "--secret-key", "testing"]
         self.server.create_database(self.db_name)
-        self.format_args = [*storage, self.meta_url, "bench"]
+        self.format_args = [*storage, *self.format_options, self.meta_url, "bench"]
         self.juicefs("format", *self.format_args)
         self.formatted = True
 
     def mount_args(self) -> list[str]:
         return ["mount", "-d", self.meta_url, str(self.mnt), "--cache-dir", str(self.cache),
-                "--cache-size", self.cache_size, "--log", str(self.log_file), "--no-usage-report"]
+                "--cache-size", self.cache_size, "--log", str(self.log_file), "--no-usage-report",
+                *self.mount_options]
 
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -441,14 +453,15 @@ class JuiceFSSystem(MountedPeer):
         if not self.formatted:
             return None
         other = JuiceFSSystem(self.name, self.root / node, self.server, endpoint=self.endpoint,
-                              cache_size=self.cache_size)
+                              cache_size=self.cache_size, mount_options=self.mount_options)
         other.db_name, other.meta_url, other.formatted = self.db_name, self.meta_url, True
         return other
 
     def info(self) -> dict[str, Any]:
         version = self.juicefs("version", check=False).stdout.strip() if juicefs_binary() else None
         return {**super().info(), "version": version, "bucket": self.bucket,
-                "format": ["juicefs", "format", *self.format_args], "command": ["juicefs", *self.mount_args()]}
+                "format": ["juicefs", "format", *self.format_args], "command": ["juicefs", *self.mount_args()],
+                "format_options": self.format_options, "mount_options": self.mount_options}
 
 
 def _comm(pid: int) -> Optional[str]:
@@ -631,12 +644,14 @@ def make_system(name: str, work: Path, moto: Optional[Moto], *, cache_size: str 
     if name == "fusestate-pg":
         assert postgres is not None
         return SharedFusestateSystem(name, root, postgres, cache_size=cache_size, extra=fusestate_extra)
-    if name.startswith("juicefs-"):
+    if name.startswith("juicefs-") and name in ALL:
         assert postgres is not None
         endpoint = {"juicefs-pg-s3": moto, "juicefs-pg-s3-shaped": shaped}.get(name)
-        if name != "juicefs-pg" and endpoint is None:
+        if name in S3_BACKED | SHAPED_BACKED and endpoint is None:
             raise ValueError(f"{name} needs {'the shaped endpoint' if name in SHAPED_BACKED else 'a moto server'}")
-        return JuiceFSSystem(name, root, postgres, endpoint=endpoint, cache_size=cache_size)
+        format_options, mount_options = JUICEFS_OPTIONS.get(name, ([], []))
+        return JuiceFSSystem(name, root, postgres, endpoint=endpoint, cache_size=cache_size,
+                             format_options=format_options, mount_options=mount_options)
     if name in ("fusestate-s3", SHAPED):
         endpoint = shaped if name == SHAPED else moto
         if endpoint is None:
