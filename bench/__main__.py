@@ -1,6 +1,6 @@
 """bench/run: run named benchmark scenarios, write their JSON results, regenerate docs/benchmarks.md's tables.
 
-    bench/run --list                      # the scenarios
+    bench/run --list                      # the scenarios and the systems each takes
     bench/run --quick                     # every scenario, small sizes and time budgets
     bench/run                             # every scenario, full sizes
     bench/run --scenario rocksdb --scenario files --repeats 3
@@ -22,15 +22,18 @@ from pathlib import Path
 from typing import Optional
 
 from bench import machine
-from bench.common import DATA_DIR, RESULTS_DIR, Context, Shape, error_text, log, result_doc, scrub, text_table, write_result
+from bench.common import (DATA_DIR, RESULTS_DIR, Choices, Context, Shape, error_text, log, result_doc, scrub, text_table,
+                          write_result)
 from bench.scenarios import SCENARIOS
-from bench.systems import ALL, detach_all_under
+from bench.systems import detach_all_under
 
 DEFAULT_REPEATS = {"tiny": 1, "quick": 2, "full": 3}
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/run", description=__doc__,
+    epilog = "\n".join(["systems (--systems; which scenario takes which, and runs which without it: --list):",
+                         *wrapped(list(map(quoted, all_systems())), "  ", 100)])
+    p = argparse.ArgumentParser(prog="bench/run", description=__doc__, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_const", dest="size", const="quick",
@@ -40,7 +43,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--scenario", action="append", default=[], metavar="NAME",
                    help="run only this scenario (repeatable, or comma-separated)")
     p.add_argument("--systems", default=None,
-                   help=f"only these systems, comma-separated (of {','.join(ALL)}; local is the baseline)")
+                   help="only these systems, comma-separated (local is the baseline): their names are below, "
+                        "--list shows which scenario takes which")
     p.add_argument("--repeats", type=int, default=None, help="repetitions per system (default 2 quick, 3 full)")
     p.add_argument("--mount-options", type=shlex.split, default=[], metavar="OPTIONS",
                    help="more `fusestate mount` options for every fusestate mount (one string, after the "
@@ -55,7 +59,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="fusestate-s3-shaped: one connection's throughput (default %(default)s)")
     p.add_argument("--shape-node-mbps", type=float, default=shape.node_mbps, metavar="MB/S",
                    help="fusestate-s3-shaped: the node's bandwidth, each direction (default %(default)s)")
-    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--list", action="store_true",
+                   help="list the scenarios, the systems each takes and those it runs without --systems (at the "
+                        "size given: full unless --quick or --tiny), and exit")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: regenerate docs/benchmarks.md's blocks (those of --scenario, else all) from "
                         "--results (default docs/bench-data)")
@@ -86,11 +92,53 @@ def gb_list(text: str) -> list[float]:
     return sizes
 
 
-def list_scenarios() -> None:
+def list_scenarios(size: str = "full", columns: int = 110) -> None:
+    """Each scenario, its summary and its systems: those it runs without --systems at ``size``
+    (``default``), the others it takes (``also``), and names that stand for several (``groups``)."""
     width = max(map(len, SCENARIOS))
     for name, mod in SCENARIOS.items():
         budget = mod.BUDGET.get("quick")
         print(f"{name:<{width}}  {mod.SUMMARY}" + (f"  [quick: ≤{budget / 60:.1f} min]" if budget else ""))
+        for line in systems_lines(mod.choices(size), indent=width + 4, columns=columns):
+            print(line)
+
+
+def systems_lines(choices: Choices, *, indent: int, columns: int) -> list[str]:
+    """A scenario's systems, under labels aligned at ``indent``, wrapped at ``columns`` (a name is never cut)."""
+    default = set(choices.default)
+    parts = {"default": [n for n in choices.accepted if n in default],
+             "also": [n for n in choices.accepted if n not in default],
+             "groups": [f"{quoted(n)} ({what})" for n, what in choices.groups.items()]}
+    lines = []
+    for label, items in parts.items():
+        if items:
+            words = [f"{n}," for n in items[:-1]] + items[-1:] if label == "groups" else list(map(quoted, items))
+            lines += wrapped(words, " " * indent + f"{label + ':':<9}", columns)
+    return lines
+
+
+def wrapped(words: list[str], head: str, columns: int) -> list[str]:
+    """``words`` after ``head``, as many on a line as fit in ``columns`` (at least one); the next
+    lines indented as far as the first's words."""
+    lines, line, first = [], head, True
+    for word in words:
+        if not first and len(line) + 1 + len(word) > columns:
+            lines.append(line)
+            line, first = " " * len(head), True
+        line += word if first else " " + word
+        first = False
+    return lines + [line]
+
+
+def quoted(name: str) -> str:
+    """A system's name as it would be typed: quoted if it holds a space or a comma."""
+    return shlex.quote(name) if any(c in name for c in " ,") else name
+
+
+def all_systems() -> list[str]:
+    """Every name --systems takes, in the scenarios' order, each once."""
+    return list(dict.fromkeys(n for mod in SCENARIOS.values() for size in ("full", "quick")
+                              for n in [*mod.choices(size).accepted, *mod.choices(size).groups]))
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -157,7 +205,7 @@ def failed(body: dict) -> bool:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.list:
-        list_scenarios()
+        list_scenarios(args.size)
         return 0
     signal.signal(signal.SIGTERM, _terminate)
     from bench import report

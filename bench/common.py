@@ -86,6 +86,16 @@ def wait_port(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None
     raise RunError(f"nothing answers on {host}:{port} after {timeout:.0f} s")
 
 
+@dataclass(frozen=True)
+class Choices:
+    """The systems a scenario takes with ``--systems``: those it accepts, those it runs without
+    ``--systems`` (at one size), and names that stand for several of them."""
+
+    accepted: list[str]
+    default: list[str]
+    groups: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class Context:
     """What one scenario run needs to know: where to work, how big, how often, which systems."""
@@ -119,6 +129,10 @@ class Context:
         if not self.systems:
             return list(default)
         return [n for n in (supported if supported is not None else default) if n in self.systems]
+
+    def chosen(self, choices: Choices) -> list[str]:
+        """The scenario's systems: its default, or those it accepts that --systems names."""
+        return self.wanted(choices.default, choices.accepted)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started

@@ -129,19 +129,52 @@ def test_report_copies_its_data(tmp_path: Path) -> None:
     assert [p.name for p in data.glob("*.json")] == ["rocksdb-20260102-000000.json"]
 
 
-def test_run_list() -> None:
-    proc = subprocess.run([*RUN, "--list"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+def listed_systems(*args: str) -> dict[str, dict[str, list[str]]]:
+    """``bench/run --list``: per scenario (a line of its own), its systems under each label (the
+    indented lines below it: "default:", "also:", "groups:", a label's words going on over lines)."""
+    proc = subprocess.run([*RUN, "--list", *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-    assert names == ["rocksdb", "files", "daemon-cpu", "parallel", "failover", "bigstate", "checkpoint", "restore",
-                     "spark", "spark-restart", "spark-cluster"]
+    out: dict[str, dict[str, list[str]]] = {}
+    label = ""
+    for line in proc.stdout.splitlines():
+        if line.strip() and not line[0].isspace():
+            scenario = line.split()[0]
+            out[scenario] = {}
+        elif line.strip():
+            words = line.split()
+            if words[0].endswith(":"):
+                label = words.pop(0)[:-1]
+            out[scenario].setdefault(label, []).extend(words)
+    return out
+
+
+def test_run_list() -> None:
+    listed = listed_systems()
+    assert list(listed) == ["rocksdb", "files", "daemon-cpu", "parallel", "failover", "bigstate", "checkpoint",
+                            "restore", "spark", "spark-restart", "spark-cluster"]
+
+
+def test_run_list_names_each_scenarios_systems() -> None:
+    """--list says which systems each scenario takes, and which it runs without --systems, from the
+    scenarios' own choices; --help names them all and points at --list."""
+    listed = listed_systems()
+    assert "s3a" in listed["spark-restart"]["default"] and "fusestate+shim@s3" in listed["spark-restart"]["default"]
+    assert {"juicefs-pg", "juicefs-pg-fast", "fusestate-pg", "local"} <= set(listed["files"]["default"])
+    assert "juicefs-pg-s3" in listed["files"]["also"] and "juicefs-pg-fast" in listed["rocksdb"]["also"]
+    assert listed["spark-cluster"]["default"] == ["local", "fusestate", "s3a", "fusestate@s3", "juicefs-pg"]
+    assert listed["parallel"] == {"default": ["fusestate-pg", "juicefs-pg"]}
+    assert "s3a" not in listed["files"]["default"] and "juicefs-pg" not in listed["spark-restart"]["default"]
+    # A size's own defaults: spark at full size runs two of its three setups off the endpoint.
+    assert listed["spark"]["also"] == ["fusestate"]
+    assert "fusestate" in listed_systems("--quick")["spark"]["default"]
+    proc = subprocess.run([*RUN, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "--list" in proc.stdout and " s3a " in proc.stdout and "juicefs-pg-fast" in proc.stdout
 
 
 def test_docs_cite_only_listed_scenarios_and_show_every_one() -> None:
     """Every scenario docs/benchmarks.md names (``--scenario NAME``, a generated block) is one that
     ``bench/run --list`` names, and every listed scenario has its block there."""
-    proc = subprocess.run([*RUN, "--list"], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    listed = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+    listed = set(listed_systems())
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     cited = set(re.findall(r"--scenario\s+([\w-]+)", text))
     blocks = re.findall(r"<!-- bench: ([\w-]+) -->", text)

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import (BASELINE, Context, Metric, RunError, error_text, fmt_num, log, median_or_none, record,
-                          run_cmd, summarize)
+from bench.common import (BASELINE, Choices, Context, Metric, RunError, error_text, fmt_num, log, median_or_none,
+                          record, run_cmd, summarize)
 from bench.render import goal_row, medians_note, ratio_table, time_series
 from bench.scenarios.rocksdb import parse_db_bench
 from bench.systems import FusestateSystem, System, open_systems
@@ -204,9 +204,15 @@ def one(s: System, repeat: int, p: dict[str, Any], scratch: Path) -> dict[str, A
     return record(s.name, repeat, metrics=metrics, error=error, series=series, samples=samples, **extra)
 
 
+def choices(size: str) -> Choices:
+    """The systems ``--systems`` may name here, and those run without it at ``size``."""
+    return Choices(SUPPORTED, SIZES[size]["systems"])
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    names = ctx.wanted(p.pop("systems"), SUPPORTED)
+    p.pop("systems")
+    names = ctx.chosen(choices(ctx.size))
     cache = p["cache_mib"] << 20
     p["working_set_bytes"] = 10 * cache
     p["memory_cache_mib"] = max(4, p["cache_mib"] // 4)

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from blake3 import blake3
 
-from bench.common import Context, Metric, RunError, error_text, fmt_num, log, record, run_cmd, summarize
+from bench.common import Choices, Context, Metric, RunError, error_text, fmt_num, log, record, run_cmd, summarize
 from bench.render import goal_row, grouped_bars, medians_note, ratio_table
 from bench.systems import FusestateSystem, Moto, PeerSystem, System, moto_if_needed, open_systems
 
@@ -291,9 +291,14 @@ def one(side: Side, repeat: int, p: dict[str, Any]) -> dict[str, Any]:
     return record(side.name, repeat, metrics=metrics, error=error, **extra)
 
 
+def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
+    """The systems ``--systems`` may name here, and those run without it."""
+    return Choices(SYSTEMS, SYSTEMS)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    names = ctx.wanted(SYSTEMS)
+    names = ctx.chosen(choices(ctx.size))
     real = [n for n in names if n != "local-s3"]
     if "local-s3" in names and "local" not in real:
         real.insert(0, "local")

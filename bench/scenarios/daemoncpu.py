@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.common import Context, Metric, error_text, log, record, repetitions, summarize
+from bench.common import Choices, Context, Metric, error_text, log, record, repetitions, summarize
 from bench.pgwork import FLUSH_WAIT, Meter, cpu_seconds
 from bench.render import goal_row, ratio_between, variant_table
 from bench.systems import System, drop_all_caches, open_systems
@@ -105,9 +105,14 @@ def one_run(s: System, repeat: int, p: dict[str, Any]) -> list[dict[str, Any]]:
     return [record(s.name, repeat, phase, metrics) for phase, metrics in out.items()]
 
 
+def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
+    """The systems ``--systems`` may name here, and those run without it."""
+    return Choices(SYSTEMS, SYSTEMS)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    names = ctx.wanted(SYSTEMS)
+    names = ctx.chosen(choices(ctx.size))
     runs: list[dict[str, Any]] = []
     with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:
         for repeat in ctx.repetitions():

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import Context, Metric, error_text, fmt_num, log, record, summarize, text_grid
+from bench.common import Choices, Context, Metric, error_text, fmt_num, log, record, summarize, text_grid
 from bench.pgwork import Meter
 from bench.render import goal_row, md_table
 from bench.scenarios.files import commit_pattern, percentile, small_files
@@ -282,9 +282,14 @@ def _read(path: Path) -> Optional[bytes]:
         return None
 
 
+def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
+    """The systems ``--systems`` may name here, and those run without it."""
+    return Choices(SETUPS, SETUPS)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    setups = ctx.wanted(SETUPS)
+    setups = ctx.chosen(choices(ctx.size))
     ctx.work.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     servers: dict[str, Any] = {}

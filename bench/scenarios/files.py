@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from bench.common import (BASELINE, Context, Metric, RunError, error_text, fold_rows, log, record, run_cmd,
+from bench.common import (BASELINE, Choices, Context, Metric, RunError, error_text, fold_rows, log, record, run_cmd,
                           summarize, text_grid, text_table)
 from bench.pgwork import FLUSH_WAIT, Meter
 from bench.render import bars_from_rows, goal_row, md_table, medians_note, percentile_lines, ratio_between, \
@@ -421,9 +421,14 @@ def with_fs_unlink(path: Path) -> None:
         pass
 
 
+def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
+    """The systems ``--systems`` may name here, and those run without it."""
+    return Choices(ALL, SYSTEMS)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    names = ctx.wanted(SYSTEMS, ALL)
+    names = ctx.chosen(choices(ctx.size))
     runs: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
     with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:

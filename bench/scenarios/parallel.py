@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import Context, Metric, error_text, fmt_num, log, record, summarize, text_grid
+from bench.common import Choices, Context, Metric, error_text, fmt_num, log, record, summarize, text_grid
 from bench.pgwork import FLUSH_WAIT, Meter, postmaster_pid
 from bench.render import goal_row, md_table, ratio_between
 from bench.systems import System, detach_all_under, make_system, postgres_if_needed
@@ -220,9 +220,14 @@ def one(primary: System, repeat: int, p: dict[str, Any]) -> list[dict[str, Any]]
     return out
 
 
+def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
+    """The systems ``--systems`` may name here, and those run without it."""
+    return Choices(SYSTEMS, SYSTEMS)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    names = ctx.wanted(SYSTEMS)
+    names = ctx.chosen(choices(ctx.size))
     if ctx.mount_options:
         log(f"  {NAME}: fusestate mounts with --mount-options {' '.join(ctx.mount_options)}")
     runs: list[dict[str, Any]] = []

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import Context, Metric, error_text, fmt_num, log, record, summarize
+from bench.common import Choices, Context, Metric, error_text, fmt_num, log, record, summarize
 from bench.render import goal_row, md_table, medians_note, points_plot, table_cell
 from bench.systems import FusestateSystem, Moto, make_system, moto_if_needed
 
@@ -114,9 +114,17 @@ def make_volume(backend: str, gib: float, work: Path, moto: Optional[Moto], file
     return {"system": s, "bytes": written, "fs": fs, "prefix": prefix}
 
 
+def choices(size: str) -> Choices:
+    """The systems ``--systems`` may name here (a volume on each backend the size restores from), and
+    those run without it at ``size``."""
+    names = [f"fusestate-{b}" for b in SIZES[size]["sizes_gib"]]
+    return Choices(names, names)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = ctx.pick(SIZES)
-    backends = [b for b in p["sizes_gib"] if not ctx.systems or f"fusestate-{b}" in ctx.systems]
+    chosen = ctx.chosen(choices(ctx.size))
+    backends = [b for b in p["sizes_gib"] if f"fusestate-{b}" in chosen]
     variants = [(b, g) for b in backends for g in p["sizes_gib"][b]]
     runs: list[dict[str, Any]] = []
     volumes: dict[str, dict[str, Any]] = {}

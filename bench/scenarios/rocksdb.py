@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import BASELINE, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
+from bench.common import BASELINE, Choices, Context, Metric, RunError, error_text, log, record, run_cmd, summarize
 from bench.render import bars_from_rows, goal_row, medians_note, percentile_lines, ratio_between, ratio_table
 from bench.systems import ALL, DEFAULT, System, open_systems
 
@@ -97,9 +97,14 @@ def cold_run(s: System, db: Path, wal_off: bool, p: dict[str, Any]) -> dict[str,
     return {"benchmarks": parsed, "counters": _delta(s.counters(), before)}
 
 
+def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
+    """The systems ``--systems`` may name here, and those run without it."""
+    return Choices(ALL, DEFAULT)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
-    names = ctx.wanted(DEFAULT, ALL)
+    names = ctx.chosen(choices(ctx.size))
     runs: list[dict[str, Any]] = []
     failed: dict[tuple[str, str], str] = {}
     with open_systems(names, ctx.work, fusestate_extra=ctx.mount_options, shape=ctx.shape) as systems:

@@ -23,7 +23,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from bench.common import BIN, ROOT, Context, Metric, error_text, log, record, run_cmd, runtime_dir_for, summarize
+from bench.common import (BIN, ROOT, Choices, Context, Metric, error_text, log, record, run_cmd, runtime_dir_for,
+                          summarize)
 from bench.render import bars_from_rows, goal_row, medians_note, ratio_table
 from bench.endpoints import ShapedMoto
 from bench.s3a import ConnectorUnavailable, connector_jars
@@ -39,6 +40,8 @@ SETUPS = ["local", "fusestate", "fusestate+shim"]
 # (file by file as Spark's state store copies; all at once).
 S3A = "s3a"
 SHAPED_SETUPS = [S3A, "local+download", "local+download-parallel", "fusestate+shim@s3"]
+# Names --systems takes for several setups at once (chosen_setups, shaped_setups).
+GROUPS = {"fusestate-file": "every fusestate setup off the endpoint", SHAPED: "every setup on the shaped endpoint"}
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"keys": 2_000, "payload_bytes": 256, "batches": 2, "timeout": 600},
     "quick": {"keys": 20_000, "payload_bytes": 512, "batches": 3, "timeout": 600},
@@ -65,6 +68,11 @@ def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
            "commit_ms_median": first.get("state_commit_ms_median"), "commit_ms_max": first.get("state_commit_ms_max"),
            "restart_s": restart.get("to_first_batch_done_s"), "restart_fetched_bytes": restart.get("fetched_bytes")}
     return {k: v for k, v in out.items() if v is not None}
+
+
+def choices(size: str) -> Choices:
+    """The setups ``--systems`` may name here, and those run without it at ``size``."""
+    return Choices(SETUPS + SHAPED_SETUPS, SIZES[size].get("setups", SETUPS) + SHAPED_SETUPS, GROUPS)
 
 
 def chosen_setups(ctx: Context, names: list[str]) -> list[str]:

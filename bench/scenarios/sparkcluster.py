@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from bench import cpu
-from bench.common import Context, Metric, RunError, error_text, juicefs_binary, log, record, summarize
+from bench.common import Choices, Context, Metric, RunError, error_text, juicefs_binary, log, record, summarize
 from bench.endpoints import ShapedMoto
 from bench.render import goal_row, grouped_bars, medians_note, ratio_table
 from bench.s3a import jars_argument
@@ -300,10 +300,15 @@ def _end_time(batch: dict[str, Any]) -> float:
     return start.timestamp() + batch["duration_ms"] / 1000
 
 
+def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
+    """The systems ``--systems`` may name here, and those run without it."""
+    return Choices(SETUPS, SETUPS)
+
+
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
     p["keys"] = ctx.state_keys(p["keys"], p["payload_bytes"])  # --state-gb
-    setups, no_s3a = fetch_connector(ctx.wanted(SETUPS))
+    setups, no_s3a = fetch_connector(ctx.chosen(choices(ctx.size)))
     variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
     runs: list[dict[str, Any]] = [record(S3A, 0, v, error=no_s3a) for v in variants] if no_s3a else []
     if ctx.mount_options:

@@ -28,11 +28,11 @@ import contextlib
 from pathlib import Path
 from typing import Any, Optional
 
-from bench.common import Context, Metric, record, summarize
+from bench.common import Choices, Context, Metric, record, summarize
 from bench.endpoints import ShapedMoto
 from bench.render import goal_row, md_table, medians_note, points_plot, variant_table
-from bench.scenarios.spark import (S3A, S3A_TEXT, chosen_setups, fetch_connector, runner_records, shaped_setups,
-                                   spark_env)
+from bench.scenarios.spark import (GROUPS, S3A, S3A_TEXT, SHAPED_SETUPS, chosen_setups, fetch_connector,
+                                   runner_records, shaped_setups, spark_env)
 
 NAME = "spark-restart"
 FLOOR = "floor"
@@ -108,6 +108,11 @@ def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
 
 def seconds(ms: Optional[float]) -> Optional[float]:
     return None if ms is None else ms / 1000
+
+
+def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
+    """The setups ``--systems`` may name here, and those run without it."""
+    return Choices(SETUPS + SHAPED_SETUPS, SETUPS + SHAPED_SETUPS, GROUPS)
 
 
 def run(ctx: Context) -> dict[str, Any]:
