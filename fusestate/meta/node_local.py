@@ -121,7 +121,12 @@ class NodeLocalNames:
         return node
 
     def _add_entry(self, parent: int, name: bytes, ino: int) -> None:
-        self._dirs[parent].entries[name] = (next(self._entry_ids), ino)
+        """A new entry, with an id above every other: listings continue after the last id
+        they handed out, so a directory's entries are kept in the order of their ids (a name
+        given a new entry, renamed over, moves to the end)."""
+        entries = self._dirs[parent].entries
+        entries.pop(name, None)
+        entries[name] = (next(self._entry_ids), ino)
 
     def _root_of(self, ino: int) -> int:
         while ino in self._nodes:
@@ -494,7 +499,7 @@ class NodeLocalNames:
             return [(entry, self._noted(node, ino, entry.name))
                     for entry, node in await self.inner.readdir(ino, after_id, limit)]
         out: list[tuple[DirEntry, Inode]] = []
-        for name, (entry_id, child) in list(d.entries.items()):  # in entry order: a moved entry is new
+        for name, (entry_id, child) in list(d.entries.items()):  # in id order (``_add_entry``)
             if entry_id > after_id:
                 try:
                     out.append((DirEntry(entry_id, name, child), await self.getattr(child)))
