@@ -9,7 +9,10 @@ the page cache) is in test_snapshot_fill.py.
 from __future__ import annotations
 
 import stat
+from typing import Callable
+
 import trio
+import trio.testing
 
 from fusestate.fuse.page_fill import PageFill
 from fusestate.meta.engine import Inode
@@ -23,11 +26,20 @@ def node(ino: int, size: int = BS) -> Inode:
 
 
 class Blocks:
-    """Fetches wait until the test lets them through (``release``)."""
+    """Each block's fetch waits until the test lets it through (``release``): the test, not
+    the scheduler, decides which fill ends first."""
 
     def __init__(self) -> None:
-        self.gate = trio.Event()
+        self.gates: dict[str, trio.Event] = {}
+        self.started: list[str] = []  # the order the fetches began in
         self.fetched: list[str] = []
+
+    def gate(self, key: str) -> trio.Event:
+        return self.gates.setdefault(key, trio.Event())
+
+    def release(self, *inodes: int) -> None:
+        for ino in inodes:
+            self.gate(f"block-{ino}").set()
 
     def holds(self, key: str) -> bool:
         return False
@@ -39,7 +51,8 @@ class Blocks:
         pass
 
     async def fetch_for_fill(self, key: str) -> bytes:
-        await self.gate.wait()
+        self.started.append(key)
+        await self.gate(key).wait()
         self.fetched.append(key)
         return b"x" * BS
 
@@ -82,6 +95,14 @@ async def settle(fill: PageFill) -> None:
             await trio.sleep(0.01)
 
 
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait for ``condition``, then for every task to block: what was to start has started."""
+    with trio.fail_after(5):
+        while not condition():
+            await trio.sleep(0.01)
+    await trio.testing.wait_all_tasks_blocked()
+
+
 def test_a_request_over_the_budget_waits_and_is_filled_in_order() -> None:
     async def body(fill: PageFill, fs: FileSystem, stored: list[int]) -> None:
         queued, queued_bytes = await fill.requested_all([node(i) for i in range(1, 6)])
@@ -91,10 +112,19 @@ def test_a_request_over_the_budget_waits_and_is_filled_in_order() -> None:
         assert fill.stats.skipped == 1 and fill.stats.requested == 4
         # A link (not a request) over the budget is skipped, as before.
         assert not await fill.linked(node(9))
-        fs.blocks.gate.set()
+        blocks = fs.blocks
+        await until(lambda: len(blocks.started) == 2)
+        assert sorted(blocks.started) == ["block-1", "block-2"]
+        # The second ends first: the first that waits takes its place, the other still waits.
+        blocks.release(2)
+        await until(lambda: stored == [2] and len(blocks.started) == 3)
+        assert blocks.started[2] == "block-3"
+        blocks.release(1)
+        await until(lambda: len(blocks.started) == 4)
+        assert blocks.started[3] == "block-4" and sorted(stored) == [1, 2]
+        blocks.release(3, 4)
         await settle(fill)
-        # The waiting ones after the ones queued first (which run side by side).
-        assert sorted(stored[:2]) == [1, 2] and sorted(stored[2:]) == [3, 4] and fill.stats.files == 4
+        assert sorted(stored) == [1, 2, 3, 4] and fill.stats.files == 4
 
     run(body)
 
@@ -104,13 +134,14 @@ def test_a_waiting_fill_stops_at_once_before_other_content() -> None:
     stop does not wait for the fills before it."""
     async def body(fill: PageFill, fs: FileSystem, stored: list[int]) -> None:
         await fill.requested_all([node(i) for i in range(1, 5)])
-        with trio.fail_after(1):  # the fills before it are held at the gate
+        with trio.fail_after(1):  # the fills before it are held at their gates
             await fill.stop(3)
         assert fill.stats.stopped == 1 and not fill.filling(3)
         assert fill.pending_bytes == 3 * BS
-        fs.blocks.gate.set()
+        fs.blocks.release(1, 2, 3, 4)
         await settle(fill)
-        assert sorted(stored) == [1, 2, 4] and stored[-1] == 4 and "block-3" not in fs.blocks.fetched
+        assert sorted(stored) == [1, 2, 4] and fs.blocks.started[-1] == "block-4"
+        assert "block-3" not in fs.blocks.started
         # Stopped, it can be asked for again (a later link of the file's new content).
         assert await fill.linked(node(3))
         await settle(fill)
