@@ -171,7 +171,8 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
                         f"nodes clean it up (default {_default('session_timeout')})")
     m.add_argument("--meta-outage-budget", type=float, default=unset, metavar="SECONDS",
                    help="with --meta: how long an operation waits for the database (a restart, a failover to a "
-                        f"standby) before it fails with EIO (default {_default('meta_outage_budget'):g})")
+                        "standby), or an fsync for a synchronous standby's confirmation, before it fails with EIO "
+                        f"(default {_default('meta_outage_budget'):g})")
     m.add_argument("--meta-connections", type=int, default=unset, metavar="N",
                    help="with --meta: the most connections this daemon opens to the database, made as "
                         f"operations need them and kept (default {_default('meta_connections')})")
@@ -381,6 +382,12 @@ def _print_status(status: dict) -> None:
               f"heartbeat within {session['timeout_seconds']:g} s); it publishes nothing more: creates, opens, "
               f"and closes and fsyncs of written files fail with EIO. Unmount it "
               f"(fusestate umount {status['mountpoint']}) and mount it again.")
+    if session and session.get("standby_wait_seconds"):
+        print(f"WAITING FOR A SYNCHRONOUS STANDBY: the metadata database has held this node's durable commits "
+              f"(fsync) for {session['standby_wait_seconds']:g} s, waiting for a standby to confirm them "
+              f"(synchronous_standby_names = '{session['standby_names']}'); each fails with EIO after "
+              f"{session['outage_budget_seconds']:g} s. A primary with no standby of its own must not name one "
+              f"(a promoted standby keeps the setting): clear it there, or bring a standby back.")
     if status.get("lease", {}).get("state") == "lost":
         print(f"LEASE LOST: another mount took the volume over (--takeover); this mount publishes nothing "
               f"more. Unmount it (fusestate umount {status['mountpoint']}).")

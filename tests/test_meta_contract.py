@@ -862,3 +862,41 @@ def test_after_an_outage_no_node_is_cleaned_up_before_it_could_beat_again(new_en
         await raises(errno.EIO, a.heartbeat())
 
     drive(new_engine, body, nodes=2, session_ttl=2.0)
+
+
+# --- the change feed -------------------------------------------------------------------
+
+@shared_only
+def test_another_nodes_change_made_by_a_server_process_once_this_nodes_is_seen(new_engine) -> None:
+    """A node skips the notifications of its own changes. The server gives a process id to a
+    new connection once the last one that had it closed, so a process that served this node
+    may serve another's: its changes must still reach this node's lookup memory. Forced here:
+    one of node A's connections, its server process with it, is handed to node B (which
+    names its session on it, as at any connect) and unlinks a name A remembers."""
+    async def body(a: MetaEngine, b: MetaEngine) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(a.changes.run)
+            f = await a.create(ROOT_INODE, b"f", FILE)
+            with trio.fail_after(5):
+                while not a.changes.fresh():
+                    await trio.sleep(0.02)
+            assert (await a.lookup(ROOT_INODE, b"f")).id == f.id
+            conn = a.pool._take_idle()
+            assert conn is not None
+            conn.execute("SELECT set_config('fusestate.session', %s, false)", (b.pool.tag,))
+            conn.tag = b.pool.tag
+            b.pool.close_idle()
+            b.pool._idle.append(conn)
+            await b.unlink(ROOT_INODE, b"f")
+            assert not b.pool._idle or b.pool._idle[-1] is conn  # B's unlink ran on it
+            with trio.fail_after(3):
+                while True:
+                    try:
+                        await a.lookup(ROOT_INODE, b"f")
+                    except FsError as exc:
+                        assert exc.errno == errno.ENOENT
+                        break
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    drive(new_engine, body, nodes=2)

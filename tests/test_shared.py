@@ -17,12 +17,13 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import psycopg
 import pytest
 
 from conftest import Bucket, Mount, assert_one_line_error, fusestate, wait_for
+from fusestate.meta.local_postgres import LocalPostgres
 
 SESSION_TIMEOUT = 3.0
 
@@ -82,6 +83,27 @@ def test_a_reopened_file_keeps_its_cached_pages_until_another_node_changes_it(ma
     overwrite_synced(a.path / "f", new)
     assert (b.path / "f").read_bytes() == new + old[4096:]
     assert b.status()["fuse"]["bytes_read"] > read_before
+
+
+@pytest.mark.parametrize("new_size", [53, 300_000])
+def test_a_file_another_node_rewrote_is_seen_at_its_new_size_where_the_kernel_knew_it(
+        make_mount, file_bucket: Bucket, pg_url: str, new_size: int) -> None:
+    """B's kernel holds the file (B read it), with the kernel's writeback cache, which
+    trusts its own size of a file it holds. A rewrites it shorter or longer and closes it:
+    within the visibility bound B's stat and a new open show the new size and bytes (B's
+    kernel is made to drop its names of the file, so the next lookup brings the new size)."""
+    a, b = shared_pair(make_mount, file_bucket, pg_url)
+    (a.path / "f").write_bytes(b"x" * 3000)
+    time.sleep(0.6)
+    assert (b.path / "f").read_bytes() == b"x" * 3000
+    new = os.urandom(new_size)
+    fd = os.open(a.path / "f", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, new)
+    finally:
+        os.close(fd)
+    wait_for(lambda: os.stat(b.path / "f").st_size == new_size, timeout=2, what="B to see the new size")
+    assert (b.path / "f").read_bytes() == new
 
 
 def test_a_file_linked_in_from_another_node_is_read_from_the_page_cache(make_mount, file_bucket: Bucket,
@@ -719,3 +741,80 @@ def test_a_crash_of_the_database_deletes_no_file_a_node_holds_open(make_mount, f
     a.umount()
     b.umount()
     assert shared_fsck(file_bucket, pg_url) == []
+
+
+@pytest.fixture
+def own_server() -> Iterator[LocalPostgres]:
+    """A database server of the test's own, whose settings it may change."""
+    pg = LocalPostgres(fsync=False)
+    try:
+        yield pg
+    finally:
+        pg.close()
+
+
+def metric(addr: str, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
+    (value,) = [float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return value
+
+
+WRITE_AND_FSYNC = """
+import errno, os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o644)
+os.write(fd, b"state")
+print("wrote", flush=True)
+try:
+    os.fsync(fd)
+    print("ok", flush=True)
+except OSError as exc:
+    print(errno.errorcode[exc.errno], flush=True)
+os.close(fd)
+"""
+
+
+def test_an_fsync_held_for_a_missing_synchronous_standby_fails_after_the_budget_and_says_why(
+        own_server: LocalPostgres, make_mount, file_bucket: Bucket) -> None:
+    """A primary that names a synchronous standby it does not have (a standby promoted after
+    a failover keeps the old primary's ``synchronous_standby_names``) holds every durable
+    commit without end, while it takes connections. An fsync then waits, and the process
+    that called it cannot be stopped. Here it fails with EIO once it has waited
+    --meta-outage-budget; meanwhile the status, a metric and the log say why; once the
+    setting is cleared, fsync works again and nothing is lost."""
+    url = own_server.create_database("standby")
+    m = make_mount(file_bucket, extra=["--meta", url, "--metrics-addr", "127.0.0.1:0",
+                                       "--meta-outage-budget", "8"]).mount()
+    addr = m.status()["metrics_addr"]
+
+    def standby_names(value: str) -> None:
+        with psycopg.connect(own_server.url(), autocommit=True) as admin:
+            admin.execute(f"ALTER SYSTEM SET synchronous_standby_names = '{value}'")
+            admin.execute("SELECT pg_reload_conf()")
+
+    standby_names("*")
+    try:
+        # In a process of its own: a process forked here (fusestate status) while this one
+        # had the file open would close it, and wait for the daemon's answer to that.
+        writer = subprocess.Popen([sys.executable, "-c", WRITE_AND_FSYNC, str(m.path / "f")],
+                                  stdout=subprocess.PIPE, text=True)
+        wait_for(lambda: m.status()["session"]["standby_wait_seconds"] > 0, timeout=20,
+                 what="the status to show the held commit")
+        said = status_of(m).stdout
+        assert "WAITING FOR A SYNCHRONOUS STANDBY" in said and "synchronous_standby_names = '*'" in said, said
+        assert metric(addr, "fusestate_meta_standby_wait_seconds") > 0
+        out, _ = writer.communicate(timeout=60)
+        assert out.split() == ["wrote", "EIO"]
+        assert metric(addr, "fusestate_meta_standby_waits_failed_total") >= 1
+        log = (m.cache_dir / "fusestate.log").read_text()
+        assert "waiting for a synchronous standby" in log and "Traceback" not in log
+    finally:
+        standby_names("")
+    fd = os.open(m.path / "f", os.O_RDWR)
+    try:
+        os.fsync(fd)
+        assert os.pread(fd, 100, 0) == b"state"
+    finally:
+        os.close(fd)
+    m.umount()
+    m.mount()
+    assert (m.path / "f").read_bytes() == b"state"

@@ -530,7 +530,9 @@ class Daemon:
         if "session" in doc:
             state = "read-only" if self.cfg.read_only else ("lost" if self.session_lost else "live")
             doc["session"].update({"id": self.meta.session_id, "state": state,  # type: ignore[attr-defined]
-                                   "timeout_seconds": self.cfg.session_timeout})
+                                   "timeout_seconds": self.cfg.session_timeout,
+                                   "standby_names": self.meta.pool.standby_names,  # type: ignore[attr-defined]
+                                   "outage_budget_seconds": self.cfg.meta_outage_budget})
         doc["remote"]["small_read_ms"] = self.blocks.read_costs.summary()
         doc["warmup"].update({"mode": self.cfg.prefetch, "state": self.warmer.stats.state})
         return doc

@@ -301,6 +301,13 @@ STATS: list[Stat] = [
     Stat("session.stalls_broken", "fusestate_meta_stalls_broken_total", COUNTER,
          "Connections broken because their database server stopped answering (frozen or cut off)",
          lambda d: d.meta.pool.stalls_broken, when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.standby_wait_seconds", "fusestate_meta_standby_wait_seconds", GAUGE,
+         "How long the database server has held this node's durable commits (fsync) waiting for a synchronous "
+         "standby to confirm them; 0 while none waits",
+         lambda d: d.meta.pool.standby_wait_seconds, when=_is_shared),  # type: ignore[attr-defined]
+    Stat("session.standby_waits_failed", "fusestate_meta_standby_waits_failed_total", COUNTER,
+         "Durable commits (fsync) failed with EIO after waiting --meta-outage-budget for a synchronous standby",
+         lambda d: d.meta.pool.standby_waits_failed, when=_is_shared),  # type: ignore[attr-defined]
     # --- where the volume's state is warm (refreshed every few minutes and by status --warm)
     Stat("locality.warm_bytes", "fusestate_warm_bytes", GAUGE, "Bytes of a directory's files whose blocks this node holds",
          lambda d: _warm_dirs(d, "warm_bytes"), by=("dir",)),

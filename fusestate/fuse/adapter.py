@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import pyfuse3
 
+from fusestate.fuse.kernel_names import KernelNames
 from fusestate.fuse.page_fill import PageFill
 from fusestate.meta.engine import Inode
 from fusestate.vfs import FileSystem, FsError, RequestContext
@@ -56,6 +57,12 @@ def _translate_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _invalidate_entry(parent: int, name: bytes) -> None:
+    """Have the kernel drop its entry ``parent/name`` (from a thread of pyfuse3's: never
+    waiting on a request this loop answers)."""
+    pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+
+
 def _ctx(ctx: Optional[pyfuse3.RequestContext]) -> RequestContext:
     if ctx is None:
         return RequestContext()
@@ -78,6 +85,17 @@ class FuseOperations(pyfuse3.Operations):
         self.op_observer: Optional[Callable[[str, float], None]] = None
         # Fills the page cache with files linked here (--prefetch-links); None: off.
         self.page_fill: Optional[PageFill] = None
+        # The kernel's names of each inode, dropped when another node changes the file.
+        self.kernel_names = KernelNames(_invalidate_entry)
+        changes = getattr(fs.meta, "changes", None) if fs.meta.shared else None
+        if changes is not None:
+            changes.inode_listeners.append(self.kernel_names.changed_elsewhere)
+
+    def _entry(self, parent: int, name: bytes, node: Inode) -> pyfuse3.EntryAttributes:
+        """``node``'s attributes as the kernel's new entry ``parent/name``."""
+        if node.is_reg:
+            self.kernel_names.handed(node.id, parent, name, node.size)
+        return self._attrs(node)
 
     def _attrs(self, node: Inode) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
@@ -102,7 +120,7 @@ class FuseOperations(pyfuse3.Operations):
     @_translate_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         try:
-            return self._attrs(await self.fs.lookup(parent_inode, name))
+            return self._entry(parent_inode, name, await self.fs.lookup(parent_inode, name))
         except FsError as exc:
             if exc.errno == errno.ENOENT:
                 a = pyfuse3.EntryAttributes()  # cached negative entry
@@ -113,7 +131,9 @@ class FuseOperations(pyfuse3.Operations):
 
     @_translate_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(await self.fs.getattr(inode))
+        node = await self.fs.getattr(inode)
+        self.kernel_names.sized(inode, node.size)
+        return self._attrs(node)
 
     @_translate_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -129,6 +149,7 @@ class FuseOperations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
+        self.kernel_names.sized(inode, node.size)
         return self._attrs(node)
 
     @_translate_errors
@@ -138,7 +159,7 @@ class FuseOperations(pyfuse3.Operations):
     @_translate_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(await self.fs.mknod(parent_inode, name, mode, rdev, _ctx(ctx)))
+        return self._entry(parent_inode, name, await self.fs.mknod(parent_inode, name, mode, rdev, _ctx(ctx)))
 
     @_translate_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int,
@@ -172,7 +193,7 @@ class FuseOperations(pyfuse3.Operations):
                 await self.page_fill.linked(node)
             except Exception as exc:  # noqa: BLE001 - the link is made: a fill never fails it
                 log.warning("not filling the page cache with inode %d: %s", node.id, exc)
-        return self._attrs(node)
+        return self._entry(new_parent_inode, new_name, node)
 
     # --- files -------------------------------------------------------------
     @_translate_errors
@@ -189,7 +210,7 @@ class FuseOperations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         fh, node = await self.fs.create(parent_inode, name, mode, flags, _ctx(ctx))
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._attrs(node)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), self._entry(parent_inode, name, node)
 
     @_translate_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -201,6 +222,7 @@ class FuseOperations(pyfuse3.Operations):
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         written = await self.fs.write(fh, off, buf)
         self.bytes_written += written
+        self.kernel_names.sized(*self.fs.file_size(fh))
         return written
 
     @_translate_errors
@@ -208,7 +230,9 @@ class FuseOperations(pyfuse3.Operations):
         await self.fs.flush(fh)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        self.fs.forget([ino for ino, _ in inode_list])
+        inodes = [ino for ino, _ in inode_list]
+        self.kernel_names.forgotten(inodes)
+        self.fs.forget(inodes)
 
     @_translate_errors
     async def release(self, fh: int) -> None:
@@ -225,8 +249,9 @@ class FuseOperations(pyfuse3.Operations):
 
     @_translate_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        parent = self.fs.directory_of(fh)
         for entry, node in await self.fs.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, entry.name, self._attrs(node), entry.entry_id):
+            if not pyfuse3.readdir_reply(token, entry.name, self._entry(parent, entry.name, node), entry.entry_id):
                 break
 
     async def releasedir(self, fh: int) -> None:

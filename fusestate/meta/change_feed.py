@@ -20,9 +20,11 @@ and every lookup asks the database until the connection is back (the cache empti
 what came meanwhile is unknown).
 
 A change another node made shows here within about ``PING_EVERY`` seconds (the answer it
-comes with), at the latest ``MAX_LAG``. Notifications sent by this node's own connections
-are skipped: its operations update the cache themselves as they commit
-(``LookupCache.wrote``).
+comes with), at the latest ``MAX_LAG``. This node's own changes are skipped: its operations
+update the cache themselves as they commit (``LookupCache.wrote``). A notification names the
+session whose connection made the change (``SESSION_SETTING``, set on each of the pool's
+connections, ``PgPool.tag``): a session id is never given twice, where a server process id
+is reused, and a process id that once was this node's may serve another node's changes.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from __future__ import annotations
 import logging
 import math
 import stat
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import psycopg
 import trio
 from psycopg import pq
 
 from fusestate.meta.lookup_cache import LookupCache, Name
-from fusestate.meta.pgpool import PgPool
+from fusestate.meta.pgpool import SESSION_SETTING, PgPool
 
 log = logging.getLogger(__name__)
 
@@ -53,28 +55,40 @@ RECONNECT_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)  # after a failed connection, then 
 _QUESTION = f"SELECT pg_sleep({PING_EVERY})".encode()
 
 _S_IFMT = 0o170000  # the file type bits of st_mode
-# Installed with the schema (idempotent: a node of this release creates them once).
+# Each notification: its kind, the session of the connection that made the change (empty
+# if it has none), ':', and what changed:
+#   e<session>:<parent>/<name in hex>   a name updated or deleted
+#   i<session>:<inode>/<size>           an inode other than a directory updated: its new size
+#   i<session>:<inode>                  ... or deleted
+# Installed with the schema (idempotent: a node of this release creates them once, and
+# drops the triggers of the releases before, whose notifications named no session).
 CHANGE_TRIGGERS = f"""
-CREATE OR REPLACE FUNCTION fs_entry_changed_v1() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION fs_entry_changed_v2() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-  PERFORM pg_notify('{CHANNEL}', 'e' || OLD.parent || '/' || encode(OLD.name, 'hex'));
+  PERFORM pg_notify('{CHANNEL}', 'e' || coalesce(current_setting('{SESSION_SETTING}', true), '') || ':'
+                    || OLD.parent || '/' || encode(OLD.name, 'hex'));
   RETURN NULL;
 END $$;
-CREATE OR REPLACE FUNCTION fs_inode_changed_v1() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION fs_inode_changed_v2() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-  PERFORM pg_notify('{CHANNEL}', 'i' || OLD.id);
+  PERFORM pg_notify('{CHANNEL}', 'i' || coalesce(current_setting('{SESSION_SETTING}', true), '') || ':' || OLD.id
+                    || CASE WHEN TG_OP = 'UPDATE' THEN '/' || NEW.size ELSE '' END);
   RETURN NULL;
 END $$;
 DO $$ BEGIN
-  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_entries_changed_v1') THEN
-    CREATE TRIGGER fs_entries_changed_v1 AFTER UPDATE OR DELETE ON entries
-      FOR EACH ROW EXECUTE FUNCTION fs_entry_changed_v1();
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_entries_changed_v2') THEN
+    CREATE TRIGGER fs_entries_changed_v2 AFTER UPDATE OR DELETE ON entries
+      FOR EACH ROW EXECUTE FUNCTION fs_entry_changed_v2();
   END IF;
-  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_inodes_changed_v1') THEN
-    CREATE TRIGGER fs_inodes_changed_v1 AFTER UPDATE OR DELETE ON inodes
-      FOR EACH ROW WHEN ((OLD.mode & {_S_IFMT}) <> {stat.S_IFDIR}) EXECUTE FUNCTION fs_inode_changed_v1();
+  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_inodes_changed_v2') THEN
+    CREATE TRIGGER fs_inodes_changed_v2 AFTER UPDATE OR DELETE ON inodes
+      FOR EACH ROW WHEN ((OLD.mode & {_S_IFMT}) <> {stat.S_IFDIR}) EXECUTE FUNCTION fs_inode_changed_v2();
   END IF;
 END $$;
+DROP TRIGGER IF EXISTS fs_entries_changed_v1 ON entries;
+DROP TRIGGER IF EXISTS fs_inodes_changed_v1 ON inodes;
+DROP FUNCTION IF EXISTS fs_entry_changed_v1();
+DROP FUNCTION IF EXISTS fs_inode_changed_v1();
 """
 
 
@@ -86,6 +100,9 @@ class ChangeFeed:
         self.cache = cache
         self._answered_since = -math.inf  # when the last answered question was sent (trio clock)
         self._pg: Any = None  # the listening connection's libpq side, while connected
+        # Told of the inodes other nodes changed, with each one's new size (None: deleted),
+        # after the cache (the kernel's names of them: ``fuse.kernel_names``).
+        self.inode_listeners: list[Callable[[list[tuple[int, Optional[int]]]], None]] = []
 
     @property
     def connected(self) -> bool:
@@ -154,19 +171,23 @@ class ChangeFeed:
             self._answered_since = sent
 
     def _take(self, pg: Any) -> None:
-        own = self.pool.backend_pids
+        own = self.pool.tag.encode()
         names: list[Name] = []
-        inodes: list[int] = []
+        inodes: list[tuple[int, Optional[int]]] = []  # (inode, its new size; None: deleted)
         unknown = False
         while (note := pg.notifies()) is not None:
-            if note.be_pid in own:
+            kind, body = note.extra[:1], note.extra[1:]
+            session, colon, what = body.partition(b":")
+            if not colon:  # a release before sessions were named: another node's, or this one's
+                session, what = b"", body
+            if own and session == own:
                 continue
-            kind, payload = note.extra[:1], note.extra[1:]
             try:
                 if kind == b"i":
-                    inodes.append(int(payload))
+                    ino, slash, size = what.partition(b"/")
+                    inodes.append((int(ino), int(size) if slash else None))
                 elif kind == b"e":
-                    parent, _, name = payload.partition(b"/")
+                    parent, _, name = what.partition(b"/")
                     names.append((int(parent), bytes.fromhex(name.decode())))
                 else:
                     unknown = True
@@ -175,4 +196,7 @@ class ChangeFeed:
         if unknown:  # a change this release cannot place (a newer node's): forget everything
             self.cache.clear()
         elif names or inodes:
-            self.cache.changed_elsewhere(names, inodes)
+            self.cache.changed_elsewhere(names, [ino for ino, _ in inodes])
+        if inodes:
+            for listener in self.inode_listeners:
+                listener(inodes)

@@ -36,8 +36,14 @@ first that accepts writes. On top of that the pool
 - breaks the connection of a transaction that has waited :data:`STALL_PROBE_AFTER`
   seconds on a server that no longer answers a new connection within
   :data:`PROBE_TIMEOUT` (a frozen or cut-off server keeps its sockets open, so nothing
-  else would ever end the wait); a transaction that is merely slow (a lock, a synchronous
-  standby's acknowledgement, a large scan) on a server that answers goes on.
+  else would ever end the wait); a transaction that is merely slow (a lock, a large scan) on
+  a server that answers goes on;
+- asks a server that answers which of those transactions wait for a synchronous standby to
+  confirm their commit (``wait_event = 'SyncRep'``: a promoted standby that kept
+  ``synchronous_standby_names`` and has no standby of its own holds every durable commit
+  without end). It says so in the log, the status and a metric while it lasts, and breaks
+  such a wait once it has lasted the outage budget: the commit stands on that server, and
+  the caller (an fsync) gets EIO instead of waiting in the kernel without end.
 """
 
 from __future__ import annotations
@@ -83,10 +89,23 @@ READ_ONLY_SQLSTATE = "25006"
 STALL_PROBE_AFTER = 2.0  # seconds a transaction waits before its server is asked whether it is alive
 PROBE_TIMEOUT = 2        # seconds a new connection may take to prove the server alive (libpq's minimum)
 PROBE_AGAIN_AFTER = 5.0  # seconds before a server that answered is asked again about the same wait
+# Seconds after the last sight of a commit held for a synchronous standby that the wait counts as over.
+STANDBY_WAIT_FORGOTTEN = 2 * PROBE_AGAIN_AFTER + STALL_PROBE_AFTER
 RETRY_REFUSED = 0.5      # seconds (jittered) before a server that refused is asked again during a reconnect
 # The timeline of a primary; 0 for a standby (a plain URL may reach one).
 TIMELINE_QUERY = ("SELECT CASE WHEN pg_is_in_recovery() THEN 0"
                   " ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int END")
+# Of the given server processes, those that wait for a synchronous standby to confirm a commit,
+# or for a lock one such holds (a process waiting for the standby keeps its row locks); and the
+# server's synchronous_standby_names.
+_HELD_FOR_STANDBY = ("SELECT array(SELECT a.pid FROM pg_stat_activity a WHERE a.pid = ANY(%s) AND"
+                     " (a.wait_event = 'SyncRep' OR EXISTS (SELECT 1 FROM pg_stat_activity b"
+                     " WHERE b.pid = ANY(pg_blocking_pids(a.pid)) AND b.wait_event = 'SyncRep'))),"
+                     " current_setting('synchronous_standby_names')")
+# A connection's metadata session, which the change feed's triggers name (``PgPool.tag``).
+SESSION_SETTING = "fusestate.session"
+# At each connect: the timeline, and the session the connection's changes are announced as.
+_OPEN_QUERY = f"SELECT ({TIMELINE_QUERY}), set_config('{SESSION_SETTING}', %s, false)"
 # Server-side operations refuse with SQLSTATE 'FS' + a three-digit errno (FS002: ENOENT),
 # or a code of the engine's own (FSLST: the session is gone). Without this, psycopg
 # would raise them as OperationalError, which the pool takes for a lost connection.
@@ -122,6 +141,17 @@ def _pause(seconds: float) -> None:
         time.sleep(seconds)
 
 
+class StandbyUnconfirmed(FsError):
+    """A durable commit the server held, waiting for a synchronous standby, past the budget
+    (an answer, logged in one line: no traceback)."""
+
+    def __init__(self, server: tuple[str, str], seconds: float, names: str) -> None:
+        super().__init__(errno.EIO, f"metadata database server {server[0]}:{server[1]} held a transaction "
+                                    f"{seconds:.0f} s waiting for a synchronous standby to confirm a commit "
+                                    f"(synchronous_standby_names = '{names}'); it may stand on that server, "
+                                    f"unconfirmed by any standby")
+
+
 class DatabaseUnavailable(OSError):
     def __init__(self, url: str, seconds: float, cause: Exception) -> None:
         super().__init__(errno.EIO, f"metadata database {redact(url)} unreachable for {seconds:.0f} s: {cause}")
@@ -153,6 +183,13 @@ class PgPool:
         self.retries = 0
         self.reconnects = 0
         self.stalls_broken = 0  # connections broken because their server stopped answering
+        # Durable commits held by a server waiting for a synchronous standby (``_watch``):
+        # since when (monotonic; None: none seen lately), when last seen, and the server's
+        # synchronous_standby_names; and the waits broken past the budget.
+        self.standby_wait_since: Optional[float] = None
+        self._standby_wait_seen = 0.0
+        self.standby_names = ""
+        self.standby_waits_failed = 0
         # When (monotonic) the database answered again after an outage (None: never lost):
         # the other nodes' heartbeats were held up as long as this node's were.
         self.back_since: Optional[float] = None
@@ -174,9 +211,11 @@ class PgPool:
         self._connecting = threading.Lock()
         self._watchdog: Optional[threading.Thread] = None
         self._closing = threading.Event()
-        # The server processes of this pool's connections: what this node's own transactions
-        # notify (``change_feed``) is known here already.
-        self.backend_pids: set[int] = set()
+        # The metadata session these connections work for, set on each as it connects
+        # (``change_feed.SESSION_SETTING``): the triggers name it in their notifications, so
+        # this node knows its own changes. Empty until the session is registered, and behind
+        # a pooler in transaction mode (a server connection serves every node there).
+        self.tag = ""
 
     @property
     def open_connections(self) -> int:
@@ -229,6 +268,7 @@ class PgPool:
                         raise self._refused(conn, exc) from None
                     lost = conn.closed or isinstance(exc, psycopg.OperationalError)
                     if lost:
+                        self._check_standby_wait(conn)
                         self._discard(conn)
                     else:
                         self._give(conn)
@@ -250,7 +290,7 @@ class PgPool:
                 conn = self._idle.pop()
             except IndexError:
                 return None
-            if not conn.closed and getattr(conn, "timeline", 0) >= self.timeline:
+            if not conn.closed and getattr(conn, "timeline", 0) >= self.timeline and self._tagged(conn):
                 return conn
             self._discard(conn)
 
@@ -286,6 +326,7 @@ class PgPool:
                     continue
                 if (exc.sqlstate or "").startswith(REFUSED_CLASS):
                     raise self._refused(conn, exc) from None
+                self._check_standby_wait(conn)
                 # The server went away (restart, network, failover): a new connection, a new try.
                 outage_started = self._outage(conn, exc, outage_started)
             except psycopg.Error as exc:
@@ -310,6 +351,14 @@ class PgPool:
                     else:
                         self._give(conn)
                 raise
+
+    def _check_standby_wait(self, conn: Optional[psycopg.Connection]) -> None:
+        """A connection the watchdog broke because its commit waited for a synchronous
+        standby past the budget: EIO, not a retry (which would wait again)."""
+        broken = getattr(conn, "standby_wait", None)
+        if broken is not None:
+            self._discard(conn)
+            raise StandbyUnconfirmed(*broken)
 
     def _outage(self, conn: Optional[psycopg.Connection], exc: psycopg.Error, started: Optional[float]) -> float:
         """The server this connection led to is gone: drop it and every idle connection
@@ -355,8 +404,6 @@ class PgPool:
             return conn
         self.reconnects += 1
         conn = await_(lambda: trio.to_thread.run_sync(self._connect)) if on_loop() else self._connect()
-        conn.backend_pid = conn.info.backend_pid  # type: ignore[attr-defined]  # kept: info needs it open
-        self.backend_pids.add(conn.backend_pid)  # type: ignore[attr-defined]
         return conn
 
     def _connect(self) -> psycopg.Connection:
@@ -386,8 +433,11 @@ class PgPool:
         if not self.prepare:
             never_prepare(conn)
         try:
+            tag = self.tag if self.prepare else ""
             with self._watched(conn):
-                conn.timeline = int(conn.execute(TIMELINE_QUERY).fetchone()[0])  # type: ignore[attr-defined]
+                conn.timeline = int(conn.execute(_OPEN_QUERY, (tag,)).fetchone()[0])  # type: ignore[attr-defined]
+            conn.tag = tag  # type: ignore[attr-defined]
+            conn.pid = conn.info.backend_pid  # type: ignore[attr-defined]  # its server process (_watch)
         except BaseException:
             self._discard(conn)
             raise
@@ -480,14 +530,18 @@ class PgPool:
                     conn.execute("ROLLBACK")  # what an explicit transaction left open when it failed
             except psycopg.Error:
                 pass
-        if conn.closed or conn.info.transaction_status != IDLE or getattr(conn, "timeline", 0) < self.timeline:
+        if (conn.closed or conn.info.transaction_status != IDLE or getattr(conn, "timeline", 0) < self.timeline
+                or not self._tagged(conn)):
             self._discard(conn)
         else:
             self._idle.append(conn)
 
+    def _tagged(self, conn: psycopg.Connection) -> bool:
+        """Whether ``conn`` names this pool's session in its changes' notifications."""
+        return getattr(conn, "tag", "") == (self.tag if self.prepare else "")
+
     def _discard(self, conn: Optional[psycopg.Connection]) -> None:
         if conn is not None:
-            self.backend_pids.discard(getattr(conn, "backend_pid", 0))
             _close_quietly(conn)
 
     def dedicated_connection(self) -> psycopg.Connection:
@@ -516,35 +570,109 @@ class PgPool:
     def _watch(self) -> None:
         """Every second: a transaction waiting longer than STALL_PROBE_AFTER on a server
         that no longer takes a new connection has its connection broken (its socket shut
-        down), so it fails as a lost connection and is retried elsewhere."""
+        down), so it fails as a lost connection and is retried elsewhere. On a server that
+        answers, the transactions that wait for a synchronous standby are found
+        (``_standby_waits``)."""
         answered: dict[tuple[str, str], float] = {}  # server -> when it last proved alive
         while not self._closing.wait(1.0):
             now = time.monotonic()
             with self._busy_lock:
                 stalled = [b for b in self._busy.values() if now - b.since > STALL_PROBE_AFTER]
+            self._standby_wait_over(now)
             for server in {b.server for b in stalled}:
                 if not server[0] or now - answered.get(server, -PROBE_AGAIN_AFTER) < PROBE_AGAIN_AFTER:
                     continue
-                if self._alive(server):
+                waiting = [b for b in stalled if b.server == server]
+                alive, held, names = self._probe(server, {getattr(b.conn, "pid", 0) for b in waiting})
+                if alive:
                     answered[server] = time.monotonic()
+                    self._standby_waits(server, [b for b in waiting if getattr(b.conn, "pid", 0) in held], names)
                     continue
                 log.warning("metadata database server %s:%s does not answer; breaking the connections "
                             "that wait on it", *server)
                 with self._busy_lock:
-                    for busy in stalled:
-                        if busy.server == server and self._busy.get(id(busy.conn)) is busy:
+                    for busy in waiting:
+                        if self._busy.get(id(busy.conn)) is busy:
                             _shut_down(busy.conn)
                             self.stalls_broken += 1
 
-    def _alive(self, server: tuple[str, str]) -> bool:
-        """Whether ``server`` takes a new connection: any answer, a refusal included (it
-        carries a SQLSTATE), proves the server runs; a timeout or a closed port does not."""
+    def _probe(self, server: tuple[str, str], pids: set[int]) -> tuple[bool, set[int], str]:
+        """Whether ``server`` takes a new connection (any answer, a refusal included, which
+        carries a SQLSTATE, proves the server runs; a timeout or a closed port does not);
+        and, when it does, which of ``pids`` (its processes) wait for a synchronous standby,
+        with its ``synchronous_standby_names``."""
         try:
-            psycopg.connect(self.url, host=server[0], port=server[1], connect_timeout=PROBE_TIMEOUT,
-                            target_session_attrs="any").close()
+            conn = psycopg.connect(self.url, host=server[0], port=server[1], connect_timeout=PROBE_TIMEOUT,
+                                   target_session_attrs="any", autocommit=True)
         except psycopg.Error as exc:
-            return exc.sqlstate is not None
-        return True
+            return exc.sqlstate is not None, set(), ""
+        timer = threading.Timer(PROBE_TIMEOUT, _shut_down, (conn,))  # a server that stops now: no wait
+        timer.start()
+        try:
+            row = conn.execute(_HELD_FOR_STANDBY, (sorted(pids),)).fetchone()
+            return True, set(row[0]), row[1]
+        except psycopg.Error:
+            return True, set(), ""  # it took the connection: alive
+        finally:
+            timer.cancel()
+            _close_quietly(conn)
+
+    def _standby_waits(self, server: tuple[str, str], held: list[_Busy], names: str) -> None:
+        """``held``: transactions ``server`` holds for a synchronous standby. Said once in the
+        log when it starts; each broken once it has waited the outage budget."""
+        if not held:
+            return
+        now = time.monotonic()
+        if self.standby_wait_since is None:
+            self.standby_wait_since = min(b.since for b in held)
+            log.warning("metadata database server %s:%s holds this node's durable commits (fsync) waiting "
+                        "for a synchronous standby to confirm them (synchronous_standby_names = '%s'); they "
+                        "fail with EIO after %.0f s. A primary without a standby of its own must not name one "
+                        "(a promoted standby keeps the setting): see the deployment guide", server[0],
+                        server[1], names, self.outage_budget)
+        self._standby_wait_seen, self.standby_names = now, names
+        with self._busy_lock:
+            expired = [b for b in held if now - b.since > self.outage_budget and self._busy.get(id(b.conn)) is b]
+            for busy in expired:
+                busy.conn.standby_wait = (server, now - busy.since, names)  # type: ignore[attr-defined]
+                self.standby_waits_failed += 1
+        if expired:
+            # Ended on the server, not only here: a process that waits for the standby
+            # keeps its transaction's row locks, and the next commit of the same rows
+            # would wait on them.
+            self._terminate(server, [getattr(b.conn, "pid", 0) for b in expired])
+            with self._busy_lock:
+                for busy in expired:
+                    if self._busy.get(id(busy.conn)) is busy:
+                        _shut_down(busy.conn)
+
+    def _terminate(self, server: tuple[str, str], pids: list[int]) -> None:
+        """End the server processes ``pids`` (this pool's own connections'), within PROBE_TIMEOUT."""
+        try:
+            conn = psycopg.connect(self.url, host=server[0], port=server[1], connect_timeout=PROBE_TIMEOUT,
+                                   target_session_attrs="any", autocommit=True)
+        except psycopg.Error:
+            return
+        timer = threading.Timer(PROBE_TIMEOUT, _shut_down, (conn,))
+        timer.start()
+        try:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (pids,))
+        except psycopg.Error as exc:
+            log.warning("could not end the database's processes waiting for a synchronous standby: %s", exc)
+        finally:
+            timer.cancel()
+            _close_quietly(conn)
+
+    def _standby_wait_over(self, now: float) -> None:
+        if self.standby_wait_since is not None and now - self._standby_wait_seen > STANDBY_WAIT_FORGOTTEN:
+            log.warning("metadata database: no durable commit of this node waits for a synchronous standby any more")
+            self.standby_wait_since = None
+
+    @property
+    def standby_wait_seconds(self) -> float:
+        """How long durable commits have been held for a synchronous standby (0: not now)."""
+        since = self.standby_wait_since
+        return 0.0 if since is None else round(time.monotonic() - since, 1)
 
 
 class _Watched:

@@ -968,6 +968,7 @@ class PostgresEngine:
                 return session_id, since
 
             self.session_id, self._holds_since = await self.pool.run(register)
+            self.pool.tag = str(self.session_id)  # connections made from now on say so (change_feed)
             log.info("metadata session %d on %s", self.session_id, self.pool.redacted)
         freed = await self.clean_dead_sessions()
         await self._refresh_stats()

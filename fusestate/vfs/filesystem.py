@@ -334,6 +334,15 @@ class FileSystem:
     def _dir_open(self, ino: int) -> bool:
         return any(listing.ino == ino for listing in self._dir_handles.values())
 
+    def file_size(self, fh: int) -> tuple[int, int]:
+        """The inode open as ``fh`` and its size here."""
+        f = self._handle(fh).file
+        return f.inode, f.node.size
+
+    def directory_of(self, fh: int) -> int:
+        """The inode of the directory open as ``fh``."""
+        return self._dir_handles[fh].ino
+
     async def readdir(self, fh: int, after_id: int) -> list[tuple[DirEntry, Inode]]:
         listing = self._dir_handles[fh]
         if listing.ino in self._removed_dirs:
