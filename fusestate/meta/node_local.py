@@ -2,12 +2,13 @@
 
 A scratch directory (``--scratch``) belongs to the node that made it: its files' bytes are
 plain files in that node's cache dir, no other node can open them, and they go when its
-mount ends. On a shared volume their names were rows of the database all the same, so each
-operation of a RocksDB working dir (a table's create, its fsync and close, the links of a
-checkpoint, the deletes after a compaction) was a transaction on the server while the
-executor waited. Here only the scratch directory itself stays a row (the other nodes see
-it, empty, and its session's end removes it); what is made inside it lives in this process:
-inodes, names and attributes, answered from memory.
+mount ends. Kept as rows of the database, each operation of a RocksDB working dir (a
+table's create, its fsync and close, the links of a checkpoint, the deletes after a
+compaction) would be a transaction on the server while the executor waits. So only the
+scratch directory itself is a row (the other nodes see it, empty, and its session's end
+removes it); what is made inside it lives in this process: inodes, names and attributes,
+answered from memory. A directory's entries are kept in the order of their ids, which a
+listing continues after (``_add_entry``).
 
 Crossing the edge keeps POSIX's meaning:
 
