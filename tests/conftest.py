@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 # Local-server and mount helpers shared with the benchmarks.
 from bench.common import wait_or_kill, wait_port  # noqa: E402
 from bench.systems import Postgres, free_port, is_mounted  # noqa: E402
+from fusestate.meta.local_postgres import thaw  # noqa: E402
 
 # Credentials and switches every daemon and client in the tests sees.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -84,6 +85,19 @@ def postgres_server() -> Iterator[Postgres]:
     try:
         yield server
     finally:
+        server.close()
+
+
+@pytest.fixture
+def own_server() -> Iterator[Postgres]:
+    """A server of the test's own, whose settings it may change, which it may freeze (thawed
+    at the end) or whose connections it may count. Ask for it before make_mount: the mounts
+    must go first."""
+    server = Postgres(fsync=False)
+    try:
+        yield server
+    finally:
+        thaw(server.data)
         server.close()
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from typing import Iterator
 
 import psycopg
 import pytest
@@ -20,17 +19,6 @@ from fusestate.config import redact_url
 from fusestate.daemon.volume import engine_identity
 from fusestate.meta.local_postgres import LocalPostgres, free_port, freeze, thaw
 from fusestate.meta.pgpool import DatabaseUnavailable, PgPool, RefusedByServer
-
-
-@pytest.fixture
-def own_server() -> Iterator[LocalPostgres]:
-    """A server of this test's own: the tests freeze it."""
-    server = LocalPostgres(fsync=False)
-    try:
-        yield server
-    finally:
-        thaw(server.data)
-        server.close()
 
 
 def _one(cur: psycopg.Cursor, sql: str = "SELECT 1") -> object:

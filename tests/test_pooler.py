@@ -17,23 +17,13 @@ from fusestate.meta.local_pgbouncer import LocalPgBouncer
 from fusestate.meta.local_postgres import LocalPostgres
 
 @pytest.fixture
-def server() -> Iterator[LocalPostgres]:
-    """A server of the test's own: its connections are counted."""
-    pg = LocalPostgres(fsync=False)
-    try:
-        yield pg
-    finally:
-        pg.close()
-
-
-@pytest.fixture
-def bouncer(server: LocalPostgres) -> Iterator:
-    """PgBouncers in front of ``server``, made by ``bouncer(mode, pool_size)``. Ask for
+def bouncer(own_server: LocalPostgres) -> Iterator:
+    """PgBouncers in front of ``own_server``, made by ``bouncer(mode, pool_size)``. Ask for
     it before make_mount: the mounts must go first."""
     made: list[LocalPgBouncer] = []
 
     def factory(mode: str, pool_size: int) -> LocalPgBouncer:
-        made.append(LocalPgBouncer("127.0.0.1", server.port, mode=mode, pool_size=pool_size))
+        made.append(LocalPgBouncer("127.0.0.1", own_server.port, mode=mode, pool_size=pool_size))
         return made[-1]
 
     yield factory
@@ -81,27 +71,27 @@ def connections_of(m: Mount) -> int:
     return int(m.status()["session"]["connections"])
 
 
-def test_each_connection_of_a_node_is_a_server_connection_in_session_mode(server: LocalPostgres, bouncer,
+def test_each_connection_of_a_node_is_a_server_connection_in_session_mode(own_server: LocalPostgres, bouncer,
                                                                         make_mount, file_bucket: Bucket) -> None:
     """Session pooling works in front of the engine, and saves nothing: a daemon keeps
     the connections it made, and each holds a server connection for its life."""
-    server.create_database("vol")
+    own_server.create_database("vol")
     url = bouncer("session", 20).url("vol")
     m = make_mount(file_bucket, extra=["--meta", url, "--metrics-addr", "off"]).mount()
     commit_files(m.path, "w", 20, threads=8)
     held = connections_of(m)
     assert 2 <= held <= 9  # --meta-connections, and the one that listens (--lookup-cache)
-    assert server_connections(server, "vol") == held
+    assert server_connections(own_server, "vol") == held
     print(f"session mode: 8 writers on one node, {held} connections, as many on the server")
     m.umount()
 
 
 def test_transaction_pooling_shares_a_few_server_connections_once_statements_are_unprepared(
-        server: LocalPostgres, bouncer, make_mount, file_bucket: Bucket) -> None:
+        own_server: LocalPostgres, bouncer, make_mount, file_bucket: Bucket) -> None:
     """Transaction pooling in front of two nodes: with the pipeline's named prepared
     statements off, 16 writers on two nodes go through two server connections, and the
     volume is sound; with them on, operations fail."""
-    server.create_database("vol")
+    own_server.create_database("vol")
     pooler = bouncer("transaction", 2)
     opts = ["--meta", pooler.url("vol"), "--metrics-addr", "off"]
     a = make_mount(file_bucket, name="node-a", cache="cache-a", extra=[*opts, "--meta-pooler", "transaction"]).mount()
@@ -116,9 +106,9 @@ def test_transaction_pooling_shares_a_few_server_connections_once_statements_are
     clients = connections_of(a) + connections_of(b)
     pools = {p["database"]: p for p in pooler.show("POOLS")}
     assert clients > 2 and pools["vol"]["sv_active"] + pools["vol"]["sv_idle"] <= 2, (clients, pools["vol"])
-    assert server_connections(server, "vol") <= 2
+    assert server_connections(own_server, "vol") <= 2
     print(f"transaction mode: 16 writers on two nodes, {clients} client connections, "
-          f"{server_connections(server, 'vol')} on the server")
+          f"{server_connections(own_server, 'vol')} on the server")
     report = json.loads(fusestate("fsck", file_bucket.url, "--meta", pooler.url("vol"), "--json").stdout)
     assert report["healthy"], report
     b.umount()

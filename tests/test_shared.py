@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import psycopg
 import pytest
@@ -741,16 +741,6 @@ def test_a_crash_of_the_database_deletes_no_file_a_node_holds_open(make_mount, f
     a.umount()
     b.umount()
     assert shared_fsck(file_bucket, pg_url) == []
-
-
-@pytest.fixture
-def own_server() -> Iterator[LocalPostgres]:
-    """A database server of the test's own, whose settings it may change."""
-    pg = LocalPostgres(fsync=False)
-    try:
-        yield pg
-    finally:
-        pg.close()
 
 
 def metric(addr: str, name: str) -> float:
