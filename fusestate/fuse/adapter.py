@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import pyfuse3
 
-from fusestate.fuse.kernel_names import KernelNames
+from fusestate.fuse.kernel_names import MAX_INODES, KernelNames
 from fusestate.fuse.page_fill import PageFill
 from fusestate.meta.engine import Inode
 from fusestate.vfs import FileSystem, FsError, RequestContext
@@ -86,13 +86,14 @@ class FuseOperations(pyfuse3.Operations):
         # Fills the page cache with files linked here (--prefetch-links); None: off.
         self.page_fill: Optional[PageFill] = None
         # The kernel's names of each inode, dropped when another node changes the file.
-        self.kernel_names = KernelNames(_invalidate_entry)
+        self.kernel_names = KernelNames(_invalidate_entry, max_inodes=MAX_INODES if fs.meta.shared else 0)
         changes = getattr(fs.meta, "changes", None) if fs.meta.shared else None
         if changes is not None:
             changes.inode_listeners.append(self.kernel_names.changed_elsewhere)
 
     def _entry(self, parent: int, name: bytes, node: Inode) -> pyfuse3.EntryAttributes:
-        """``node``'s attributes as the kernel's new entry ``parent/name``."""
+        """``node``'s attributes as the kernel's new entry ``parent/name`` (call it only for
+        a reply the kernel takes: it counts a lookup)."""
         if node.is_reg:
             self.kernel_names.handed(node.id, parent, name, node.size)
         return self._attrs(node)
@@ -131,9 +132,7 @@ class FuseOperations(pyfuse3.Operations):
 
     @_translate_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        node = await self.fs.getattr(inode)
-        self.kernel_names.sized(inode, node.size)
-        return self._attrs(node)
+        return self._attrs(await self.fs.getattr(inode))
 
     @_translate_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -199,6 +198,8 @@ class FuseOperations(pyfuse3.Operations):
     @_translate_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         fh = await self.fs.open(inode, flags)
+        if flags & os.O_TRUNC:
+            self.kernel_names.sized(inode, 0)  # the kernel truncates its own view
         # A truncating open drops the cached pages; otherwise they stay while they hold the
         # file's content (on a shared volume another node may have changed it).
         keep = not flags & os.O_TRUNC and self.fs.keeps_page_cache(fh)
@@ -230,9 +231,8 @@ class FuseOperations(pyfuse3.Operations):
         await self.fs.flush(fh)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        inodes = [ino for ino, _ in inode_list]
-        self.kernel_names.forgotten(inodes)
-        self.fs.forget(inodes)
+        self.kernel_names.forgotten(inode_list)
+        self.fs.forget([ino for ino, _ in inode_list])
 
     @_translate_errors
     async def release(self, fh: int) -> None:
@@ -251,8 +251,10 @@ class FuseOperations(pyfuse3.Operations):
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         parent = self.fs.directory_of(fh)
         for entry, node in await self.fs.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, entry.name, self._entry(parent, entry.name, node), entry.entry_id):
+            if not pyfuse3.readdir_reply(token, entry.name, self._attrs(node), entry.entry_id):
                 break
+            if node.is_reg:  # the kernel took the entry: one lookup more
+                self.kernel_names.handed(node.id, parent, entry.name, node.size)
 
     async def releasedir(self, fh: int) -> None:
         self.fs.releasedir(fh)
