@@ -156,7 +156,8 @@ def mount_with_metrics(make_mount, bucket: Bucket) -> tuple[Mount, str]:
 SHARED_ONLY = {"fusestate_session_lost", "fusestate_meta_connections", "fusestate_meta_connects_total",
                "fusestate_meta_timeline", "fusestate_meta_stalls_broken_total", "fusestate_lookup_cache_hits_total",
                "fusestate_lookup_cache_misses_total", "fusestate_lookup_cache_dropped_total",
-               "fusestate_meta_changes_followed"}
+               "fusestate_meta_changes_followed", "fusestate_meta_standby_wait_seconds",
+               "fusestate_meta_standby_waits_failed_total"}
 
 
 def test_every_documented_metric_is_exposed_and_nothing_else(make_mount, file_bucket: Bucket) -> None:
