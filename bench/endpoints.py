@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from bench.common import BIN, Shape, wait_or_kill, wait_port
-from fusestate.meta.local_postgres import free_port
+from fusestate.harness.postgres import free_port
 
 PORT = 5000                                      # the shaped endpoint's, on its own address
 SPILL_BYTES = 256 * 1024                         # the shaped endpoint keeps larger objects on disk

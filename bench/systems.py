@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional
 from bench.common import FUSESTATE, RunError, Shape, juicefs_binary, log, run_cmd, runtime_dir_for, wait_or_kill
 from bench.endpoints import Moto, ShapedMoto
 from bench.pgwork import Database
-from fusestate.meta.local_postgres import LocalPostgres as Postgres, free_port
+from fusestate.harness.postgres import LocalPostgres as Postgres, free_port
 
 ALL = ["local", "fusestate-file", "fusestate-pg", "fusestate-s3", "fusestate-s3-shaped", "rclone", "s3fs",
        "juicefs-pg", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"]

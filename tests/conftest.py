@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 # Local-server and mount helpers shared with the benchmarks.
 from bench.common import wait_or_kill, wait_port  # noqa: E402
 from bench.systems import Postgres, free_port, is_mounted  # noqa: E402
-from fusestate.meta.local_postgres import thaw  # noqa: E402
+from fusestate.harness.postgres import thaw  # noqa: E402
 
 # Credentials and switches every daemon and client in the tests sees.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")

@@ -16,8 +16,8 @@ from typing import Iterator, Optional
 import pytest
 
 from conftest import Bucket, Mount, assert_one_line_error, fusestate, wait_for
-from fusestate.meta.local_ha import LocalHA
-from fusestate.meta.local_postgres import free_port
+from fusestate.harness.ha import LocalHA
+from fusestate.harness.postgres import free_port
 
 
 def write_synced(path: Path, data: bytes) -> None:

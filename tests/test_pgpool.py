@@ -17,7 +17,7 @@ import trio
 
 from fusestate.config import redact_url
 from fusestate.daemon.volume import engine_identity
-from fusestate.meta.local_postgres import LocalPostgres, free_port, freeze, thaw
+from fusestate.harness.postgres import LocalPostgres, free_port, freeze, thaw
 from fusestate.meta.pgpool import DatabaseUnavailable, PgPool, RefusedByServer
 
 

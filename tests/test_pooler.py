@@ -13,8 +13,8 @@ import psycopg
 import pytest
 
 from conftest import Bucket, Mount, fusestate
-from fusestate.meta.local_pgbouncer import LocalPgBouncer
-from fusestate.meta.local_postgres import LocalPostgres
+from fusestate.harness.pgbouncer import LocalPgBouncer
+from fusestate.harness.postgres import LocalPostgres
 
 @pytest.fixture
 def bouncer(own_server: LocalPostgres) -> Iterator:

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from conftest import Bucket, Mount, assert_one_line_error, fusestate, wait_for
-from fusestate.meta.local_postgres import LocalPostgres
+from fusestate.harness.postgres import LocalPostgres
 
 SESSION_TIMEOUT = 3.0
 

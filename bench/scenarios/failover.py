@@ -1,6 +1,6 @@
 """Scenario 11: a shared volume whose metadata database fails over (issue 49's benchmarks).
 
-The volume's metadata is in :class:`fusestate.meta.local_ha.LocalHA`: Patroni with a
+The volume's metadata is in :class:`fusestate.harness.ha.LocalHA`: Patroni with a
 three-member etcd cluster and two PostgreSQL servers (``fsync`` on), the primary's
 synchronous standby promoted when the primary is lost. Two parts:
 
@@ -161,10 +161,10 @@ def open_setup(name: str, ttl: int) -> Any:
     """A server (fsync on) for ``name``: the HA cluster with a synchronous or an asynchronous
     standby, or one PostgreSQL server."""
     if name == SINGLE:
-        from fusestate.meta.local_postgres import LocalPostgres
+        from fusestate.harness.postgres import LocalPostgres
 
         return LocalPostgres(fsync=True)
-    from fusestate.meta.local_ha import LocalHA
+    from fusestate.harness.ha import LocalHA
 
     return LocalHA(members=2, fsync=True, ttl=ttl, synchronous=name == SYNC)
 

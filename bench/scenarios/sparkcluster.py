@@ -106,7 +106,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     from bench.juicefs_cluster import JuiceFSCluster
     from bench.s3a import connector_jars
     from bench.systems import JuiceFSSystem
-    from fusestate.meta.local_postgres import LocalPostgres
+    from fusestate.harness.postgres import LocalPostgres
     from fusestate.spark.cluster import Cluster
     from fusestate.spark.pipeline import SPARK_LOG_NAME
 

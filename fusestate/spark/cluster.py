@@ -75,7 +75,7 @@ def worker_host(index: int) -> str:
 
 
 def _free_port(host: str) -> int:
-    from fusestate.meta.local_postgres import free_port
+    from fusestate.harness.postgres import free_port
 
     return free_port(host)
 
@@ -497,7 +497,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         meta = args.meta
         if meta is None and args.meta_ha:
-            from fusestate.meta.local_ha import LocalHA
+            from fusestate.harness.ha import LocalHA
 
             say("== starting PostgreSQL with a synchronous standby under Patroni (etcd) for the volume's metadata")
             server = LocalHA()
@@ -505,7 +505,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for fault in faults:
                 fault.database = server
         elif meta is None:
-            from fusestate.meta.local_postgres import LocalPostgres
+            from fusestate.harness.postgres import LocalPostgres
 
             say("== starting a PostgreSQL server for the volume's metadata")
             server = LocalPostgres()

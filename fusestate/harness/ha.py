@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from fusestate.meta.local_postgres import PostgresServerError, free_port, freeze, postgres_bin, server_processes, thaw
+from fusestate.harness.postgres import PostgresServerError, free_port, freeze, postgres_bin, server_processes, thaw
 
 ETCD_ADDRESSES = ("127.0.0.21", "127.0.0.22", "127.0.0.23")
 MEMBER_ADDRESS = "127.0.0.{}"  # member i (from 1) on 127.0.0.(10 + i)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from fusestate.meta.local_postgres import PostgresServerError, free_port
+from fusestate.harness.postgres import PostgresServerError, free_port
 
 
 class LocalPgBouncer:
