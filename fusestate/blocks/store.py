@@ -36,7 +36,7 @@ from fusestate.blocks.keys import BlockData, inline_key, is_inline, is_zero, key
 from fusestate.blocks.read_costs import ReadCosts
 from fusestate.blocks.staging import Staging
 from fusestate.blocks.uploader import Uploader
-from fusestate.meta.engine import MetaEngine
+from fusestate.blocks.ledger import BlockLedger
 from fusestate.remote.store import RemoteError, RemoteStore
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class ReadStats:
 
 
 class BlockStore:
-    def __init__(self, meta: MetaEngine, remote: RemoteStore, staging: Staging,
+    def __init__(self, meta: BlockLedger, remote: RemoteStore, staging: Staging,
                  memory: MemoryCache, disk: DiskCache, uploader: Uploader, *,
                  block_size: int, local_io: trio.CapacityLimiter,
                  prefetch_concurrency: int = 4, whole_blocks: str = "auto") -> None:

@@ -23,7 +23,7 @@ import trio
 from fusestate.blocks.caches import DiskCache
 from fusestate.blocks.keys import object_name
 from fusestate.blocks.staging import Staging
-from fusestate.meta.engine import MetaEngine
+from fusestate.blocks.ledger import BlockLedger
 from fusestate.remote.store import RemoteError, RemoteStore
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class UploadFailed(IOError):
 
 
 class Uploader:
-    def __init__(self, meta: MetaEngine, remote: RemoteStore, staging: Staging,
+    def __init__(self, meta: BlockLedger, remote: RemoteStore, staging: Staging,
                  disk_cache: DiskCache, *, max_dirty: int, upload_delay: float,
                  concurrency: int, local_io: trio.CapacityLimiter) -> None:
         self.meta = meta

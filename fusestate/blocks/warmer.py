@@ -25,7 +25,7 @@ import trio
 
 from fusestate.blocks.background import BackgroundThreads
 from fusestate.blocks.store import BlockStore
-from fusestate.meta.engine import MetaEngine
+from fusestate.blocks.ledger import BlockLedger
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class WarmupStats:
 
 
 class CacheWarmer:
-    def __init__(self, blocks: BlockStore, meta: MetaEngine, *, mode: str, disk_cache_bytes: int,
+    def __init__(self, blocks: BlockStore, meta: BlockLedger, *, mode: str, disk_cache_bytes: int,
                  concurrency: int = 4) -> None:
         self.blocks = blocks
         self.meta = meta

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence
 if TYPE_CHECKING:
     import trio
 
+from fusestate.blocks.ledger import BlockLedger, ObjectInfo
 from fusestate.errors import FsError
 
 ROOT_INODE = 1
@@ -73,16 +74,6 @@ class DirEntry:
     entry_id: int      # readdir offset: entries come in increasing id order
     name: bytes
     inode: int
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """A content-addressed block object known to this volume."""
-
-    key: str
-    size: int
-    refcount: int
-    uploaded: bool
 
 
 @dataclass(frozen=True)
@@ -147,8 +138,9 @@ class EngineStats:
     used_bytes: int   # bytes of distinct blocks the volume references
 
 
-class MetaEngine(Protocol):
-    """Inodes, entries, block maps and object refcounts, kept consistent together.
+class MetaEngine(BlockLedger, Protocol):
+    """Inodes, entries, block maps and object refcounts, kept consistent together; the
+    block layer's ledger of objects (``BlockLedger``) among them.
 
     POSIX errors are raised as :class:`FsError` with the errno the caller returns.
     A file that loses its last name while some node holds it open (``open_file``) keeps
@@ -156,8 +148,6 @@ class MetaEngine(Protocol):
     """
 
     kind: str          # "sqlite", "postgresql": recorded in the volume's record
-    shared: bool       # many nodes mount the volume at once: caches expire, blocks are
-                       # committed only once they are in the bucket
     scratch_owner: int  # what this mount's scratch directories record as their owner (Inode.scratch)
     inline_max: int     # a small file's block up to this size may be committed ``inline`` (0: never)
 
@@ -229,33 +219,9 @@ class MetaEngine(Protocol):
         last block through ``commit_blocks``)."""
         ...
     async def block_map(self, ino: int) -> dict[int, str]: ...
-    async def block_data(self, key: str) -> Optional[bytes]:
-        """The bytes of a block the database keeps (committed with ``inline``); None if it
-        keeps none under that key."""
-        ...
 
-    # --- objects (the block layer's ledger) -------------------------------------
-    async def object_info(self, key: str) -> Optional[ObjectInfo]: ...
-    async def mark_uploaded(self, key: str) -> None: ...
-    async def forget_objects(self, keys: list[str]) -> None:
-        """Drop unreferenced objects from the ledger (discarded before upload, or deleted by gc)."""
-        ...
-    async def pending_objects(self) -> list[ObjectInfo]:
-        """Objects not yet uploaded (crash recovery of the staging area)."""
-        ...
-    async def blocks_by_recency(self, budget: Optional[int] = None) -> list[tuple[str, int]]:
-        """Distinct (key, size) of file blocks: most recently modified files first, each
-        file's blocks in order, stopping before ``budget`` bytes (cache warming)."""
-        ...
+    # --- objects: the block layer's ledger (BlockLedger), and the collector's part ----
     async def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]: ...
-    async def begin_upload(self, key: str, size: int) -> Optional[bool]:
-        """Shared engines: register this node's upload of a block so the collector leaves it
-        alone until its commit. True: in the bucket already; False: upload it; None: being
-        deleted by the collector right now, ask again shortly."""
-        ...
-    async def end_upload(self, key: str) -> None:
-        """An upload whose commit will not come (the block was superseded)."""
-        ...
     async def claim_garbage(self, older_than: float, covered_seq: int) -> list[str]:
         """Blocks the collector may delete from the bucket now: unreferenced since before
         ``older_than`` (and, for the journaled engine, by a change at or before
