@@ -54,7 +54,7 @@ def generate(source: Path, *, copy_to: Optional[Path] = DATA_DIR, only: Optional
         found = {k: v for k, v in found.items() if k in only}
     if copy_to is not None and copy_to.resolve() != source.resolve():
         publish(found, copy_to)
-        found = load_results(copy_to)
+        found = {k: v for k, v in load_results(copy_to).items() if not only or k in only}
     img_dir.mkdir(parents=True, exist_ok=True)
     if not only:  # every block is made again: no plot of an old block stays behind
         for old in img_dir.glob("*.png"):

@@ -105,6 +105,13 @@ def test_a_report_of_one_scenario_leaves_the_other_blocks_and_plots(tmp_path: Pa
     text = out.read_text()
     assert "KEPT BY HAND" in text and "old\n" not in text and "](img/rocksdb-wal-off.png)" in text
     assert (img / "files-throughput.png").read_bytes() == b"another block's plot"
+    # The same from a run's results, published into the data directory first.
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "rocksdb-20260103-000000.json").write_text(json.dumps(fixture_doc("rocksdb", "2026-01-03T00:00:00")))
+    report.generate(results, copy_to=data, only=["rocksdb"], out_md=out, img_dir=img)
+    text = out.read_text()
+    assert "KEPT BY HAND" in text and "2026-01-03" in text
 
 
 def test_variant_table_folds_systems_into_cells() -> None:
