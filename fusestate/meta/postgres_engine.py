@@ -558,12 +558,14 @@ class PostgresEngine:
         """The lookup cache, if it holds every change of the last ``MAX_LAG`` seconds."""
         return self.lookups if self.changes is not None and self.changes.fresh() else None
 
-    async def _call(self, statement: str, args: tuple, attempts: Optional[_Attempts] = None) -> list[tuple]:
+    async def _call(self, statement: str, args: tuple, attempts: Optional[_Attempts] = None,
+                    changes: bool = True) -> list[tuple]:
         """One server-side operation (``pg_functions``): one statement, one round trip, one
         transaction, committed without waiting for the WAL flush; its POSIX errors come back
         as :class:`RefusedByServer`. ``attempts``: records whether the last call was a retry after one that was sent;
         with a number (``op``), the statement's first arguments after the session are the
-        lane, the number and that (``_Attempts``)."""
+        lane, the number and that (``_Attempts``). ``changes`` False: the operation changes
+        nothing a failover could lose (``sync`` has nothing of it to make durable)."""
         if self.read_only:
             raise FsError(errno.EROFS)
         timelines: list[int] = []
@@ -583,7 +585,8 @@ class PostgresEngine:
             if exc.sqlstate == server.LOST_SQLSTATE:
                 raise self._lose() from None
             raise
-        self._committed_async(timelines[-1])
+        if changes:
+            self._committed_async(timelines[-1])
         return rows
 
     def _count(self, inodes: int, used: int) -> None:
@@ -757,7 +760,9 @@ class PostgresEngine:
         if self.read_only:
             return await self.read_file(ino)
         self._recent.pop(ino, None)  # close-to-open: the row as it is now, and nothing older after
-        (row,) = await self._call(server.OPEN, (self.session_id, ino))
+        # Its only write is the hold, in an UNLOGGED table that every node fills again after
+        # a failover: an open gives a later fsync nothing to make durable, and no EIO to report.
+        (row,) = await self._call(server.OPEN, (self.session_id, ino), changes=False)
         self._held.add(ino)
         *columns, indexes, keys, data = row
         for key, block in zip(keys, data):
