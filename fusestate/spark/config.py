@@ -29,6 +29,7 @@ writer only. See docs/spark.md.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 import shutil
@@ -226,11 +227,21 @@ class StateLayout:
         (they are its newest files). A restarted query needs none of it: its state is loaded
         from the checkpoint. Call this before the session starts, and only when no other Spark
         process uses this state dir.
+
+        A scratch dir (``--scratch``) of a shared volume that another mount made (this node's
+        daemon before it died and was mounted again) keeps its contents in that mount's
+        memory: the database refuses its removal (ENOTEMPTY) until that mount's session is
+        cleaned up, which removes it. Such a dir is left to that.
         """
         removed = []
         for entry in sorted(self.local_dir.iterdir()):
             if entry.is_dir() and not entry.is_symlink() and entry.name.startswith(SPARK_LOCAL_PREFIXES):
-                shutil.rmtree(entry)
+                try:
+                    shutil.rmtree(entry)
+                except OSError as exc:
+                    if exc.errno != errno.ENOTEMPTY or not entry.is_dir() or any(entry.iterdir()):
+                        raise
+                    continue  # another mount's scratch dir: its session's end removes it
                 removed.append(entry)
         return removed
 
