@@ -59,10 +59,14 @@ class KernelNames:
         self._known: OrderedDict[int, _Known] = OrderedDict()
         self.invalidated = 0  # entries the kernel was told to drop
 
+    @property
+    def enabled(self) -> bool:
+        return self._max > 0
+
     def handed(self, ino: int, parent: int, name: bytes, size: int) -> None:
         """The kernel got an entry ``parent/name`` -> ``ino`` of ``size`` bytes. If it holds
         the inode with another size already, it keeps that one: it is told to drop the names."""
-        if not self._max:
+        if not self.enabled:
             return
         known = self._known.pop(ino, None)
         if known is None:

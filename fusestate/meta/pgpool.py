@@ -49,6 +49,7 @@ first that accepts writes. On top of that the pool
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import functools
 import logging
@@ -59,7 +60,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import psycopg
 import trio
@@ -433,7 +434,7 @@ class PgPool:
         if not self.prepare:
             never_prepare(conn)
         try:
-            tag = self.tag if self.prepare else ""
+            tag = self._own_tag
             with self._watched(conn):
                 conn.timeline = int(conn.execute(_OPEN_QUERY, (tag,)).fetchone()[0])  # type: ignore[attr-defined]
             conn.tag = tag  # type: ignore[attr-defined]
@@ -536,9 +537,14 @@ class PgPool:
         else:
             self._idle.append(conn)
 
+    @property
+    def _own_tag(self) -> str:
+        """What this pool's connections name: its session, none behind a transaction pooler."""
+        return self.tag if self.prepare else ""
+
     def _tagged(self, conn: psycopg.Connection) -> bool:
         """Whether ``conn`` names this pool's session in its changes' notifications."""
-        return getattr(conn, "tag", "") == (self.tag if self.prepare else "")
+        return getattr(conn, "tag", "") == self._own_tag
 
     def _discard(self, conn: Optional[psycopg.Connection]) -> None:
         if conn is not None:
@@ -602,17 +608,25 @@ class PgPool:
         and, when it does, which of ``pids`` (its processes) wait for a synchronous standby,
         with its ``synchronous_standby_names``."""
         try:
-            conn = psycopg.connect(self.url, host=server[0], port=server[1], connect_timeout=PROBE_TIMEOUT,
-                                   target_session_attrs="any", autocommit=True)
+            with self._short_connection(server) as conn:
+                try:
+                    row = conn.execute(_HELD_FOR_STANDBY, (sorted(pids),)).fetchone()
+                except psycopg.Error:
+                    return True, set(), ""  # it took the connection: alive
+                return True, set(row[0]), row[1]
         except psycopg.Error as exc:
             return exc.sqlstate is not None, set(), ""
-        timer = threading.Timer(PROBE_TIMEOUT, _shut_down, (conn,))  # a server that stops now: no wait
+
+    @contextlib.contextmanager
+    def _short_connection(self, server: tuple[str, str]) -> Iterator[psycopg.Connection]:
+        """A connection of the watchdog's own to ``server``, made and used within
+        PROBE_TIMEOUT each (a server that stops meanwhile has its socket shut down)."""
+        conn = psycopg.connect(self.url, host=server[0], port=server[1], connect_timeout=PROBE_TIMEOUT,
+                               target_session_attrs="any", autocommit=True)
+        timer = threading.Timer(PROBE_TIMEOUT, _shut_down, (conn,))
         timer.start()
         try:
-            row = conn.execute(_HELD_FOR_STANDBY, (sorted(pids),)).fetchone()
-            return True, set(row[0]), row[1]
-        except psycopg.Error:
-            return True, set(), ""  # it took the connection: alive
+            yield conn
         finally:
             timer.cancel()
             _close_quietly(conn)
@@ -649,19 +663,10 @@ class PgPool:
     def _terminate(self, server: tuple[str, str], pids: list[int]) -> None:
         """End the server processes ``pids`` (this pool's own connections'), within PROBE_TIMEOUT."""
         try:
-            conn = psycopg.connect(self.url, host=server[0], port=server[1], connect_timeout=PROBE_TIMEOUT,
-                                   target_session_attrs="any", autocommit=True)
-        except psycopg.Error:
-            return
-        timer = threading.Timer(PROBE_TIMEOUT, _shut_down, (conn,))
-        timer.start()
-        try:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (pids,))
+            with self._short_connection(server) as conn:
+                conn.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (pids,))
         except psycopg.Error as exc:
             log.warning("could not end the database's processes waiting for a synchronous standby: %s", exc)
-        finally:
-            timer.cancel()
-            _close_quietly(conn)
 
     def _standby_wait_over(self, now: float) -> None:
         if self.standby_wait_since is not None and now - self._standby_wait_seen > STANDBY_WAIT_FORGOTTEN:
