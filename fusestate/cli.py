@@ -11,7 +11,7 @@ import sys
 from typing import Optional, Sequence
 
 from fusestate import __version__
-from fusestate.config import (DEFAULT_BLOCK_SIZE, DEFAULT_METRICS_PORT, METRICS_PORTS, PREFETCH_MODES,
+from fusestate.config import (DEFAULT_BLOCK_SIZE, FRONTENDS, DEFAULT_METRICS_PORT, METRICS_PORTS, PREFETCH_MODES,
                               WHOLE_BLOCK_MODES, MountConfig, format_size, meta_url_of, parse_size)
 from fusestate.errors import UserError
 from fusestate.spark.arguments import cluster_arguments, pipeline_arguments
@@ -193,6 +193,10 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
                         "how long another node's rename or unlink may go unseen)")
     m.add_argument("--debug", action="store_true", default=unset, help="verbose logging")
     m.add_argument("-o", dest="fuse_options", action="append", default=unset, help="extra FUSE mount option")
+    m.add_argument("--frontend", choices=FRONTENDS, default=unset,
+                   help="what speaks to the kernel: 'pyfuse3' (libfuse), 'native' (the fusestate_kernel "
+                        "extension, which can hand files to the kernel: FUSE passthrough), or 'auto' "
+                        "(default; the environment's FUSESTATE_FRONTEND when set)")
 
 
 SIZE_OPTIONS = {"cache_size": "--cache-size", "memory_cache_size": "--memory-cache-size",

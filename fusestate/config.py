@@ -14,6 +14,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 DEFAULT_BLOCK_SIZE = 4 * MiB
+FRONTENDS = ("auto", "pyfuse3", "native")  # what speaks to the kernel (fusestate.fuse.frontend)
 PREFETCH_MODES = ("auto", "off", "recent", "all")  # cache warming after the mount (--prefetch)
 WHOLE_BLOCK_MODES = ("auto", "always", "never")  # cold reads fetch whole blocks (--whole-blocks)
 DEFAULT_CACHE_DIR = "/var/cache/fusestate"
@@ -120,6 +121,8 @@ class MountConfig:
     lookup_cache: str = "on"                 # shared engine: on | off: lookups answered here while change notifications flow
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
+    # auto | pyfuse3 | native: what speaks to the kernel; the environment's FUSESTATE_FRONTEND when not given
+    frontend: str = field(default_factory=lambda: os.environ.get("FUSESTATE_FRONTEND") or "auto")
 
     def __post_init__(self) -> None:
         self.mountpoint = os.path.abspath(self.mountpoint)
@@ -158,6 +161,8 @@ class MountConfig:
                 raise UserError(f"bad --scratch {pattern!r}: expected a directory name pattern such as 'blockmgr-*'")
         if self.metrics_addr not in (None, "off"):
             parse_metrics_addr(self.metrics_addr)
+        if self.frontend not in FRONTENDS:
+            raise UserError(f"bad --frontend {self.frontend!r}: expected one of {', '.join(FRONTENDS)}")
         if self.block_size is not None and (self.block_size < 64 * 1024 or self.block_size & (self.block_size - 1)):
             raise UserError("--block-size must be a power of two of at least 64K")
         if self.max_dirty is None:

@@ -109,4 +109,27 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     rm -f "$log"
     echo "$wanted" >"$stamp"
 fi
+
+# The native front end's kernel connection (native/: Rust, fuser and pyo3, built by maturin
+# with cargo): built when its sources changed since the last build into this venv.
+native_stamp=.venv/.fusestate-kernel-installed
+native_wanted=$(cat native/Cargo.toml native/Cargo.lock native/pyproject.toml native/src/*.rs | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$native_stamp" 2>/dev/null)" != "$native_wanted" ]; then
+    if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+        export PATH="$HOME/.cargo/bin:$PATH"
+    fi
+    if ! command -v cargo >/dev/null 2>&1; then
+        echo "setup: no cargo (Rust): the native front end is not built; mounts use pyfuse3" >&2
+    else
+        echo "setup: building the native front end (native/, cargo)"
+        log=$(mktemp)
+        if ! .venv/bin/pip install -q ./native >"$log" 2>&1; then
+            cat "$log" >&2
+            echo "setup: building the native front end failed" >&2
+            exit 1
+        fi
+        rm -f "$log"
+        echo "$native_wanted" >"$native_stamp"
+    fi
+fi
 echo "fusestate is installed in $(pwd)/.venv"

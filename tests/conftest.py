@@ -204,6 +204,37 @@ def any_bucket(tmp_path: Path, request: pytest.FixtureRequest) -> Bucket:
     return new_bucket(request.param, tmp_path, request)
 
 
+# The test files that run on each front end (docs/architecture.md, "Front ends"); the others run
+# on the one FUSESTATE_FRONTEND (or auto) picks.
+BOTH_FRONTENDS = {"test_posix", "test_writeback", "test_frontend"}  # test_scratch_posix: its own mounts
+
+
+def native_front_end_missing() -> Optional[str]:
+    try:
+        import fusestate_kernel  # noqa: F401
+    except ImportError as exc:
+        return f"the native front end is not built ({exc}): run scripts/setup.sh with cargo installed"
+    return None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "frontend" in metafunc.fixturenames and metafunc.module.__name__.rpartition(".")[2] in BOTH_FRONTENDS:
+        metafunc.parametrize("frontend", ["pyfuse3", "native"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def frontend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Optional[str]:
+    """The front end every daemon this test starts runs (its FUSESTATE_FRONTEND): each of
+    them in the files of BOTH_FRONTENDS, the environment's choice elsewhere."""
+    name = getattr(request, "param", None)
+    if name is None:
+        return os.environ.get("FUSESTATE_FRONTEND")
+    if name == "native" and (missing := native_front_end_missing()):
+        pytest.skip(missing)
+    monkeypatch.setenv("FUSESTATE_FRONTEND", name)
+    return name
+
+
 def fusestate(*args: str, check: bool = True, timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(BIN / "fusestate"), *args], capture_output=True, text=True,
                           timeout=timeout, env=env)

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 import test_posix
-from conftest import Bucket, Mount
+from conftest import Bucket, Mount, native_front_end_missing
 
 # About what a remount keeps, or what only a file of the volume has (its inode number kept).
 NOT_IN_SCRATCH = {"test_readdir_after_remount", "test_tree_survives_remount", "test_freed_inode_numbers_are_not_reused"}
@@ -53,15 +53,19 @@ def _cases() -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def shared_scratch_mount(tmp_path_factory: pytest.TempPathFactory, postgres_server) -> Iterator[Mount]:
+@pytest.fixture(scope="module", params=["pyfuse3", "native"])
+def shared_scratch_mount(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                         postgres_server) -> Iterator[Mount]:
+    """One mount on each front end."""
+    if request.param == "native" and (missing := native_front_end_missing()):
+        pytest.skip(missing)
     base = tmp_path_factory.mktemp("scratch-posix")
     (base / "bucket").mkdir()
     url = postgres_server.create_database(f"posix{uuid.uuid4().hex[:12]}")
     m = Mount(Bucket("file", f"file://{base / 'bucket'}"), base / "mnt", base / "cache",
               ["--meta", url, "--scratch", "posix-*", "--metrics-addr", "off"])
     try:
-        yield m.mount()
+        yield m.mount(env={"FUSESTATE_FRONTEND": request.param})
     finally:
         m.cleanup()
 

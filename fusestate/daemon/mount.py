@@ -15,7 +15,6 @@ import subprocess
 import time
 from typing import Any, Optional
 
-import pyfuse3
 import trio
 from prometheus_client import CollectorRegistry
 
@@ -31,6 +30,7 @@ from fusestate.daemon.paths import CacheLayout, check_mountpoint, control_socket
 from fusestate.errors import UserError
 from fusestate.localio import libc
 from fusestate.fuse import kernel
+from fusestate.fuse import frontend
 from fusestate.fuse.adapter import FuseOperations
 from fusestate.fuse.page_fill import PageFill
 from fusestate.blocks.keys import is_inline, object_name
@@ -74,6 +74,7 @@ class Daemon:
     # --- setup (before trio) ------------------------------------------------------
     def prepare(self) -> None:
         cfg = self.cfg
+        self.frontend_choice = frontend.choose(cfg.frontend)  # before anything is opened: a bad choice changes nothing
         check_mountpoint(cfg.mountpoint)
         self.layout = prepare_cache_dir(cfg.cache_dir)
         self._lock_fd = lock_cache_dir(self.layout)
@@ -109,8 +110,9 @@ class Daemon:
         self.uploader, self.blocks, self.warmer, self.fs = p.uploader, p.blocks, p.warmer, p.fs
         assert cfg.attr_timeout is not None
         self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
+        self.frontend = frontend.build(self.frontend_choice, self.ops)
         if cfg.prefetch_links == "on" and not cfg.read_only:
-            self.ops.page_fill = PageFill(self.fs, pyfuse3.notify_store, budget=cfg.page_fill_budget)
+            self.ops.page_fill = PageFill(self.fs, self.frontend.notify_store, budget=cfg.page_fill_budget)
         # The embedded engine's own durability: its journal shipped to the bucket, fenced by the lease.
         self.shipper: Optional[JournalShipper] = None
         if isinstance(self.meta, SQLiteEngine):
@@ -209,7 +211,7 @@ class Daemon:
 
     # --- serving ------------------------------------------------------------------
     def fuse_options(self) -> set[str]:
-        opts = set(pyfuse3.default_options)
+        opts = {"default_permissions"}
         opts |= {f"fsname=fusestate:{self.location.bucket}", "subtype=fusestate", "default_permissions", "noatime",
                  "nodev"}  # device nodes are metadata: they never open as devices
         if self.cfg.allow_other:
@@ -242,15 +244,16 @@ class Daemon:
                 nursery.start_soon(self._refresh_locality)
             await nursery.start(control.serve, control_socket(self.cfg.mountpoint), self.handle_control)
             try:
-                pyfuse3.init(self.ops, self.cfg.mountpoint, self.fuse_options())
+                self.frontend.mount(self.cfg.mountpoint, self.fuse_options())
             except RuntimeError as exc:
                 raise UserError(f"cannot mount on {self.cfg.mountpoint}: {exc}") from None
+            log.info("front end: %s (%s)", self.frontend.name, self.frontend_choice.reason)
             nursery.start_soon(self._signals)
             nursery.start_soon(self._announce_ready)
             try:
-                await pyfuse3.main(max_tasks=64)
+                await self.frontend.serve()
             finally:
-                pyfuse3.close(unmount=True)
+                self.frontend.close()
             log.info("unmounted; flushing dirty data")
             with trio.CancelScope(shield=True):
                 await self._flush_everything()
@@ -409,7 +412,7 @@ class Daemon:
         if result is not None and force:
             log.warning("mountpoint busy (%s); detaching it lazily", result)
             await trio.to_thread.run_sync(_fusermount, self.cfg.mountpoint, True)
-            pyfuse3.terminate()
+            self.frontend.terminate()
         elif result is not None:
             raise UserError(f"cannot unmount {self.cfg.mountpoint}: {result}")
 
@@ -521,7 +524,9 @@ class Daemon:
             "metrics_addr": f"{self.metrics_addr[0]}:{self.metrics_addr[1]}" if self.metrics_addr else None,
             "block_size": self.volume.block_size, "volume_id": self.volume.volume_id,
         })
-        doc["fuse"].update({"operations": sum(self.ops.counters.values()), "kernel_readahead": self.kernel_readahead})
+        doc["fuse"].update({"operations": sum(self.ops.counters.values()), "kernel_readahead": self.kernel_readahead,
+                            "frontend": self.frontend.name, "frontend_reason": self.frontend_choice.reason,
+                            **self.frontend.agreed()})
         doc["metadata"]["engine"] = self.meta.kind
         doc["lease"].update({
             "holder": self.lease.holder if self.lease else None,

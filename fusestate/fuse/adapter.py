@@ -85,8 +85,11 @@ class FuseOperations(pyfuse3.Operations):
         self.op_observer: Optional[Callable[[str, float], None]] = None
         # Fills the page cache with files linked here (--prefetch-links); None: off.
         self.page_fill: Optional[PageFill] = None
+        # How to have the kernel drop an entry: the front end serving this mount says.
+        self.invalidate_entry: Callable[[int, bytes], None] = _invalidate_entry
         # The kernel's names of each inode, dropped when another node changes the file.
-        self.kernel_names = KernelNames(_invalidate_entry, max_inodes=MAX_INODES if fs.meta.shared else 0)
+        self.kernel_names = KernelNames(lambda parent, name: self.invalidate_entry(parent, name),
+                                        max_inodes=MAX_INODES if fs.meta.shared else 0)
         changes = getattr(fs.meta, "changes", None) if fs.meta.shared else None
         if changes is not None:
             changes.inode_listeners.append(self.kernel_names.changed_elsewhere)
@@ -250,9 +253,15 @@ class FuseOperations(pyfuse3.Operations):
 
     @_translate_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        await self.list_into(fh, start_id, functools.partial(pyfuse3.readdir_reply, token))
+
+    async def list_into(self, fh: int, start_id: int,
+                        add: Callable[[bytes, pyfuse3.EntryAttributes, int], bool]) -> None:
+        """Hand a directory's entries after ``start_id`` to the kernel's reply through ``add``
+        (False: the reply is full, that entry not in it), with their attributes (readdirplus)."""
         parent = self.fs.directory_of(fh)
         for entry, node in await self.fs.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, entry.name, self._attrs(node), entry.entry_id):
+            if not add(entry.name, self._attrs(node), entry.entry_id):
                 break
             if node.is_reg:  # the kernel took the entry: one lookup more
                 self.kernel_names.handed(node.id, parent, entry.name, node.size)
