@@ -194,9 +194,11 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--debug", action="store_true", default=unset, help="verbose logging")
     m.add_argument("-o", dest="fuse_options", action="append", default=unset, help="extra FUSE mount option")
     m.add_argument("--frontend", choices=FRONTENDS, default=unset,
-                   help="what speaks to the kernel: 'pyfuse3' (libfuse), 'native' (the fusestate_kernel "
-                        "extension, which can hand files to the kernel: FUSE passthrough), or 'auto' "
-                        "(default; the environment's FUSESTATE_FRONTEND when set)")
+                   help="what speaks to the kernel: 'pyfuse3' (libfuse); 'native' (the fusestate_kernel "
+                        "extension, with the kernel's writeback cache); 'passthrough' (the extension, with "
+                        "files written here, scratch files and their readers served by the kernel from "
+                        "local files: FUSE passthrough, Linux 6.9+ and root); 'auto' (default; the "
+                        "environment's FUSESTATE_FRONTEND when set)")
 
 
 SIZE_OPTIONS = {"cache_size": "--cache-size", "memory_cache_size": "--memory-cache-size",

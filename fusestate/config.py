@@ -14,7 +14,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 DEFAULT_BLOCK_SIZE = 4 * MiB
-FRONTENDS = ("auto", "pyfuse3", "native")  # what speaks to the kernel (fusestate.fuse.frontend)
+FRONTENDS = ("auto", "pyfuse3", "native", "passthrough")  # what speaks to the kernel (fusestate.fuse.frontend)
 PREFETCH_MODES = ("auto", "off", "recent", "all")  # cache warming after the mount (--prefetch)
 WHOLE_BLOCK_MODES = ("auto", "always", "never")  # cold reads fetch whole blocks (--whole-blocks)
 DEFAULT_CACHE_DIR = "/var/cache/fusestate"
@@ -121,7 +121,7 @@ class MountConfig:
     lookup_cache: str = "on"                 # shared engine: on | off: lookups answered here while change notifications flow
     debug: bool = False
     fuse_options: list[str] = field(default_factory=list)
-    # auto | pyfuse3 | native: what speaks to the kernel; the environment's FUSESTATE_FRONTEND when not given
+    # auto | pyfuse3 | native | passthrough: what speaks to the kernel; the environment's FUSESTATE_FRONTEND when not given
     frontend: str = field(default_factory=lambda: os.environ.get("FUSESTATE_FRONTEND") or "auto")
 
     def __post_init__(self) -> None:

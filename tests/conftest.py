@@ -206,7 +206,7 @@ def any_bucket(tmp_path: Path, request: pytest.FixtureRequest) -> Bucket:
 
 # The test files that run on each front end (docs/architecture.md, "Front ends"); the others run
 # on the one FUSESTATE_FRONTEND (or auto) picks.
-BOTH_FRONTENDS = {"test_posix", "test_writeback", "test_frontend"}  # test_scratch_posix: its own mounts
+BOTH_FRONTENDS = {"test_posix", "test_writeback"}  # test_scratch_posix: its own mounts
 
 
 def native_front_end_missing() -> Optional[str]:
@@ -219,7 +219,7 @@ def native_front_end_missing() -> Optional[str]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "frontend" in metafunc.fixturenames and metafunc.module.__name__.rpartition(".")[2] in BOTH_FRONTENDS:
-        metafunc.parametrize("frontend", ["pyfuse3", "native"], indirect=True)
+        metafunc.parametrize("frontend", ["pyfuse3", "passthrough"], indirect=True)
 
 
 @pytest.fixture(autouse=True)
@@ -229,7 +229,7 @@ def frontend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     name = getattr(request, "param", None)
     if name is None:
         return os.environ.get("FUSESTATE_FRONTEND")
-    if name == "native" and (missing := native_front_end_missing()):
+    if name in ("native", "passthrough") and (missing := native_front_end_missing()):
         pytest.skip(missing)
     monkeypatch.setenv("FUSESTATE_FRONTEND", name)
     return name

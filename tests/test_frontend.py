@@ -1,8 +1,10 @@
-"""The front ends: which one serves a mount and why, and that the native one serves a real
-mount (the conformance files run on both: conftest.BOTH_FRONTENDS)."""
+"""The front ends: which one serves a mount and why; the native ones serve real mounts, and
+with passthrough the kernel serves written files' bytes itself (the conformance files run on
+pyfuse3 and passthrough: conftest.BOTH_FRONTENDS)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -10,16 +12,20 @@ import pytest
 from conftest import Mount, assert_one_line_error, is_mounted, native_front_end_missing
 
 from fusestate.errors import UserError
-from fusestate.fuse import frontend
+from fusestate.fuse import frontend as frontends
+
+MiB = 1 << 20
 
 
 def test_auto_picks_pyfuse3_and_names_pick_their_own() -> None:
-    assert frontend.choose("auto").name == "pyfuse3"
-    assert frontend.choose("pyfuse3").name == "pyfuse3"
+    assert frontends.choose("auto").name == "pyfuse3"
+    assert frontends.choose("pyfuse3").name == "pyfuse3"
     if not native_front_end_missing():
-        assert frontend.choose("native").name == "native"
+        assert frontends.choose("native") == frontends.Choice("native", "chosen with --frontend native")
+    if frontends.passthrough_available() is None:
+        assert frontends.choose("passthrough").passthrough
     with pytest.raises(UserError, match="bad --frontend"):
-        frontend.choose("libfuse2")
+        frontends.choose("libfuse2")
 
 
 @pytest.mark.parametrize("release, expected", [
@@ -27,23 +33,30 @@ def test_auto_picks_pyfuse3_and_names_pick_their_own() -> None:
     ("weird", (0, 0)),
 ])
 def test_kernel_versions_are_read_from_the_release(release: str, expected: tuple[int, int]) -> None:
-    assert frontend.kernel_version(release) == expected
+    assert frontends.kernel_version(release) == expected
 
 
 def test_passthrough_needs_kernel_6_9() -> None:
-    assert "6.8" in (frontend.passthrough_available("6.8.12") or "")
+    assert "6.8" in (frontends.passthrough_available("6.8.12") or "")
     if os.geteuid() == 0 and not native_front_end_missing():
-        assert frontend.passthrough_available("6.18.1") is None
+        assert frontends.passthrough_available("6.18.1") is None
 
 
+@pytest.mark.parametrize("frontend", ["pyfuse3", "native", "passthrough"], indirect=True)
 def test_status_names_the_front_end_and_why(mnt: Mount, frontend: str) -> None:
     fuse = mnt.status()["fuse"]
     assert fuse["frontend"] == frontend
     assert frontend in fuse["frontend_reason"]
-    assert fuse["writeback_cache"] is True
+    # The kernel takes passthrough or the writeback cache, never both.
+    assert fuse["passthrough"] is (frontend == "passthrough")
+    assert fuse["writeback_cache"] is (frontend != "passthrough")
 
 
-def test_a_file_written_on_one_front_end_reads_back_on_the_other(mnt: Mount, frontend: str) -> None:
+@pytest.mark.parametrize("frontend, other", [("pyfuse3", "passthrough"), ("passthrough", "native"),
+                                             ("native", "pyfuse3")], indirect=["frontend"])
+def test_a_volume_written_on_one_front_end_reads_back_on_another(mnt: Mount, frontend: str, other: str) -> None:
+    if other != "pyfuse3" and native_front_end_missing():
+        pytest.skip(native_front_end_missing())
     data = os.urandom(3 * 1024 * 1024 + 17)
     (mnt.path / "d").mkdir()
     (mnt.path / "d" / "f").write_bytes(data)
@@ -51,9 +64,7 @@ def test_a_file_written_on_one_front_end_reads_back_on_the_other(mnt: Mount, fro
     for n in names:
         (mnt.path / "d" / n).write_bytes(n.encode())
     mnt.umount()
-    other = "pyfuse3" if frontend == "native" else "native"
-    if other == "native" and native_front_end_missing():
-        pytest.skip(native_front_end_missing())
+    mnt.wipe_cache()  # every byte read back comes from the bucket
     mnt.mount(env={"FUSESTATE_FRONTEND": other})
     assert mnt.status()["fuse"]["frontend"] == other
     assert (mnt.path / "d" / "f").read_bytes() == data
@@ -61,7 +72,99 @@ def test_a_file_written_on_one_front_end_reads_back_on_the_other(mnt: Mount, fro
     assert all((mnt.path / "d" / n).read_bytes() == n.encode() for n in names[::37])
 
 
-def test_a_native_front_end_that_cannot_run_is_one_clear_error(make_mount, file_bucket, tmp_path: Path) -> None:
+def _passthrough_mount(make_mount, file_bucket, *extra: str) -> Mount:
+    if missing := frontends.passthrough_available():
+        pytest.skip(missing)
+    return make_mount(file_bucket, extra=["--frontend", "passthrough", *extra]).mount()
+
+
+def test_passthrough_writes_never_reach_the_daemon_and_land_in_the_bucket(make_mount, file_bucket) -> None:
+    m = _passthrough_mount(make_mount, file_bucket)
+    data = os.urandom(9 * MiB + 5)
+    with open(m.path / "sst", "wb") as f:
+        for start in range(0, len(data), 4096):  # small writes: one round trip each without passthrough
+            f.write(data[start:start + 4096])
+        f.flush()
+        os.fsync(f.fileno())
+        assert os.fstat(f.fileno()).st_size == len(data)
+    with open(m.path / "sst", "r+b") as f:  # a rewrite in place of an existing file
+        f.seek(5 * MiB)
+        f.write(b"patched")
+    expected = data[:5 * MiB] + b"patched" + data[5 * MiB + 7:]
+    assert (m.path / "sst").read_bytes() == expected
+    st = m.status()
+    assert st["fuse"]["bytes_written"] == 0 and st["fuse"]["bytes_read"] == 0, st["fuse"]
+    assert st["passthrough"]["opens"] >= 3 and st["passthrough"]["refused"] == 0, st["passthrough"]
+    assert st["passthrough"]["sealed_bytes"] >= len(data), st["passthrough"]
+    m.umount()
+    m.wipe_cache()
+    m.mount("--frontend", "pyfuse3")
+    assert (m.path / "sst").read_bytes() == expected
+    assert not any((m.cache_dir / "backing").iterdir())
+
+
+def test_passthrough_keeps_sparse_files_sparse(make_mount, file_bucket) -> None:
+    m = _passthrough_mount(make_mount, file_bucket)
+    far = 1 << 40
+    with open(m.path / "huge", "wb") as f:
+        f.seek(far)
+        f.write(b"x")
+        f.flush()
+        os.fsync(f.fileno())
+    st = m.status()
+    assert st["passthrough"]["sealed_bytes"] < 8 * MiB, st["passthrough"]  # the hole was never read
+    m.umount()
+    m.mount("--frontend", "pyfuse3")
+    with open(m.path / "huge", "rb") as f:
+        f.seek(far - 3)
+        assert f.read() == b"\0\0\0x"
+
+
+def test_a_second_writer_past_max_dirty_goes_through_the_daemon_and_waits(make_mount, file_bucket) -> None:
+    """--max-dirty on the passthrough front end: while the open passthrough writers hold more
+    unsealed bytes than it, a new writer is served by the daemon, whose writers wait for room."""
+    m = _passthrough_mount(make_mount, file_bucket, "--max-dirty", "16M", "--cache-size", "1G")
+    first = os.urandom(24 * MiB)
+    chunk = os.urandom(MiB)
+    expected = hashlib.sha256()
+    with open(m.path / "first", "wb") as a:
+        a.write(first)
+        a.flush()
+        with open(m.path / "second", "wb") as b:
+            for i in range(64):
+                piece = bytes([i]) + chunk[1:]
+                b.write(piece)
+                expected.update(piece)
+    st = m.status()
+    assert st["passthrough"]["opens"] == 1, st["passthrough"]
+    assert st["fuse"]["bytes_written"] == 64 * MiB
+    assert st["writeback"]["backpressure_waits"] > 0 and st["writeback"]["upload_failures"] == 0
+    m.umount()
+    m.wipe_cache()
+    m.mount("--frontend", "pyfuse3")
+    assert (m.path / "first").read_bytes() == first
+    assert hashlib.sha256((m.path / "second").read_bytes()).hexdigest() == expected.hexdigest()
+
+
+def test_mmap_writes_through_passthrough_reach_the_bucket(make_mount, file_bucket) -> None:
+    import mmap
+
+    m = _passthrough_mount(make_mount, file_bucket)
+    with open(m.path / "mapped", "w+b") as f:
+        f.truncate(2 * MiB)
+        with mmap.mmap(f.fileno(), 2 * MiB) as mm:
+            mm[MiB:MiB + 5] = b"hello"
+            mm.flush()
+    m.umount()
+    m.wipe_cache()
+    m.mount("--frontend", "pyfuse3")
+    data = (m.path / "mapped").read_bytes()
+    assert len(data) == 2 * MiB and data[MiB:MiB + 5] == b"hello" and data.count(0) == 2 * MiB - 5
+
+
+@pytest.mark.parametrize("name", ["native", "passthrough"])
+def test_a_native_front_end_that_cannot_run_is_one_clear_error(make_mount, file_bucket, tmp_path: Path,
+                                                               name: str) -> None:
     """Without the extension, --frontend native fails the mount with one line (nothing mounted)."""
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow"))
     shadow = tmp_path / "shadow" / "fusestate_kernel"
@@ -71,7 +174,7 @@ def test_a_native_front_end_that_cannot_run_is_one_clear_error(make_mount, file_
 
     mnt = make_mount(file_bucket)
     mnt.path.mkdir(parents=True, exist_ok=True)
-    proc = run(*mnt.mount_args("--frontend", "native"), check=False, env=env)
+    proc = run(*mnt.mount_args("--frontend", name), check=False, env=env)
     assert proc.returncode != 0
-    assert_one_line_error(proc, "--frontend native cannot run", "hidden for the test")
+    assert_one_line_error(proc, f"--frontend {name} cannot run", "hidden for the test")
     assert not is_mounted(mnt.path)

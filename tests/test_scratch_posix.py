@@ -53,11 +53,11 @@ def _cases() -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module", params=["pyfuse3", "native"])
+@pytest.fixture(scope="module", params=["pyfuse3", "passthrough"])
 def shared_scratch_mount(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                          postgres_server) -> Iterator[Mount]:
     """One mount on each front end."""
-    if request.param == "native" and (missing := native_front_end_missing()):
+    if request.param == "passthrough" and (missing := native_front_end_missing()):
         pytest.skip(missing)
     base = tmp_path_factory.mktemp("scratch-posix")
     (base / "bucket").mkdir()

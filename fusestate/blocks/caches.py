@@ -191,6 +191,7 @@ class DiskCache:
         self.limit = limit_bytes
         self.stats = TierStats()
         self._trusted = KeySet(KEY_MEMORY)
+        self.lent = 0  # bytes of the limit lent to another user of the cache disk (passthrough's kept files)
         # Every key the index may hold: a superset, since entries that diskcache culls to
         # make room stay in it until a read misses them. A key not in it is certainly not
         # here (never stored, or missed and not stored since), so a fresh node's first read
@@ -198,6 +199,17 @@ class DiskCache:
         # SQLite transaction to learn that.
         self._maybe_present: set[str] = set(self._cache.iterkeys())
         self._rebuild_present_at = self._present_bound()
+
+    def lend(self, nbytes: int) -> int:
+        """Give ``nbytes`` of the limit to another user of the cache disk (the backing files
+        passthrough keeps for their readers): the cache shrinks by as much. Returns the bytes
+        lent."""
+        nbytes = max(0, min(nbytes, self.limit))
+        self.limit -= nbytes
+        self.lent += nbytes
+        with self._lock:
+            self._cache.reset("size_limit", self.limit)
+        return nbytes
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

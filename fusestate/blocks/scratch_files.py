@@ -20,6 +20,7 @@ to a thread costs); a promotion reads its blocks back in worker threads
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections import OrderedDict
@@ -83,6 +84,37 @@ class ScratchFiles:
             _close(self._fds.popitem(last=False)[1])
         return fds
 
+    def fd(self, ino: int) -> int:
+        """A descriptor of the file's backing file (made if missing), for FUSE passthrough:
+        the kernel takes its own reference when it registers it."""
+        fds = self._open(ino, create=True)
+        assert fds is not None
+        self._sizes.setdefault(ino, 0)
+        return fds.buffered
+
+    def stat(self, ino: int) -> Optional[os.stat_result]:
+        """The backing file's size and times as the kernel's passthrough writes left them;
+        None if it has none."""
+        try:
+            st = os.stat(self._path(ino))
+        except FileNotFoundError:
+            return None
+        self._sizes[ino] = max(self._sizes.get(ino, 0), st.st_size)
+        return st
+
+    def adopt(self, ino: int, other: "ScratchFiles") -> None:
+        """Take ``ino``'s backing file over from another store (same disk: a rename)."""
+        other._close_fds(ino)
+        size = other._sizes.pop(ino, 0)
+        self._close_fds(ino)
+        os.replace(other._path(ino), self._path(ino))
+        self._sizes[ino] = size
+
+    def _close_fds(self, ino: int) -> None:
+        fds = self._fds.pop(ino, None)
+        if fds is not None:
+            _close(fds)
+
     def write(self, ino: int, offset: int, data: bytes | memoryview) -> None:
         end = offset + len(data)
         if self.reserve and end > self._sizes.get(ino, 0):
@@ -110,19 +142,44 @@ class ScratchFiles:
         fds = self._open(ino, create=False)
         return _padded(os.pread(fds.buffered, size, offset) if fds is not None else b"", size)
 
-    def read_block(self, ino: int, offset: int, size: int) -> bytes | memoryview:
+    def read_block(self, ino: int, offset: int, size: int, direct: bool = True) -> bytes | memoryview:
         """``read`` for a worker thread, of a range no one reads again (a promotion's block,
         at a page-aligned offset): through a descriptor of its own, with ``O_DIRECT`` where
         the filesystem allows it, so it neither waits on the event loop nor fills page-cache
-        memory. The file must not change meanwhile (the caller holds the file's lock)."""
-        direct = localio.open_direct(self._path(ino), os.O_RDONLY)
-        if direct is None:
+        memory. The file must not change meanwhile (the caller holds the file's lock).
+        ``direct=False`` reads through the page cache (a file the kernel just wrote: its
+        pages are dirty, and a direct read would wait for them to reach the disk first)."""
+        if not direct:
+            with open(self._path(ino), "rb", buffering=0) as f:
+                return _padded(os.pread(f.fileno(), size, offset), size)
+        direct_fd = localio.open_direct(self._path(ino), os.O_RDONLY)
+        if direct_fd is None:
             with open(self._path(ino), "rb", buffering=0) as f:
                 return _padded(os.pread(f.fileno(), size, offset), size)
         try:
-            return _padded(localio.pread_aligned(direct, offset, size), size)
+            return _padded(localio.pread_aligned(direct_fd, offset, size), size)
         finally:
-            os.close(direct)
+            os.close(direct_fd)
+
+    def data_blocks(self, ino: int, block_size: int) -> set[int]:
+        """The indexes of the blocks that hold any data (not all hole): a sparse file's
+        holes are never read (SEEK_DATA / SEEK_HOLE)."""
+        out: set[int] = set()
+        fd = os.open(self._path(ino), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            pos = 0
+            while True:
+                try:
+                    start = os.lseek(fd, pos, os.SEEK_DATA)
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:  # no data past pos
+                        return out
+                    raise
+                end = os.lseek(fd, start, os.SEEK_HOLE)
+                out.update(range(start // block_size, (end - 1) // block_size + 1))
+                pos = end
+        finally:
+            os.close(fd)
 
     def truncate(self, ino: int, size: int) -> None:
         fds = self._open(ino, create=size > 0)

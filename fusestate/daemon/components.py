@@ -67,7 +67,8 @@ class Components:
         return await self.uploader.recover()
 
     def close(self) -> None:
-        for close in (self.blocks.close, self.disk.close, self.meta.close, self.fs.scratch.close):
+        for close in (self.blocks.close, self.disk.close, self.meta.close, self.fs.scratch.close,
+                      self.fs.backing.close):
             with contextlib.suppress(Exception):
                 close()
 
@@ -85,5 +86,6 @@ def build(meta: MetaEngine, remote: RemoteStore, layout: CacheLayout, settings: 
     warmer = CacheWarmer(blocks, meta, mode=s.prefetch, disk_cache_bytes=s.read_cache_size)
     fs = FileSystem(node_local(meta) if s.scratch_dirs else meta, blocks, uploader, block_size=s.block_size,
                     durability=s.durability, readahead_blocks=s.readahead_blocks, read_only=s.read_only,
-                    scratch_dirs=s.scratch_dirs, scratch_files=ScratchFiles(layout.scratch, reserve=s.staging_reserve))
+                    scratch_dirs=s.scratch_dirs, scratch_files=ScratchFiles(layout.scratch, reserve=s.staging_reserve),
+                    backing_files=ScratchFiles(layout.backing, reserve=s.staging_reserve))
     return Components(meta, remote, memory, disk, staging, uploader, blocks, warmer, fs)

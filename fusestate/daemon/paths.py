@@ -35,6 +35,11 @@ class CacheLayout:
         return os.path.join(self.root, "scratch")
 
     @property
+    def backing(self) -> str:
+        """Backing files of volume files the kernel writes itself (FUSE passthrough)."""
+        return os.path.join(self.root, "backing")
+
+    @property
     def read_cache(self) -> str:
         return os.path.join(self.root, "blocks")
 

@@ -208,7 +208,18 @@ class FuseOperations(pyfuse3.Operations):
         keep = not flags & os.O_TRUNC and self.fs.keeps_page_cache(fh)
         if self.page_fill is not None and (not keep or flags & os.O_ACCMODE != os.O_RDONLY):
             await self.page_fill.stop(inode)  # its pages are about to hold other content
+        if not keep:
+            self.fs.dropped_page_cache(inode)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+
+    async def backing_fd(self, fh: int) -> Optional[int]:
+        """A file the kernel may serve this open from itself (FUSE passthrough: the native
+        front end, where the kernel agreed), or None."""
+        try:
+            return await self.fs.passthrough_open(fh)
+        except Exception:  # noqa: BLE001 - the open stands; the daemon serves it
+            log.exception("no backing file for handle %d", fh)
+            return None
 
     @_translate_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,

@@ -4,11 +4,13 @@ Two front ends serve the same :class:`FuseOperations`:
 
 - ``pyfuse3``: libfuse 3 through pyfuse3. Runs on any kernel, without privileges; it cannot
   hand a file to the kernel (no FUSE passthrough in the libfuse it is built against).
-- ``native``: the ``fusestate_kernel`` extension (Rust, fuser). It can answer an open with a
+- ``native``: the ``fusestate_kernel`` extension (Rust, fuser), with the kernel's writeback
+  cache, as pyfuse3.
+- ``passthrough``: the same extension, answering opens of files with a local copy with a
   backing file, whose reads and writes the kernel then serves itself (FUSE passthrough,
-  Linux 6.9 and later, CAP_SYS_ADMIN).
+  Linux 6.9 and later, CAP_SYS_ADMIN); the kernel then keeps no writeback cache.
 
-``--frontend auto`` picks pyfuse3 for now; ``native`` is chosen explicitly.
+``--frontend auto`` picks pyfuse3 for now; the others are chosen by name.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ class Pyfuse3FrontEnd:
 
 @dataclass(frozen=True)
 class Choice:
-    name: str      # the front end that serves the mount
-    reason: str    # why, in words for `fusestate status`
+    name: str                  # the front end that serves the mount
+    reason: str                # why, in words for `fusestate status`
+    passthrough: bool = False  # ask the kernel for FUSE passthrough (native only)
 
 
 def kernel_version(release: Optional[str] = None) -> tuple[int, int]:
@@ -122,23 +125,31 @@ def passthrough_available(release: Optional[str] = None) -> Optional[str]:
 
 
 def choose(requested: str) -> Choice:
-    """The front end for ``--frontend requested``; a native front end that cannot run is an
-    error when asked for by name."""
+    """The front end for ``--frontend requested``; one named that cannot run here is an
+    error (the mount fails with the reason)."""
     if requested not in FRONTENDS:
         raise UserError(f"bad --frontend {requested!r}: expected one of {', '.join(FRONTENDS)}")
     if requested == "pyfuse3":
         return Choice("pyfuse3", "chosen with --frontend pyfuse3")
-    if requested == "native":
+    if requested in ("native", "passthrough"):
         missing = native_available()
         if missing:
-            raise UserError(f"--frontend native cannot run: {missing}")
+            raise UserError(f"--frontend {requested} cannot run: {missing}")
+    if requested == "native":
         return Choice("native", "chosen with --frontend native")
+    if requested == "passthrough":
+        missing = passthrough_available()
+        if missing:
+            raise UserError(f"--frontend passthrough cannot run: {missing}")
+        return Choice("passthrough", "chosen with --frontend passthrough", passthrough=True)
     return Choice("pyfuse3", "the default (--frontend auto)")
 
 
 def build(choice: Choice, ops: FuseOperations) -> FrontEnd:
-    if choice.name == "native":
+    if choice.name in ("native", "passthrough"):
         from fusestate.fuse.native import NativeFrontEnd
 
-        return NativeFrontEnd(ops, writeback_cache=ops.enable_writeback_cache)
+        # The kernel takes no writeback cache with passthrough: files written get backing files.
+        return NativeFrontEnd(ops, writeback_cache=ops.enable_writeback_cache and not choice.passthrough,
+                              passthrough=choice.passthrough)
     return Pyfuse3FrontEnd(ops)

@@ -68,13 +68,13 @@ def _setattr_request(mode: Optional[int], uid: Optional[int], gid: Optional[int]
 class NativeFrontEnd:
     """Mounts with ``fusestate_kernel.Session`` and answers its requests on this trio loop."""
 
-    name = "native"
-
     def __init__(self, ops: FuseOperations, *, writeback_cache: bool = True, passthrough: bool = False) -> None:
+        self.name = "passthrough" if passthrough else "native"
         self.ops = ops
         self.writeback_cache = writeback_cache
         self.passthrough = passthrough
         self.session: Any = None
+        self.passthrough_agreed = False
         self._serving: Optional[trio.CancelScope] = None
         self._handlers: dict[str, Callable[..., Awaitable[None]]] = {
             name[len("_op_"):]: getattr(self, name) for name in dir(self) if name.startswith("_op_")}
@@ -86,9 +86,19 @@ class NativeFrontEnd:
         self.session = fusestate_kernel.Session(mountpoint, sorted(options), writeback_cache=self.writeback_cache,
                                                 passthrough=self.passthrough)
         self.ops.invalidate_entry = self.session.invalidate_entry
+        self.passthrough_agreed = bool(self.session.agreed()["passthrough"])
+        fs = self.ops.fs
+        fs.passthrough = self.passthrough_agreed
+        if self.passthrough_agreed:
+            # Backing files kept for their next reader take a quarter of the read cache's room.
+            fs.retain_bytes = fs.blocks.disk.lend(fs.blocks.disk.limit // 4)
 
     def agreed(self) -> dict[str, Any]:
-        return dict(self.session.agreed()) if self.session is not None else {}
+        """What the kernel agreed to at INIT, and the backing files registered with it now."""
+        if self.session is None:
+            return {}
+        _, _, backing_files = self.session.passthrough_stats()
+        return {**self.session.agreed(), "backing_files_registered": backing_files}
 
     def notify_store(self, inode: int, offset: int, data: bytes) -> None:
         self.session.notify_store(inode, offset, data)
@@ -179,11 +189,15 @@ class NativeFrontEnd:
 
     async def _op_open(self, rid: int, ctx: Context, inode: int, flags: int) -> None:
         fi = await self.ops.open(inode, flags, ctx)
-        self.session.reply_open(rid, inode, fi.fh, fi.keep_cache, fi.direct_io)
+        backing = await self.ops.backing_fd(fi.fh) if self.passthrough_agreed else None
+        if not self.session.reply_open(rid, inode, fi.fh, fi.keep_cache, fi.direct_io, backing) and backing is not None:
+            self.ops.fs.passthrough_refused(fi.fh)
 
     async def _op_create(self, rid: int, ctx: Context, parent: int, name: bytes, mode: int, flags: int) -> None:
         fi, attrs = await self.ops.create(parent, name, mode, flags, ctx)
-        self.session.reply_create(rid, attrs, fi.fh, fi.keep_cache, fi.direct_io)
+        backing = await self.ops.backing_fd(fi.fh) if self.passthrough_agreed else None
+        if not self.session.reply_create(rid, attrs, fi.fh, fi.keep_cache, fi.direct_io, backing) and backing is not None:
+            self.ops.fs.passthrough_refused(fi.fh)
 
     async def _op_read(self, rid: int, ctx: Context, fh: int, offset: int, size: int) -> None:
         self.session.reply_data(rid, await self.ops.read(fh, offset, size))

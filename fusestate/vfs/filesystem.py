@@ -32,7 +32,8 @@ from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, 
 from fusestate.vfs.block_buffer import BlockBuffer
 from fusestate.vfs.dir_listing import DirListing
 from fusestate.vfs.errors import FsError, from_os_error
-from fusestate.vfs.open_file import OpenFile, Sealing
+from fusestate.vfs.open_file import OpenFile, Sealing, content_version
+from fusestate.vfs.passthrough import PassthroughFiles, PassthroughStats
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Handle:
     # scan; several, because the kernel's readahead requests (RocksDB asks for them with
     # readahead(2)) arrive interleaved with the reader's own.
     read_ends: deque[int] = field(default_factory=lambda: deque([0], maxlen=SCAN_STREAMS))
+    passthrough: bool = False          # the kernel serves it from the file's backing file
+    passthrough_writes: bool = False   # ... and it may write
 
 
 CACHED_CONTENT_MAX = 100_000  # files whose cached content a shared mount remembers
@@ -70,11 +73,6 @@ HOLD_RELEASE_DELAY = 0.1  # seconds a closed file's hold waits to go with others
 PUT_AGAIN_AFTER = 4.0  # longer than the engine's margin (pg_functions.COLLECTED_MARGIN)
 PUT_AGAIN_TRIES = 20
 DELETED_REMEMBERED_MAX = 10_000  # deleted files whose last attributes answer the kernel's late SETATTR
-
-
-def content_version(size: int, keys: dict[int, str]) -> int:
-    """Content-addressed blocks and the size say all about a file's bytes."""
-    return hash((size, tuple(sorted(keys.items()))))
 
 
 @dataclass(frozen=True)
@@ -87,11 +85,11 @@ class StatFs:
     name_max: int = NAME_MAX
 
 
-class FileSystem:
+class FileSystem(PassthroughFiles):
     def __init__(self, meta: MetaEngine, blocks: BlockStore, uploader: Uploader, *,
                  block_size: int, durability: str = "remote", readahead_blocks: int = 2,
                  read_only: bool = False, scratch_dirs: Sequence[str] = (),
-                 scratch_files: ScratchFiles) -> None:
+                 scratch_files: ScratchFiles, backing_files: Optional[ScratchFiles] = None) -> None:
         self.meta = meta
         self.blocks = blocks
         self.uploader = uploader
@@ -104,6 +102,15 @@ class FileSystem:
         # This node's scratch files' bytes, one plain file each (never in blocks).
         self.scratch = scratch_files
         self.promoted_files = 0  # scratch files linked into the volume (see link)
+        # FUSE passthrough (vfs/passthrough.py): volume files' backing files, and the inodes
+        # whose kernel pages (of daemon-served opens) miss what passthrough wrote since.
+        self.backing = backing_files or ScratchFiles(os.path.join(os.path.dirname(scratch_files.directory), "backing"))
+        self.passthrough_stats = PassthroughStats()
+        self._pages_stale: set[int] = set()
+        # Backing files kept after their file's last close, for its next reader (inode ->
+        # the content they hold), and the bytes they may take (components.build sets it).
+        self._retained: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self.retain_bytes = 0
         self.promoted_bytes = 0
         self._files: dict[int, OpenFile] = {}
         # Shared engines: the content (size and block map) this node's page cache holds of
@@ -142,6 +149,8 @@ class FileSystem:
         self._nursery = nursery
         if not self.read_only:
             self.scratch.clear()  # the engine's start forgets the scratch files they belonged to
+            self.backing.clear()  # what was sealed is in the blocks; what was not is lost, as unsynced data is
+            self._retained.clear()
         await self.blocks.release((await self.meta.start()).keys)
         nursery.start_soon(self._expire_dirty_loop)
         if self.meta.shared and not self.read_only:
@@ -170,6 +179,7 @@ class FileSystem:
         mtime may be ahead of the metadata), else the engine's."""
         f = self._files.get(ino)
         if f is not None:
+            self._refresh_from_local(f)
             return f.node
         removed = self._removed_dirs.get(ino)
         if removed is not None:
@@ -178,7 +188,10 @@ class FileSystem:
 
     def _local(self, node: Inode) -> Inode:
         f = self._files.get(node.id)
-        return f.node if f is not None else node
+        if f is None:
+            return node
+        self._refresh_from_local(f)
+        return f.node
 
     def _adopt(self, node: Inode) -> Inode:
         """Take the engine's new attributes into an open file's view, keeping its own size
@@ -211,6 +224,9 @@ class FileSystem:
             if f is not None:
                 self._drop_file_state(f)
             self.scratch.remove(freed.deleted_inode)
+            self.backing.remove(freed.deleted_inode)
+            self._retained.pop(freed.deleted_inode, None)
+            self._pages_stale.discard(freed.deleted_inode)
         await self.blocks.release(freed.keys)
 
     def _remember_deleted(self, node: Inode) -> None:
@@ -230,6 +246,7 @@ class FileSystem:
         for index in list(f.sealing):
             f.next_generation(index)
         f.sealing.clear()
+        f.unsealed = False
         self._files.pop(f.inode, None)
 
     def _is_scratch_name(self, name: bytes) -> bool:
@@ -365,6 +382,9 @@ class FileSystem:
             if not node.is_reg:
                 raise FsError(errno.EINVAL)
             await self.truncate(node, size)
+        f = self._files.get(ino)
+        if f is not None and (atime_ns is not None or mtime_ns is not None):
+            self._refresh_from_local(f)  # passthrough writes before these times are older than them
         change = AttrChange(mode=mode, uid=uid, gid=gid, atime_ns=atime_ns, mtime_ns=mtime_ns)
         if change == AttrChange() and size is not None:
             return await self._node(ino)
@@ -402,12 +422,14 @@ class FileSystem:
             async with f.lock:
                 old_size = f.node.size
                 await self._truncate_locked(f, size)  # lowers f.node.size already
-                if size % self.block_size and size < old_size and not f.node.scratch:
+                if size % self.block_size and size < old_size and self._local_store(f) is None:
                     index = size // self.block_size
                     buf = await self._dirty_block(f, index)
                     buf.resize(size % self.block_size)
                 f.node.size = size
                 f.attrs_dirty = True
+                if f.backed:
+                    f.unsealed = True  # its last block is shorter now
             if f.handles == 0:
                 await self._flush_file(f)
         finally:
@@ -416,9 +438,10 @@ class FileSystem:
                 self._files.pop(node.id, None)
 
     async def _truncate_locked(self, f: OpenFile, size: int) -> None:
-        if f.node.scratch:
+        store = self._local_store(f)
+        if store is not None:
             try:
-                self.scratch.truncate(f.inode, size)
+                store.truncate(f.inode, size)
             except OSError as exc:
                 raise from_os_error(exc) from exc
         first_removed = -(-size // self.block_size)
@@ -513,7 +536,12 @@ class FileSystem:
         f.node.scratch = 0
         f.keys = {index: b[0] for index, b in blocks.items() if b is not None}
         f.attrs_dirty = False
-        self.scratch.remove(f.inode)
+        if f.passthrough_handles:  # the kernel goes on with the same file: now a volume file's backing file
+            self.backing.adopt(f.inode, self.scratch)
+            f.backed = True
+            f.unsealed = f.passthrough_writers > 0
+        else:
+            self.scratch.remove(f.inode)
         self._remember_content(f)  # the kernel's pages hold these bytes
         for key, nbytes in sealed:
             await self.blocks.committed(key, nbytes)
@@ -558,7 +586,13 @@ class FileSystem:
         volume of one node (every write passes through this mount); on a shared volume
         when the file's content is what it was when this node last had it open."""
         h = self._handle(fh)
+        if h.file.inode in self._pages_stale and not h.passthrough:
+            return False
         return not self.meta.shared or h.file.page_cache_valid or bool(h.file.node.scratch)
+
+    def dropped_page_cache(self, ino: int) -> None:
+        """An open told the kernel to drop its pages of ``ino``: none of them is stale now."""
+        self._pages_stale.discard(ino)
 
     def _remember_content(self, f: OpenFile) -> None:
         self.remember_page_cache(f.inode, f.node.size, f.keys)
@@ -627,8 +661,9 @@ class FileSystem:
         end = min(offset + size, f.node.size)
         if offset >= end:
             return b""
-        if f.node.scratch:
-            return self.scratch.read(f.inode, offset, end - offset)
+        store = self._local_store(f)
+        if store is not None:
+            return store.read(f.inode, offset, end - offset)
         bs = self.block_size
         parts: list[bytes] = []
         pos = offset
@@ -676,8 +711,9 @@ class FileSystem:
             raise FsError(errno.EBADF)
         self._check_writable()
         f = h.file
-        if f.node.scratch:
-            written = await self._write_scratch(f, offset, data)
+        store = self._local_store(f)
+        if store is not None:
+            written = await self._write_local(f, store, offset, data)
             if written is not None:
                 return written
         if f.out_of_space:
@@ -709,19 +745,21 @@ class FileSystem:
             f.attrs_dirty = True
         return len(data)
 
-    async def _write_scratch(self, f: OpenFile, offset: int, data: bytes) -> Optional[int]:
-        """A write to this node's scratch file: into its backing file. None: the file was
-        promoted to the volume while this write waited, and is written as any other."""
-        async with f.lock:  # not while a promotion reads the file
+    async def _write_local(self, f: OpenFile, store: ScratchFiles, offset: int, data: bytes) -> Optional[int]:
+        """A write to a file whose bytes are in a local file (this node's scratch file, or a
+        backing file). None: it moved (a promotion) while this write waited: write it again."""
+        async with f.lock:  # not while a promotion or a seal reads the file
             if f.node.nlink == 0 and f.handles == 0:
                 raise FsError(errno.EBADF)
-            if not f.node.scratch:
+            if self._local_store(f) is not store:
                 return None
+            if f.backed:
+                f.unsealed = True
             try:
-                self.scratch.write(f.inode, offset, data)
+                store.write(f.inode, offset, data)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not f.out_of_space:
-                    log.warning("scratch file inode %d: cache disk full, its writes fail: %s", f.inode, exc.strerror)
+                    log.warning("local file of inode %d: cache disk full, its writes fail: %s", f.inode, exc.strerror)
                 f.out_of_space = exc.errno in (errno.ENOSPC, errno.EDQUOT)
                 raise from_os_error(exc) from exc
             f.out_of_space = False
@@ -923,6 +961,10 @@ class FileSystem:
         return FsError(errno.EIO, str(exc))
 
     async def _flush_file(self, f: OpenFile) -> None:
+        if f.unsealed:
+            await self._seal_backing(f)
+        else:
+            self._refresh_from_local(f)
         if not (f.dirty or f.in_flight or f.attrs_dirty or f.error):
             return  # nothing written since: the common close (and every close of a dup'd fd)
         async with f.lock:
@@ -943,9 +985,12 @@ class FileSystem:
             raise error
 
     async def flush(self, fh: int) -> None:
-        f = self._handle(fh).file
+        h = self._handle(fh)
+        f = h.file
         if f.node.nlink == 0:
             return  # unlinked: its data is going away anyway
+        if f.unsealed and not (h.passthrough_writes or h.flags & os.O_ACCMODE != os.O_RDONLY):
+            return  # a reader's close: the writers' closes seal
         await self._flush_file(f)
 
     async def release(self, fh: int) -> None:
@@ -954,10 +999,12 @@ class FileSystem:
             return
         f = h.file
         f.handles -= 1
+        self._passthrough_closed(h)
         if f.handles > 0:
             return
         try:
-            if f.node.nlink > 0 and (f.dirty or f.sealing or f.attrs_dirty):
+            if f.node.nlink > 0 and (f.dirty or f.sealing or f.attrs_dirty or f.unsealed
+                                     or f.passthrough_writers or f.node.scratch):
                 await self._flush_file(f)
         finally:
             await self._let_go(f)
@@ -978,6 +1025,7 @@ class FileSystem:
                     await self._settle(await self.meta.close_file(f.inode))
         if not f.busy and self._files.get(f.inode) is f:
             del self._files[f.inode]
+            self._drop_backing(f)
 
     async def _take_back_hold(self, ino: int) -> bool:
         """Whether this node's hold of ``ino`` is still in the database, waiting to be
@@ -1063,12 +1111,25 @@ class FileSystem:
             await trio.sleep(1.0)
             deadline = time.monotonic() - DIRTY_EXPIRE_SECONDS
             for f in list(self._files.values()):
+                if f.unsealed and not f.handles and not f.lock.locked():
+                    await self._retry_seal(f)
                 old = [i for i, t in f.dirty_since.items() if t < deadline]
                 if old and not f.lock.locked():
                     async with f.lock:
                         for index in old:
                             if index in f.dirty:
                                 self._seal(f, index)
+
+    async def _retry_seal(self, f: OpenFile) -> None:
+        """A closed file whose seal failed (a full disk, the bucket away): try again."""
+        try:
+            await self._seal_backing(f)
+        except FsError as exc:
+            log.warning("inode %d: its backing file is still not in blocks: %s", f.inode, exc.strerror)
+            return
+        if not f.busy and self._files.get(f.inode) is f:
+            del self._files[f.inode]
+            self._drop_backing(f)
 
     # --- whole-file helpers (warmup) ---------------------------------------------
     async def file_keys(self, ino: int) -> list[str]:

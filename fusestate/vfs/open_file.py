@@ -20,6 +20,11 @@ from fusestate.vfs.block_buffer import BlockBuffer
 from fusestate.vfs.errors import FsError
 
 
+def content_version(size: int, keys: dict[int, str]) -> int:
+    """Content-addressed blocks and the size say all about a file's bytes."""
+    return hash((size, tuple(sorted(keys.items()))))
+
+
 @dataclass
 class Sealing:
     data: BlockData  # frozen: no one writes to it any more
@@ -48,6 +53,13 @@ class OpenFile:
     page_cache_valid: bool = True              # shared engines: the kernel's cached pages hold this content
     commit_lock: trio.Lock = field(default_factory=trio.Lock)  # one block-map commit at a time
     syncing: int = 0                           # fsyncs in progress: their commits are durable in place
+    # FUSE passthrough (vfs/passthrough.py): the file's bytes are in a local backing file the
+    # kernel reads and writes itself; its blocks are behind it until it is sealed again.
+    backed: bool = False
+    passthrough_handles: int = 0               # handles the kernel serves from the backing file
+    passthrough_writers: int = 0               # ... of them open for writing
+    unsealed: bool = False                     # a passthrough writer may have changed it since the last seal
+    local_stat: Optional[tuple[int, int, int]] = None  # the local file's size, mtime, ctime when last looked at
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -58,7 +70,8 @@ class OpenFile:
 
     @property
     def busy(self) -> bool:
-        return bool(self.handles or self.opening or self.users or self.dirty or self.sealing or self.in_flight)
+        return bool(self.handles or self.opening or self.users or self.dirty or self.sealing or self.in_flight
+                    or self.unsealed)
 
     def next_generation(self, index: int) -> int:
         gen = self.generations.get(index, 0) + 1

@@ -888,9 +888,11 @@ impl Session {
 
     /// Answer an open (or opendir). With ``backing_fd`` (a file this daemon holds open) the
     /// kernel serves the file's reads and writes from it; returns whether it does. A backing
-    /// file the kernel refuses leaves the open to the daemon (False).
+    /// file the kernel refuses leaves the open to the daemon (False). The kernel takes no
+    /// page-cache flag (``keep_cache``) with a backing file: its own pages serve the file.
     #[pyo3(signature = (id, ino, fh, keep_cache=false, direct_io=false, backing_fd=None))]
     fn reply_open(&self, id: u64, ino: u64, fh: u64, keep_cache: bool, direct_io: bool, backing_fd: Option<RawFd>) -> PyResult<bool> {
+        // The kernel takes no page-cache flag with passthrough: the backing file has the pages.
         let flags = open_flags(keep_cache, direct_io);
         match self.shared.take_reply(id)? {
             Pending::Open(r) => {
@@ -898,7 +900,7 @@ impl Session {
                     match self.backing_for(ino, fh, fd, |fd| r.open_backing(fd)) {
                         Ok(()) => {
                             let backings = self.shared.backings.lock().unwrap();
-                            r.opened_passthrough(FileHandle(fh), flags, &backings[&ino].id);
+                            r.opened_passthrough(FileHandle(fh), open_flags(false, direct_io), &backings[&ino].id);
                             self.shared.passthrough_opens.fetch_add(1, Ordering::Relaxed);
                             return Ok(true);
                         }
@@ -926,6 +928,7 @@ impl Session {
                         Ok(()) => {
                             let backings = self.shared.backings.lock().unwrap();
                             let id = &backings[&attrs.attr.ino.0].id;
+                            let flags = open_flags(false, direct_io);
                             r.created_passthrough(&attrs.entry_ttl, &attrs.attr, generation, FileHandle(fh), flags, id);
                             self.shared.passthrough_opens.fetch_add(1, Ordering::Relaxed);
                             return Ok(true);

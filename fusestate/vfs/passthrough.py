@@ -1,0 +1,339 @@
+"""FUSE passthrough: files whose bytes the kernel reads and writes in a local file.
+
+With the native front end on a kernel that allows it (Linux 6.9+, CAP_SYS_ADMIN), an open
+can be answered with a *backing file*: the kernel then serves the file's reads, writes and
+mmap from that file, and none of them reaches the daemon. Which opens get one:
+
+| the file | its backing file |
+|---|---|
+| a scratch file of this node | its scratch file (``scratch/<inode>``) |
+| a volume file opened for writing | ``backing/<inode>``, filled from its blocks if it has content |
+| a volume file opened for reading while it has one | the same file |
+| a volume file opened for reading after it was written here | the backing file its writer left, if its content is still the file's |
+
+Every other open goes through the daemon as before. The kernel allows one backing file per
+inode, and no mix of passthrough and daemon-served opens of one inode: an open of a file
+that already has daemon-served handles is served by the daemon too.
+
+A volume file's bytes reach its blocks when it is *sealed*: at the close of a writing
+handle, at fsync and at the last release, each block of the backing file is hashed, the
+changed ones are staged (on a shared volume uploaded before the commit) and committed with
+the file's size and mtime, as the block path commits them. fsync durability, the journal's
+order and close-to-open visibility on a shared volume are therefore the block path's. After
+the file's last handle the backing file is kept for the next reader (RocksDB reads the SSTs
+it wrote: compactions, lookups) while the file's size and blocks are what it holds, within a
+quarter of the read cache's size, oldest dropped first. A daemon killed before a seal loses
+what was not fsynced, as it does on the block path; the next mount starts without backing
+files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Optional
+
+import trio
+
+from fusestate.blocks.keys import seal_digest
+from fusestate.blocks.scratch_files import ScratchFiles
+from fusestate.blocks.uploader import UploadFailed
+from fusestate.vfs.errors import FsError, from_os_error
+from fusestate.vfs.open_file import OpenFile, content_version
+
+if TYPE_CHECKING:
+    from fusestate.vfs.filesystem import FileSystem, Handle
+
+log = logging.getLogger(__name__)
+
+# Free space on the cache disk (beyond the metadata's reserve and twice --max-dirty) below
+# which new files are written through the daemon: the kernel writes a passthrough file's
+# bytes to the disk without asking, so they must fit.
+PASSTHROUGH_DISK_ROOM = 1 << 30
+
+
+class PassthroughStats:
+    """What passthrough did, for status and the metrics."""
+
+    def __init__(self) -> None:
+        self.opens = 0             # opens answered with a backing file
+        self.refused = 0           # backing files the kernel refused (the open went through the daemon)
+        self.seals = 0             # backing files sealed into blocks
+        self.sealed_bytes = 0      # bytes of changed blocks those seals staged
+        self.filled_bytes = 0      # bytes copied from blocks into backing files (an open for writing of a file with content)
+        self.retained_hits = 0     # reads served from a backing file a writer left
+
+
+class PassthroughFiles:
+    """FileSystem's part for FUSE passthrough (a mixin: it works on FileSystem's state)."""
+
+    passthrough: bool = False  # set once the kernel agreed to passthrough for this mount
+    backing: ScratchFiles
+    passthrough_stats: PassthroughStats
+
+    def _local_store(self: "FileSystem", f: OpenFile) -> Optional[ScratchFiles]:
+        """The plain local file that holds ``f``'s bytes, if any (scratch or backing)."""
+        if f.node.scratch:
+            return self.scratch
+        if f.backed:
+            return self.backing
+        return None
+
+    async def passthrough_open(self: "FileSystem", fh: int) -> Optional[int]:
+        """A descriptor of the file the kernel may serve this open from, or None: the open
+        goes through the daemon. Call right after the open, before replying to it."""
+        if not self.passthrough:
+            return None
+        h = self._handle(fh)
+        f = h.file
+        if not f.node.is_reg or f.handles - f.passthrough_handles > 1:
+            return None  # the daemon serves other opens of it: the kernel allows no mix
+        writing = h.flags & os.O_ACCMODE != os.O_RDONLY
+        if not (f.node.scratch or f.backed or writing or self._take_retained(f)):
+            return None  # read-only, without a local copy: the block path
+        if writing and not f.node.scratch and not f.backed and not self._room_for_passthrough():
+            return None  # the block path, whose writers wait for room
+        # Counted before anything awaits: an open of the same file meanwhile sees this one.
+        h.passthrough = True
+        f.passthrough_handles += 1
+        try:
+            if not (f.node.scratch or f.backed):
+                await self._back(f)
+            store = self._local_store(f)
+            assert store is not None
+            fd = store.fd(f.inode)
+        except (OSError, FsError) as exc:
+            h.passthrough = False
+            f.passthrough_handles -= 1
+            log.warning("inode %d: no backing file (%s); its open goes through the daemon", f.inode, exc)
+            return None
+        if writing:
+            h.passthrough_writes = True
+            f.passthrough_writers += 1
+            if not f.node.scratch:
+                f.unsealed = True
+        self._pages_stale.add(f.inode)  # the kernel's own pages of the inode miss these writes
+        self.passthrough_stats.opens += 1
+        return fd
+
+    def passthrough_files(self: "FileSystem") -> int:
+        """Files open with a backing file now."""
+        return sum(1 for f in self._files.values() if f.passthrough_handles)
+
+    def unsealed_passthrough_bytes(self: "FileSystem") -> int:
+        """Bytes of volume files open for passthrough writing: not in blocks yet (an upper
+        bound: sealed blocks of them count too)."""
+        total = 0
+        for f in self._files.values():
+            if f.backed and f.unsealed:
+                self._refresh_from_local(f)  # the kernel's writes since
+                total += f.node.size
+        return total
+
+    def _room_for_passthrough(self: "FileSystem") -> bool:
+        """Whether a new passthrough writer may start: the kernel writes its bytes to the
+        cache disk unchecked, so the disk must have room beyond the reserve, and the bytes
+        of open passthrough writers not in blocks yet must be under ``--max-dirty``. Past
+        either, files are written through the daemon, whose writers wait for room."""
+        unsealed = self.unsealed_passthrough_bytes()
+        if unsealed >= self.uploader.max_dirty:
+            return False
+        try:
+            free = os.statvfs(self.backing.directory)
+        except OSError:
+            return False
+        room = free.f_bavail * free.f_frsize - self.backing.reserve
+        return room >= PASSTHROUGH_DISK_ROOM + 2 * self.uploader.max_dirty + unsealed
+
+    def passthrough_refused(self: "FileSystem", fh: int) -> None:
+        """The kernel did not take the backing file: this handle goes through the daemon,
+        which serves it from the same local file."""
+        h = self._handles.get(fh)
+        if h is None or not h.passthrough:
+            return
+        self._passthrough_closed(h)
+        self.passthrough_stats.refused += 1
+        self.passthrough_stats.opens -= 1
+
+    def _passthrough_closed(self: "FileSystem", h: "Handle") -> None:
+        f = h.file
+        if h.passthrough:
+            h.passthrough = False
+            f.passthrough_handles -= 1
+        if h.passthrough_writes:
+            h.passthrough_writes = False
+            f.passthrough_writers -= 1
+
+    async def _back(self: "FileSystem", f: OpenFile) -> None:
+        """Give a volume file a backing file holding its current bytes."""
+        async with f.lock:
+            if f.backed:
+                return
+            await self._flush_dirty_locked(f)
+            size, bs = f.node.size, self.block_size
+            self.backing.truncate(f.inode, 0)
+            for index in sorted(i for i in f.keys if i * bs < size):  # holes stay holes
+                nbytes = min(bs, size - index * bs)
+                data = await self._read_block(f, index, 0, nbytes, sequential=True)
+                await trio.to_thread.run_sync(self.backing.write, f.inode, index * bs, data)
+                self.passthrough_stats.filled_bytes += nbytes
+            self.backing.truncate(f.inode, size)
+            f.backed = True
+
+    async def _flush_dirty_locked(self: "FileSystem", f: OpenFile) -> None:
+        """Seal and store the block path's dirty blocks of ``f`` (its lock held)."""
+        for index in list(f.dirty):
+            self._seal(f, index)
+        await f.idle.wait()
+        if f.error is not None:
+            error, f.error = f.error, None
+            raise error
+
+    def _refresh_from_local(self: "FileSystem", f: OpenFile) -> None:
+        """Take the size and times the kernel's passthrough writes gave the local file."""
+        store = self._local_store(f)
+        if store is None or not (f.passthrough_writers or f.unsealed):
+            return
+        st = store.stat(f.inode)
+        if st is None:
+            return
+        seen = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if seen == f.local_stat:
+            return  # nothing written since: the file's own times stand (a utime set them)
+        f.local_stat = seen
+        f.node.size = st.st_size
+        f.node.mtime_ns = max(f.node.mtime_ns, st.st_mtime_ns)
+        f.node.ctime_ns = max(f.node.ctime_ns, st.st_ctime_ns)
+        f.attrs_dirty = True
+
+    async def _seal_backing(self: "FileSystem", f: OpenFile) -> None:
+        """Bring a backed volume file's blocks up to its backing file: hash every block,
+        stage and commit the changed ones with the size (durably while an fsync waits)."""
+        async with f.lock:
+            if not f.unsealed:
+                return
+            self._refresh_from_local(f)
+            size, bs = f.node.size, self.block_size
+            count = -(-size // bs)
+            if any(index >= count for index in f.keys):
+                node, freed = await self.meta.truncate(f.inode, size, time.time_ns())
+                for index in [i for i in f.keys if i >= count]:
+                    del f.keys[index]
+                await self.blocks.release(freed.keys)
+            changed: dict[int, Optional[tuple[str, int]]] = {}
+            inline: dict[str, bytes] = {}
+            staged: list[tuple[str, int]] = []
+            expected: list[tuple[str, int]] = []  # shared engines: uploaded before the commit
+            try:
+                with_data = await trio.to_thread.run_sync(self.backing.data_blocks, f.inode, bs)
+                for index in sorted(i for i in with_data | set(f.keys) if i < count):
+                    nbytes = min(bs, size - index * bs)
+                    if index not in with_data:  # all hole now
+                        changed[index] = None
+                        continue
+                    data = await trio.to_thread.run_sync(self.backing.read_block, f.inode, index * bs, nbytes, False)
+                    key = await trio.to_thread.run_sync(seal_digest, data)
+                    if key == f.keys.get(index):
+                        continue
+                    if key is None:
+                        changed[index] = None
+                        continue
+                    if self._keeps_inline(f, index, data):
+                        key = self.blocks.seal_inline(data)
+                        assert key is not None
+                        inline[key] = bytes(data)
+                    else:
+                        key = await self.blocks.seal(data)
+                        assert key is not None
+                        staged.append((key, nbytes))
+                        if self.meta.shared:
+                            self.blocks.expect_commit(key)
+                            expected.append((key, nbytes))
+                    changed[index] = (key, nbytes)
+                    self.passthrough_stats.sealed_bytes += nbytes
+                began: Optional[float] = time.monotonic() if inline else None
+                if expected:
+                    try:
+                        began = await self.blocks.upload_expected(expected)
+                    except BaseException:
+                        expected = []  # let go by upload_expected
+                        raise
+                if changed or f.attrs_dirty:
+                    freed = await self._commit_backing(f, changed, inline, size, began)
+                    expected = []
+                    await self.blocks.release(freed.keys)
+            except BaseException as exc:
+                with trio.CancelScope(shield=True):
+                    for key, _ in expected:
+                        with contextlib.suppress(Exception):
+                            await self.blocks.abandon(key)
+                if isinstance(exc, UploadFailed):
+                    raise FsError(errno.EIO, str(exc)) from exc
+                if isinstance(exc, OSError) and not isinstance(exc, FsError):
+                    raise from_os_error(exc) from exc
+                raise
+            for index, block in changed.items():
+                if block is None:
+                    f.keys.pop(index, None)
+                else:
+                    f.keys[index] = block[0]
+            for key, nbytes in staged:
+                await self.blocks.committed(key, nbytes)
+            f.attrs_dirty = False
+            f.unsealed = f.passthrough_writers > 0  # a writer still open may write more
+            self.passthrough_stats.seals += 1
+
+    async def _commit_backing(self: "FileSystem", f: OpenFile, changed: dict[int, Optional[tuple[str, int]]],
+                              inline: dict[str, bytes], size: int, began: Optional[float]):
+        mtime = f.node.mtime_ns
+
+        async def commit(uploads_began: Optional[float]):
+            return await self.meta.commit_blocks(f.inode, changed, size, mtime, durable=f.syncing > 0,
+                                                 uploads_began=uploads_began, inline=inline or None)
+
+        async def put_all_again() -> float:
+            again = time.monotonic()
+            for index, block in changed.items():
+                if block is not None and block[0] not in inline:
+                    data = await trio.to_thread.run_sync(self.backing.read_block, f.inode, index * self.block_size,
+                                                         block[1], False)
+                    await self.blocks.put_again(block[0], data)
+            return again
+
+        async with f.commit_lock:
+            return await self._commit_putting_again(commit, put_all_again, began)
+
+    def _drop_backing(self: "FileSystem", f: OpenFile) -> None:
+        """The file's last handle is gone and its blocks hold its bytes: its backing file is
+        kept for the next reader, within ``retain_bytes``, oldest dropped first."""
+        if not f.backed or f.unsealed:
+            return
+        f.backed = False
+        if f.node.nlink == 0 or f.node.size > self.retain_bytes:
+            self.backing.remove(f.inode)
+            return
+        self._retained.pop(f.inode, None)
+        self._retained[f.inode] = (content_version(f.node.size, f.keys), f.node.size)
+        total = sum(size for _, size in self._retained.values())
+        while total > self.retain_bytes:
+            ino, (_, size) = self._retained.popitem(last=False)
+            self.backing.remove(ino)
+            total -= size
+
+    def _take_retained(self: "FileSystem", f: OpenFile) -> bool:
+        """Give ``f`` the backing file its last writer left, if it holds the file's content."""
+        kept = self._retained.pop(f.inode, None)
+        if kept is None:
+            return False
+        if kept[0] != content_version(f.node.size, f.keys) or f.dirty or f.sealing:
+            self.backing.remove(f.inode)  # the file changed since (elsewhere, or by the block path)
+            return False
+        f.backed = True
+        self.passthrough_stats.retained_hits += 1
+        return True
+
+    def retained_bytes(self: "FileSystem") -> int:
+        return sum(size for _, size in self._retained.values())
