@@ -15,7 +15,8 @@ from bench.common import cell_text, fold_rows, repetitions
 COLORS = {"local": "#4c4c4c", "fusestate-file": "#1f77b4", "fusestate-s3": "#17becf", "rclone": "#ff7f0e",
           "s3fs": "#d62728", "fusestate": "#1f77b4", "fusestate+shim": "#2ca02c", "local-s3": "#8c8c8c",
           "download first": "#ff7f0e", "s3a": "#9467bd", "fusestate@s3": "#17becf", "fusestate+shim@s3": "#17becf",
-          "juicefs-pg": "#e377c2", "juicefs-pg-fast": "#f7b6d2", "fusestate-pg": "#aec7e8"}
+          "juicefs-pg": "#e377c2", "juicefs-pg-fast": "#f7b6d2", "fusestate-pg": "#aec7e8",
+          "fusestate-native": "#393b79", "fusestate-passthrough": "#2ca02c"}
 
 
 def _plt():

@@ -2,7 +2,8 @@
 
 ``local`` is a plain directory on local disk (the baseline). ``fusestate-file`` and
 ``fusestate-s3`` are fusestate mounts of a ``file://`` bucket and of a bucket on a moto S3
-server; ``fusestate-pg`` is ``fusestate-file`` with its metadata in a PostgreSQL server on
+server (``fusestate-native`` and ``fusestate-passthrough``: ``fusestate-file`` on the native
+front end, without and with FUSE passthrough); ``fusestate-pg`` is ``fusestate-file`` with its metadata in a PostgreSQL server on
 127.0.0.1 (the shared engine, without a network between); ``rclone`` (``--vfs-cache-mode full``) and ``s3fs`` (s3fs-fuse) are the peers, mounted
 on the same moto endpoint. ``juicefs-pg`` is JuiceFS, the peer on a shared volume: its
 metadata in a database of its own on the same PostgreSQL server as ``fusestate-pg``'s, its
@@ -33,9 +34,13 @@ from bench.endpoints import Moto, ShapedMoto
 from bench.pgwork import Database
 from fusestate.harness.postgres import LocalPostgres as Postgres, free_port
 
-ALL = ["local", "fusestate-file", "fusestate-pg", "fusestate-s3", "fusestate-s3-shaped", "rclone", "s3fs",
+ALL = ["local", "fusestate-file", "fusestate-native", "fusestate-passthrough", "fusestate-pg", "fusestate-s3", "fusestate-s3-shaped", "rclone", "s3fs",
        "juicefs-pg", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"]
-ON_REQUEST = {"juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"}  # run only when --systems names them
+# Run only when --systems names them.
+ON_REQUEST = {"fusestate-native", "fusestate-passthrough", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"}
+# fusestate systems that differ from fusestate-file by mount options: the front end.
+FUSESTATE_OPTIONS: dict[str, list[str]] = {"fusestate-native": ["--frontend", "native"],
+                                           "fusestate-passthrough": ["--frontend", "passthrough"]}
 DEFAULT = [n for n in ALL if n not in ON_REQUEST]
 SHAPED = "fusestate-s3-shaped"  # a bucket on bench/shaped_s3.py's endpoint: S3's latency and bandwidth
 S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3", "juicefs-pg-s3"}
@@ -636,9 +641,10 @@ def make_system(name: str, work: Path, moto: Optional[Moto], *, cache_size: str 
     root = work / name
     if name == "local":
         return LocalSystem(name, root)
-    if name == "fusestate-file":
+    if name == "fusestate-file" or name in FUSESTATE_OPTIONS:
         (root / "bucket").mkdir(parents=True, exist_ok=True)
-        return FusestateSystem(name, root, f"file://{root / 'bucket'}", cache_size=cache_size, extra=fusestate_extra)
+        extra = FUSESTATE_OPTIONS.get(name, []) + list(fusestate_extra or [])
+        return FusestateSystem(name, root, f"file://{root / 'bucket'}", cache_size=cache_size, extra=extra)
     if name in PG_BACKED and postgres is None:
         raise ValueError(f"{name} needs a PostgreSQL server")
     if name == "fusestate-pg":

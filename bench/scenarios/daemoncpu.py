@@ -107,7 +107,7 @@ def one_run(s: System, repeat: int, p: dict[str, Any]) -> list[dict[str, Any]]:
 
 def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
     """The systems ``--systems`` may name here, and those run without it."""
-    return Choices(SYSTEMS, SYSTEMS)
+    return Choices(SYSTEMS + ["fusestate-native", "fusestate-passthrough"], SYSTEMS)
 
 
 def run(ctx: Context) -> dict[str, Any]:

@@ -94,8 +94,8 @@ class PassthroughFiles:
         writing = h.flags & os.O_ACCMODE != os.O_RDONLY
         if not (f.node.scratch or f.backed or writing or self._take_retained(f)):
             return None  # read-only, without a local copy: the block path
-        if writing and not f.node.scratch and not f.backed and not self._room_for_passthrough():
-            return None  # the block path, whose writers wait for room
+        if writing and not f.backed and not self._room_for_passthrough():
+            return None  # through the daemon: its writers wait for room (a scratch file's get ENOSPC)
         # Counted before anything awaits: an open of the same file meanwhile sees this one.
         h.passthrough = True
         f.passthrough_handles += 1
@@ -137,7 +137,8 @@ class PassthroughFiles:
         """Whether a new passthrough writer may start: the kernel writes its bytes to the
         cache disk unchecked, so the disk must have room beyond the reserve, and the bytes
         of open passthrough writers not in blocks yet must be under ``--max-dirty``. Past
-        either, files are written through the daemon, whose writers wait for room."""
+        either, files are written through the daemon, whose writers wait for room (a
+        scratch file's writes fail with ENOSPC before the reserve, as on the block path)."""
         unsealed = self.unsealed_passthrough_bytes()
         if unsealed >= self.uploader.max_dirty:
             return False

@@ -27,6 +27,7 @@ use fuser::{
     TimeOrNow, WriteFlags,
 };
 use pyo3::exceptions::{PyKeyError, PyOSError, PyRuntimeError};
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
@@ -984,8 +985,14 @@ impl Session {
     }
 
     /// Put ``data`` into the kernel's page cache of inode ``ino`` at ``offset``.
-    fn notify_store(&self, py: Python<'_>, ino: u64, offset: u64, data: &[u8]) -> PyResult<()> {
-        py.detach(|| self.notifier.store(INodeNo(ino), offset, data))
+    /// ``data`` is any contiguous buffer (bytes, a memoryview of a block): not copied here.
+    fn notify_store(&self, py: Python<'_>, ino: u64, offset: u64, data: PyBuffer<u8>) -> PyResult<()> {
+        if !data.is_c_contiguous() {
+            return Err(pyo3::exceptions::PyValueError::new_err("notify_store needs a contiguous buffer"));
+        }
+        // SAFETY: a contiguous buffer the caller keeps alive (and unchanged) for this call.
+        let bytes = unsafe { std::slice::from_raw_parts(data.buf_ptr() as *const u8, data.len_bytes()) };
+        py.detach(|| self.notifier.store(INodeNo(ino), offset, bytes))
             .map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(libc::EIO), e.to_string())))
     }
 
