@@ -161,6 +161,23 @@ class ScratchFiles:
         finally:
             os.close(direct_fd)
 
+    def fine_ctime(self, tries: int = 200) -> bool:
+        """Whether every write after an fstat changes the file's ctime here (the kernel's
+        multigrain timestamps), tried on a file of this directory's filesystem."""
+        probe = os.path.join(self.directory, ".ctime-probe")
+        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            for i in range(tries):
+                os.pwrite(fd, b"a", i)
+                before = os.fstat(fd).st_ctime_ns
+                os.pwrite(fd, b"b", i)
+                if os.fstat(fd).st_ctime_ns == before:
+                    return False
+            return True
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+
     def data_blocks(self, ino: int, block_size: int) -> set[int]:
         """The indexes of the blocks that hold any data (not all hole): a sparse file's
         holes are never read (SEEK_DATA / SEEK_HOLE)."""

@@ -151,6 +151,7 @@ class FileSystem(PassthroughFiles):
             self.scratch.clear()  # the engine's start forgets the scratch files they belonged to
             self.backing.clear()  # what was sealed is in the blocks; what was not is lost, as unsynced data is
             self._retained.clear()
+            self.fine_ctime = self.backing.fine_ctime()
         await self.blocks.release((await self.meta.start()).keys)
         nursery.start_soon(self._expire_dirty_loop)
         if self.meta.shared and not self.read_only:

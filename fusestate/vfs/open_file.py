@@ -60,6 +60,7 @@ class OpenFile:
     passthrough_writers: int = 0               # ... of them open for writing
     unsealed: bool = False                     # a passthrough writer may have changed it since the last seal
     local_stat: Optional[tuple[int, int, int]] = None  # the local file's size, mtime, ctime when last looked at
+    sealed_stamp: Optional[tuple[int, int, int]] = None  # ... when its last seal began
 
     def __post_init__(self) -> None:
         self.idle.set()

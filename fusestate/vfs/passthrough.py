@@ -71,6 +71,10 @@ class PassthroughFiles:
     """FileSystem's part for FUSE passthrough (a mixin: it works on FileSystem's state)."""
 
     passthrough: bool = False  # set once the kernel agreed to passthrough for this mount
+    # Whether the cache disk's filesystem gives every write after an fstat a new ctime
+    # (multigrain timestamps): then a backing file whose size and times are those of its last
+    # seal is not hashed again (the close after an fsync). Probed at start.
+    fine_ctime: bool = False
     backing: ScratchFiles
     passthrough_stats: PassthroughStats
 
@@ -217,6 +221,10 @@ class PassthroughFiles:
             if not f.unsealed:
                 return
             self._refresh_from_local(f)
+            stamp = f.local_stat  # taken before the blocks are read: a write meanwhile changes it
+            if self.fine_ctime and stamp is not None and stamp == f.sealed_stamp and not f.attrs_dirty:
+                f.unsealed = f.passthrough_writers > 0  # nothing written since the last seal (an fsync's)
+                return
             size, bs = f.node.size, self.block_size
             count = -(-size // bs)
             if any(index >= count for index in f.keys):
@@ -285,6 +293,7 @@ class PassthroughFiles:
                 await self.blocks.committed(key, nbytes)
             f.attrs_dirty = False
             f.unsealed = f.passthrough_writers > 0  # a writer still open may write more
+            f.sealed_stamp = stamp
             self.passthrough_stats.seals += 1
 
     async def _commit_backing(self: "FileSystem", f: OpenFile, changed: dict[int, Optional[tuple[str, int]]],
