@@ -497,7 +497,10 @@ class FileSystem(PassthroughFiles):
         try:
             for index in range(-(-size // bs)):
                 nbytes = min(bs, size - index * bs)
-                data = await trio.to_thread.run_sync(self.scratch.read_block, f.inode, index * bs, nbytes)
+                # With passthrough the kernel wrote the file through its page cache: read it
+                # from there (a direct read would first wait for those pages to reach the disk).
+                data = await trio.to_thread.run_sync(self.scratch.read_block, f.inode, index * bs, nbytes,
+                                                     not self.passthrough)
                 key = await self.blocks.seal(data)
                 blocks[index] = (key, nbytes) if key is not None else None
                 if key is not None and self.meta.shared:
@@ -518,7 +521,8 @@ class FileSystem(PassthroughFiles):
                 again = time.monotonic()
                 for index, block in blocks.items():
                     if block is not None:
-                        data = await trio.to_thread.run_sync(self.scratch.read_block, f.inode, index * bs, block[1])
+                        data = await trio.to_thread.run_sync(self.scratch.read_block, f.inode, index * bs, block[1],
+                                                             not self.passthrough)
                         await self.blocks.put_again(block[0], data)
                 return again
 
