@@ -52,6 +52,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--state-gb", type=gb_list, default=None, metavar="GB,...",
                    help="spark-restart and spark-cluster: these state sizes (GB of keys × payload, "
                         "comma-separated, e.g. 1,4,8) instead of the size's own; other scenarios ignore it")
+    p.add_argument("--db-keys", type=int, default=None, metavar="N",
+                   help="rocksdb: db_bench with this many keys instead of the size's own (with --quick's "
+                        "8 MiB memtables, --db-keys 600000 is a 250 MB database); other scenarios ignore it")
     shape = Shape()
     p.add_argument("--shape-latency-ms", type=float, default=shape.latency_ms, metavar="MS",
                    help="fusestate-s3-shaped: time to first byte of every request (default %(default)s)")
@@ -163,7 +166,7 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
             budget = None if args.no_budget else mod.BUDGET.get(args.size)
             work = base / name
             ctx = Context(work=work, size=args.size, repeats=repeats, systems=systems, budget_seconds=budget,
-                          mount_options=args.mount_options, state_gb=args.state_gb,
+                          mount_options=args.mount_options, state_gb=args.state_gb, db_keys=args.db_keys,
                           shape=Shape(args.shape_latency_ms, args.shape_connection_mbps, args.shape_node_mbps))
             started = dt.datetime.now()
             log(f"== {name}: {mod.SUMMARY}")

@@ -108,6 +108,7 @@ class Context:
     mount_options: list[str] = field(default_factory=list)  # more `fusestate mount` options, after the scenario's
     shape: Shape = field(default_factory=Shape)              # the shaped S3 endpoint's latency and bandwidth
     state_gb: Optional[list[float]] = None                   # the Spark scenarios' state sizes, instead of the size's
+    db_keys: Optional[int] = None                            # the rocksdb scenario's keys, instead of the size's
     started: float = field(default_factory=time.monotonic)
     done_repeats: int = 0
     load_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
@@ -313,6 +314,7 @@ def result_doc(scenario: str, ctx: Context, started: dt.datetime, machine: dict[
             "shape": ctx.shape.describe(),
             "loadavg_start": [round(x, 2) for x in ctx.load_start],
             "loadavg_end": [round(x, 2) for x in os.getloadavg()], "state_gb": ctx.state_gb,
+            "db_keys": ctx.db_keys,
             "started": started.isoformat(timespec="seconds"),
             "duration_seconds": round(ctx.elapsed(), 1), "machine": machine, **body}
 

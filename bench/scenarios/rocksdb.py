@@ -104,6 +104,9 @@ def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
 
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
+    if ctx.db_keys:  # --db-keys: the time limits grow with the keys
+        scale = max(1.0, ctx.db_keys / p["num"])
+        p.update(num=ctx.db_keys, cold_reads=round(p["cold_reads"] * scale), run_timeout=p["run_timeout"] * scale)
     names = ctx.chosen(choices(ctx.size))
     runs: list[dict[str, Any]] = []
     failed: dict[tuple[str, str], str] = {}
