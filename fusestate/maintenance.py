@@ -25,9 +25,10 @@ from fusestate.daemon.lease import epoch_starts, read_leases
 from fusestate.errors import UserError
 import trio
 
-from fusestate.meta import journal, operations
-from fusestate.meta.restore import restore_metadata
-from fusestate.meta.sqlite_engine import ReadOnlyTx
+from fusestate.meta import operations
+from fusestate.meta.embedded import journal
+from fusestate.meta.embedded.restore import restore_metadata
+from fusestate.meta.embedded.engine import ReadOnlyTx
 from fusestate.remote import RemoteStore, open_bucket
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def open_volume(url: str, endpoint_url: Optional[str], meta_url: Optional[str]) 
     """The volume's bucket and record; refused in one line if ``meta_url`` names another
     engine than the volume's (none for the embedded one)."""
     if meta_url:
-        from fusestate.meta.pgpool import check_connect  # psycopg: only shared volumes load it
+        from fusestate.meta.postgres.pool import check_connect  # psycopg: only shared volumes load it
 
         check_connect(meta_url)
     fs, location = open_bucket(url, endpoint_url)
@@ -64,7 +65,7 @@ def open_volume(url: str, endpoint_url: Optional[str], meta_url: Optional[str]) 
 
 
 def _shared_engine(meta_url: str, info: volume.VolumeInfo, label: str) -> Any:
-    from fusestate.meta.postgres_engine import PostgresEngine
+    from fusestate.meta.postgres.engine import PostgresEngine
 
     # Unprepared: a maintenance command runs few statements, and so works behind any pooler.
     return PostgresEngine(meta_url, info.block_size, mountpoint=label, pool_size=2, prepare=False)

@@ -21,7 +21,7 @@ from fusestate.blocks.keys import block_key, object_name
 from fusestate.blocks.store import BlockStore
 from fusestate.daemon import components
 from fusestate.daemon.paths import CacheLayout
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.embedded.engine import SQLiteEngine
 from fusestate.remote.store import RemoteStore
 
 BS = 64 * 1024

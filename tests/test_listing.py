@@ -1,5 +1,5 @@
 """Directory listings on every namespace implementation: the embedded engine, the
-PostgreSQL engine, and a shared volume's scratch directories (``meta.node_local``).
+PostgreSQL engine, and a shared volume's scratch directories (``meta.scratch.namespace``).
 
 A listing is read in pieces, each continuing after the last entry id it took (the kernel's
 readdir offset), and the vfs cuts those pieces from pages it keeps (``DirListing``). Both
@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from fusestate.meta.engine import RENAME_EXCHANGE, ROOT_INODE, FsError, MetaEngine, NewNode
-from fusestate.meta.node_local import NodeLocalNames
-from fusestate.meta.postgres_engine import PostgresEngine
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.scratch.namespace import NodeLocalNames
+from fusestate.meta.postgres.engine import PostgresEngine
+from fusestate.meta.embedded.engine import SQLiteEngine
 from fusestate.vfs.dir_listing import DirListing
 
 FILE = NewNode(stat.S_IFREG | 0o644, 0, 0)

@@ -8,8 +8,8 @@ import psycopg
 import pytest
 import trio
 
-from fusestate.meta.loop_io import await_, run_on_loop
-from fusestate.meta.pgpool import PgPool
+from fusestate.meta.postgres.loop_io import await_, run_on_loop
+from fusestate.meta.postgres.pool import PgPool
 
 
 def test_a_transaction_waits_for_the_database_on_the_loop_without_blocking_it(pg_url: str) -> None:

@@ -18,9 +18,9 @@ import trio
 
 from fusestate.meta.engine import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, FsError, Inode,
                                    MetaEngine, NewNode)
-from fusestate.meta.pg_functions import COLLECTED_MARGIN, SESSION_FENCE
-from fusestate.meta.postgres_engine import PostgresEngine
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.postgres.functions import COLLECTED_MARGIN, SESSION_FENCE
+from fusestate.meta.postgres.engine import PostgresEngine
+from fusestate.meta.embedded.engine import SQLiteEngine
 
 BS = 64 * 1024
 FILE = NewNode(stat.S_IFREG | 0o644, 1000, 1000)

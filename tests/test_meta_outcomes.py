@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from fusestate.meta.engine import ROOT_INODE, Inode, NewNode
-from fusestate.meta.postgres_engine import PostgresEngine
+from fusestate.meta.postgres.engine import PostgresEngine
 from pgwire_cut import CuttingProxy
 
 BS = 64 * 1024

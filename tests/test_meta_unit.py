@@ -13,11 +13,11 @@ import stat
 import trio
 
 from fusestate.errors import FsError
-from fusestate.meta import journal
+from fusestate.meta.embedded import journal
 from fusestate.meta.engine import ROOT_INODE, Inode, NewNode
-from fusestate.meta.lookup_cache import LookupCache
-from fusestate.meta.postgres_engine import PostgresEngine
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.postgres.lookup_cache import LookupCache
+from fusestate.meta.postgres.engine import PostgresEngine
+from fusestate.meta.embedded.engine import SQLiteEngine
 
 
 def _file(n: int) -> NewNode:
@@ -127,8 +127,8 @@ def test_segments_in_flight_are_acknowledged_in_order_and_fail_together(tmp_path
     the bucket. A restore then has every name, with the orphan segment left aside."""
     import fsspec
 
-    from fusestate.meta.restore import restore_metadata
-    from fusestate.meta.shipper import JournalShipper, ShipFailed
+    from fusestate.meta.embedded.restore import restore_metadata
+    from fusestate.meta.embedded.shipper import JournalShipper, ShipFailed
     from fusestate.remote.store import RemoteError, RemoteStore
 
     remote = RemoteStore(fsspec.filesystem("file"), str(tmp_path / "bucket"), retries=1, backoff_initial=0.01)
@@ -200,7 +200,7 @@ def test_restore_stops_before_a_segment_whose_new_blocks_never_landed(tmp_path: 
     import fsspec
 
     from fusestate.blocks.keys import object_name
-    from fusestate.meta.restore import restore_metadata
+    from fusestate.meta.embedded.restore import restore_metadata
     from fusestate.remote.store import RemoteStore
 
     remote = RemoteStore(fsspec.filesystem("file"), str(tmp_path / "bucket"), retries=1, backoff_initial=0.01)

@@ -76,7 +76,7 @@ def namespace_mount(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fi
                     kind: str) -> Iterator[Mount]:
     """One mount of a fresh volume on the ``kind`` namespace (PostgreSQL: a fresh database).
     ``postgresql-scratch``: every example's directory is a scratch dir (``ex-*``), whose
-    contents a shared volume keeps in the node's memory (``meta.node_local``)."""
+    contents a shared volume keeps in the node's memory (``meta.scratch.namespace``)."""
     extra = ["--block-size", "64K"]
     if kind == "postgresql-scratch":
         extra += ["--scratch", "ex-*"]

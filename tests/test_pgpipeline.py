@@ -10,8 +10,8 @@ import psycopg
 import pytest
 import trio
 
-from fusestate.meta.pgpipeline import Pipeline
-from fusestate.meta.pgpool import PgPool, RefusedByServer
+from fusestate.meta.postgres.pipeline import Pipeline
+from fusestate.meta.postgres.pool import PgPool, RefusedByServer
 
 
 def _prepared_names(conn: psycopg.Connection) -> set[str]:

@@ -18,7 +18,7 @@ import trio
 from fusestate.config import redact_url
 from fusestate.daemon.volume import engine_identity
 from fusestate.harness.postgres import LocalPostgres, free_port, freeze, thaw
-from fusestate.meta.pgpool import DatabaseUnavailable, PgPool, RefusedByServer
+from fusestate.meta.postgres.pool import DatabaseUnavailable, PgPool, RefusedByServer
 
 
 def _one(cur: psycopg.Cursor, sql: str = "SELECT 1") -> object:

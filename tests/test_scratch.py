@@ -24,9 +24,9 @@ import pytest
 import trio
 
 from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, sha, wait_for
-from fusestate.meta import journal
+from fusestate.meta.embedded import journal
 from fusestate.meta.engine import ROOT_INODE, NewNode
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.embedded.engine import SQLiteEngine
 
 MiB = 1 << 20
 SCRATCH = ["--scratch", "blockmgr-*"]

@@ -1,6 +1,6 @@
 """The POSIX suite, run inside a scratch directory of a shared volume.
 
-There every name, inode and attribute lives in the node's memory (``meta.node_local``), not in
+There every name, inode and attribute lives in the node's memory (``meta.scratch.namespace``), not in
 the database: the suite's checks of one directory tree (creates, truncates, links, renames,
 link counts, modes and times, open-unlinked files, locks) must come out as on the rest of the
 volume. A scratch dir is gone after a remount by design, so a test's remount is skipped here

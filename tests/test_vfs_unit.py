@@ -28,7 +28,7 @@ from fusestate.blocks.uploader import Uploader
 from fusestate.daemon import components
 from fusestate.daemon.paths import CacheLayout
 from fusestate.meta.engine import ROOT_INODE, DirEntry
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.embedded.engine import SQLiteEngine
 from fusestate.remote.store import RemoteStore
 from fusestate.vfs import FileSystem, FsError, RequestContext
 from fusestate.vfs.dir_listing import PAGE_SECONDS, DirListing

@@ -20,7 +20,7 @@ from fusestate.blocks.uploader import Uploader
 from fusestate.blocks.warmer import CacheWarmer
 from fusestate.daemon.paths import CacheLayout
 from fusestate.meta.engine import MetaEngine
-from fusestate.meta.node_local import node_local
+from fusestate.meta.scratch.namespace import node_local
 from fusestate.remote.store import RemoteStore
 from fusestate.vfs import FileSystem
 

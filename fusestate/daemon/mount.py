@@ -34,10 +34,10 @@ from fusestate.fuse import frontend
 from fusestate.fuse.adapter import FuseOperations
 from fusestate.fuse.page_fill import PageFill
 from fusestate.blocks.keys import is_inline, object_name
-from fusestate.meta.restore import restore_metadata
-from fusestate.meta.shipper import JournalShipper
+from fusestate.meta.embedded.restore import restore_metadata
+from fusestate.meta.embedded.shipper import JournalShipper
 from fusestate.meta.engine import MetaEngine
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.embedded.engine import SQLiteEngine
 from fusestate.remote import RemoteStore, open_bucket
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Daemon:
         histograms = Histograms(self.registry)
         self.remote.stats.observer = Histograms.observer(histograms.remote)  # before the first request
         if cfg.meta_url:
-            from fusestate.meta.pgpool import check_connect  # psycopg: only shared mounts load it
+            from fusestate.meta.postgres.pool import check_connect  # psycopg: only shared mounts load it
 
             check_connect(cfg.meta_url)
         self.volume = volume.load_or_create(self.remote, cfg.block_size, create=not cfg.read_only,
@@ -132,7 +132,7 @@ class Daemon:
         lease, a new epoch, for a read-write mount)."""
         layout, cfg = self.layout, self.cfg
         if cfg.meta_url:
-            from fusestate.meta.postgres_engine import PostgresEngine  # psycopg: only shared mounts load it
+            from fusestate.meta.postgres.engine import PostgresEngine  # psycopg: only shared mounts load it
 
             return PostgresEngine(cfg.meta_url, self.volume.block_size, mountpoint=cfg.mountpoint,
                                   read_only=cfg.read_only, session_ttl=cfg.session_timeout,

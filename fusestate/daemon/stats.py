@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from fusestate.daemon.locality import Locality
     from fusestate.fuse.adapter import FuseOperations
     from fusestate.meta.engine import MetaEngine
-    from fusestate.meta.shipper import JournalShipper
+    from fusestate.meta.embedded.shipper import JournalShipper
     from fusestate.remote.store import RemoteStore
 
 COUNTER = "counter"

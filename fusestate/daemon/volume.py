@@ -5,7 +5,7 @@ Layout under the volume's root::
     fusestate.json              format version, block size, volume id, metadata engine
     blocks/ab/<hash>            content-addressed blocks (BLAKE3; SHA-256 before), never overwritten
     lease/<epoch>.json          one per read-write mount: holder, heartbeat, fencing
-    meta/journal/...            metadata journal segments (see fusestate.meta.journal)
+    meta/journal/...            metadata journal segments (see fusestate.meta.embedded.journal)
     meta/snapshot-...db         compacted metadata snapshots
 """
 

@@ -162,7 +162,7 @@ def _has_entries(tx: Tx, ino: int) -> bool:
 
 def _not_empty(tx: Tx, directory: Inode) -> bool:
     """Whether a directory may not be removed: it has entries, or it is another node's
-    scratch directory, whose entries live on that node (``meta.node_local``) until its
+    scratch directory, whose entries live on that node (``meta.scratch``) until its
     session ends and takes the directory with it."""
     return bool(directory.scratch and directory.scratch != tx.scratch_owner) or _has_entries(tx, directory.id)
 
@@ -265,7 +265,7 @@ def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False
 
 
 def adopt(tx: Tx, node: Inode) -> None:
-    """An inode made on one node alone (``meta.node_local``) becomes a row under the number
+    """An inode made on one node alone (``meta.scratch``) becomes a row under the number
     it had there, with no name yet and held by this node, as a scratch file of its own: so
     that ``promote`` can commit its blocks and a link then name it."""
     columns = (node.mode, node.uid, node.gid, 0, 0, node.atime_ns, node.mtime_ns, node.ctime_ns, node.rdev,

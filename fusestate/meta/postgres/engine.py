@@ -2,10 +2,10 @@
 
 Every operation of ``fusestate.meta.operations`` runs as one READ COMMITTED transaction
 on a pooled connection, on the trio loop (``loop_io``: the loop serves other requests
-while it waits for the database), its statements pipelined (``pgpipeline``), with the
+while it waits for the database), its statements pipelined (``pipeline``), with the
 inodes it changes locked in increasing id order, retried whole on a serialization
 failure, a deadlock or a unique-key race. The hottest operations (create, the commit of
-a file's blocks) run instead as one call of a function on the server (``pg_functions``):
+a file's blocks) run instead as one call of a function on the server (``functions``):
 one round trip each.
 
 Each mount is a *session*: a row with a heartbeat. A session holds the files its node
@@ -13,7 +13,7 @@ has open (``holds``, an UNLOGGED table that each node fills again after the serv
 it: ``heartbeat``), so a file unlinked on one node stays readable where it is open
 and is deleted with its last holder. Its uploads are not registered: a commit of a block
 the collector deleted while it was uploaded is refused, and the node puts it again
-(``pg_functions``; ``uploads`` holds only registrations of earlier releases).
+(``functions``; ``uploads`` holds only registrations of earlier releases).
 Every publishing transaction checks that its own session is still alive: a node that
 was declared dead and comes back cannot publish. The sessions of dead nodes are cleaned
 up by the others. Counters for statfs are kept per session and lane (no hot row). A
@@ -49,11 +49,11 @@ from fusestate.errors import FsError
 from fusestate.meta import operations as ops
 from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
                                    ObjectInfo)
-from fusestate.meta import pg_functions as server
-from fusestate.meta.change_feed import CHANGE_TRIGGERS, ChangeFeed
-from fusestate.meta.lookup_cache import LookupCache, Name
-from fusestate.meta.pgpipeline import Pipeline, Slot
-from fusestate.meta.pgpool import PgPool, RefusedByServer, timeline_of
+from fusestate.meta.postgres import functions as server
+from fusestate.meta.postgres.change_feed import CHANGE_TRIGGERS, ChangeFeed
+from fusestate.meta.postgres.lookup_cache import LookupCache, Name
+from fusestate.meta.postgres.pipeline import Pipeline, Slot
+from fusestate.meta.postgres.pool import PgPool, RefusedByServer, timeline_of
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clea
 CLOSE_OUTAGE_BUDGET = 5.0
 RECENT_ROWS_MAX = 10_000  # rows of this node's own writes that getattr answers (attr_cache_seconds)
 # A small file's block up to this many bytes is kept in the database, not the bucket
-# (pg_functions, "Inline blocks"): a PostgreSQL page holds a row of this size.
+# (functions, "Inline blocks"): a PostgreSQL page holds a row of this size.
 INLINE_MAX = 4096
 INLINE_SEEN_MAX = 1024  # inline blocks an open brought along, kept until the block store asks
 
@@ -79,7 +79,7 @@ _ADD_COUNTERS = "UPDATE counters SET inodes = inodes + ?, used = used + ? WHERE 
 # update of a row no other transaction writes (see ``_Attempts``).
 _MARK = "UPDATE counters SET inodes = inodes + ?, used = used + ?, op = ? WHERE session_id = ? AND lane = ?"
 _DONE = "SELECT 1 FROM counters WHERE session_id = ? AND lane = ? AND op = ?"
-# A lane's lock (_Attempts) or an inode's fence (pg_functions.INODE_FENCE): (class, key).
+# A lane's lock (_Attempts) or an inode's fence (functions.INODE_FENCE): (class, key).
 _ADVISORY_LOCK = "SELECT pg_advisory_xact_lock(?::int, ?::int)"
 # A transaction of its own that writes a WAL record (a commit without one does not wait for
 # the flush): an update of a lane's row, which no other transaction writes meanwhile
@@ -88,7 +88,7 @@ _ADVISORY_LOCK = "SELECT pg_advisory_xact_lock(?::int, ?::int)"
 _FLUSH_WAL = ("WITH mode AS (SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')"
               " WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true))"
               " UPDATE counters SET op = op FROM mode WHERE session_id = ? AND lane = ? RETURNING 1")
-# The session fence (``pg_functions``) and the commit mode of a namespace change, at once.
+# The session fence (``functions``) and the commit mode of a namespace change, at once.
 _SESSION_CHECK = "SELECT fs_session_v1(?::bigint, false)"
 
 _SCHEMA = """
@@ -149,7 +149,7 @@ CREATE TABLE IF NOT EXISTS uploads (
 );
 CREATE INDEX IF NOT EXISTS uploads_by_key ON uploads (key);
 -- Blocks deleted from the bucket (or maybe deleted) since COLLECTED_KEEP: a commit of one
--- whose upload began before that is refused, and the node puts it again (pg_functions).
+-- whose upload began before that is refused, and the node puts it again (functions).
 CREATE TABLE IF NOT EXISTS collected (
     key TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL
 );
@@ -160,7 +160,7 @@ CREATE TABLE IF NOT EXISTS counters (
     lane INTEGER NOT NULL DEFAULT 0, op BIGINT NOT NULL DEFAULT 0, made BIGINT NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, lane)
 );
-DO $$ BEGIN  -- the bytes of inline blocks (pg_functions), kept in the row: one heap record per write
+DO $$ BEGIN  -- the bytes of inline blocks (functions), kept in the row: one heap record per write
   IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'objects'::regclass AND attname = 'data') THEN
     ALTER TABLE objects ADD COLUMN data BYTEA;
     ALTER TABLE objects ALTER COLUMN data SET STORAGE MAIN;
@@ -481,7 +481,7 @@ class PostgresEngine:
              attempts: Optional[_Attempts], now_ns: int) -> tuple[T, int, int]:
         # Pipelined: BEGIN, the session check and the commit mode go out with the
         # operation's first query, and its last writes with the counters and COMMIT. The
-        # session is fenced as the server-side operations fence it (``pg_functions``: an
+        # session is fenced as the server-side operations fence it (``functions``: an
         # advisory lock, no row lock and no WAL record); a session cleaned up meanwhile
         # fails the statement (FSLST), and the transaction with it.
         with Pipeline(cur.connection) as pipe:
@@ -560,7 +560,7 @@ class PostgresEngine:
 
     async def _call(self, statement: str, args: tuple, attempts: Optional[_Attempts] = None,
                     changes: bool = True) -> list[tuple]:
-        """One server-side operation (``pg_functions``): one statement, one round trip, one
+        """One server-side operation (``functions``): one statement, one round trip, one
         transaction, committed without waiting for the WAL flush; its POSIX errors come back
         as :class:`RefusedByServer`. ``attempts``: records whether the last call was a retry after one that was sent;
         with a number (``op``), the statement's first arguments after the session are the
@@ -736,7 +736,7 @@ class PostgresEngine:
 
     async def reserve_inode_ids(self, count: int) -> list[int]:
         """Numbers of the inode sequence no row will ever take: for inodes made on this node
-        alone (``node_local``), which may become rows under them."""
+        alone (``meta.scratch``), which may become rows under them."""
         rows = await self._write(lambda tx: tx.all(
             "SELECT nextval(pg_get_serial_sequence('inodes', 'id')) FROM generate_series(1, ?::int)", (count,)))
         return [row[0] for row in rows]
@@ -856,7 +856,7 @@ class PostgresEngine:
     async def begin_upload(self, key: str, size: int) -> Optional[bool]:
         """Always False (put the block): uploads are not registered. The commit that follows
         finds out whether the collector deleted these bytes meanwhile (EAGAIN: put them
-        again, see ``pg_functions``), which costs nothing when it did not, where a
+        again, see ``functions``), which costs nothing when it did not, where a
         registration cost every block a transaction before its upload."""
         if self.lost:
             raise SessionLost()  # its commit could never come
@@ -895,7 +895,7 @@ class PostgresEngine:
         """Mark unreferenced blocks for deletion: those no commit references since before
         ``older_than`` and no session is uploading. A marked block is deleted from the
         bucket, then forgotten (``garbage_deleted``); a commit of the same bytes meanwhile
-        is refused, and its node puts them again (``pg_functions``)."""
+        is refused, and its node puts them again (``functions``)."""
         def claim(cur: Any) -> list[str]:
             cur.execute("SELECT key FROM objects WHERE refcount<=0 AND deleting=0 AND unreferenced_since<=%s"
                         " ORDER BY key LIMIT 1000", (older_than,))
@@ -918,7 +918,7 @@ class PostgresEngine:
 
     async def garbage_deleted(self, keys: list[str]) -> None:
         """Deleted from the bucket: the rows go, and each key is recorded as collected, so a
-        commit of the same bytes uploaded before the deletion is refused (``pg_functions``)."""
+        commit of the same bytes uploaded before the deletion is refused (``functions``)."""
         def forget(cur: Any) -> None:
             cur.execute(f"WITH gone AS (DELETE FROM objects WHERE key = ANY(%s) AND deleting=%s RETURNING key)"
                         f" INSERT INTO collected (key, at) SELECT key, {_NOW} FROM gone"
@@ -946,7 +946,7 @@ class PostgresEngine:
         registration of an earlier release): left by a node that died between a PUT and its
         commit. Returns the keys to delete, then ``garbage_deleted``. The caller passes only
         blocks older than its grace period. A commit of the same bytes meanwhile finds the
-        claim, or the collected key, and puts them again (``pg_functions``); two sweeps
+        claim, or the collected key, and puts them again (``functions``); two sweeps
         claiming one key meet on its primary key, and the second runs again."""
         def claim(cur: Any) -> list[str]:
             cur.execute(_UNKNOWN, (keys,))
@@ -1183,7 +1183,7 @@ def _clean_session(tx: ops.Tx, session: int) -> Freed:
             " ON CONFLICT (key) DO UPDATE SET at = excluded.at", (session,))
     tx.exec("UPDATE objects SET deleting=0, uploaded=0 WHERE deleting=?", (session,))
     # After every server-side operation of the session in flight (they hold the fence shared),
-    # before any that would come: they then find no row (pg_functions).
+    # before any that would come: they then find no row (functions).
     tx.exec("SELECT pg_advisory_xact_lock(?::int, ?::int)", (server.SESSION_FENCE, session % 2147483647))
     tx.exec("DELETE FROM sessions WHERE id=?", (session,))
     # Its lanes' counts go into its row of lane 0: one row stays per ended session, as before lanes.

@@ -10,7 +10,7 @@ in how, it says why.
 
 - **Errors.** A POSIX error is raised as SQLSTATE ``FS`` + its three-digit errno
   (``FS017``: EEXIST): the whole call rolls back, and the pool turns it into that errno
-  (``pgpool.RefusedByServer``) without a second round trip. ``FSLST``: this session was
+  (``pool.RefusedByServer``) without a second round trip. ``FSLST``: this session was
   cleaned up by the other nodes.
 - **Fencing.** A call takes a shared advisory lock on its session's key, then checks that
   the session row is still there; the clean-up of a session takes that lock exclusively

@@ -4,7 +4,7 @@ The default for a volume one node writes. Operations (``fusestate.meta.operation
 run on the event loop: WAL mode with ``synchronous=NORMAL`` keeps each to tens of
 microseconds, and ``sync()`` fsyncs the WAL when a caller needs durability. Its
 durability beyond the node is its own strategy: triggers append every row change to a
-journal that ``fusestate.meta.shipper`` ships to the bucket after the blocks it
+journal that ``fusestate.meta.embedded.shipper`` ships to the bucket after the blocks it
 references, with snapshots (``restore``) and a lease with fencing (``daemon.lease``).
 """
 
@@ -25,7 +25,7 @@ from fusestate.config import DEFAULT_BLOCK_SIZE
 from fusestate.meta import operations as ops
 from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
                                    ObjectInfo)
-from fusestate.meta.journal import JOURNAL_SCHEMA, Change
+from fusestate.meta.embedded.journal import JOURNAL_SCHEMA, Change
 
 T = TypeVar("T")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from fusestate.blocks.keys import object_name
-from fusestate.meta import journal
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.embedded import journal
+from fusestate.meta.embedded.engine import SQLiteEngine
 from fusestate.remote.store import RemoteStore
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from typing import Optional, Protocol
 import trio
 
 from fusestate.blocks.uploader import UploadFailed, Uploader
-from fusestate.meta import journal
-from fusestate.meta.sqlite_engine import SQLiteEngine
+from fusestate.meta.embedded import journal
+from fusestate.meta.embedded.engine import SQLiteEngine
 from fusestate.remote.store import RemoteError, RemoteStore
 
 log = logging.getLogger(__name__)

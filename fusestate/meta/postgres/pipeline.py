@@ -31,7 +31,7 @@ import trio
 from psycopg import errors, pq
 from psycopg.adapt import Transformer
 
-from fusestate.meta.loop_io import wait_socket
+from fusestate.meta.postgres.loop_io import wait_socket
 
 MAX_PREPARED = 256  # per connection; statements beyond these run unprepared
 # Results the server may have to send before they are read: beyond this many, queue()

@@ -38,8 +38,8 @@ import psycopg
 import trio
 from psycopg import pq
 
-from fusestate.meta.lookup_cache import LookupCache, Name
-from fusestate.meta.pgpool import SESSION_SETTING, PgPool
+from fusestate.meta.postgres.lookup_cache import LookupCache, Name
+from fusestate.meta.postgres.pool import SESSION_SETTING, PgPool
 
 log = logging.getLogger(__name__)
 

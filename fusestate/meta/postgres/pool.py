@@ -2,7 +2,7 @@
 
 A whole transaction runs as one call (``fn(cursor)``), written as blocking code; on the
 event loop it runs in a greenlet that waits for the database on the loop itself
-(:mod:`fusestate.meta.loop_io`), so a FUSE operation costs no thread hop. A read of one
+(:mod:`fusestate.meta.postgres.loop_io`), so a FUSE operation costs no thread hop. A read of one
 statement (a lookup, a stat) needs no transaction and no greenlet: ``query`` sends it on an
 idle connection from the calling task and awaits the answer there, at about half the CPU. Round trips
 are what a namespace operation costs (about 0.1 ms each, even on the same machine), so a
@@ -68,8 +68,8 @@ from psycopg.conninfo import conninfo_to_dict
 
 from fusestate.config import redact_url
 from fusestate.errors import FsError, UserError
-from fusestate.meta.loop_io import LoopConnection, await_, on_loop, run_on_loop
-from fusestate.meta.pgpipeline import Pipeline, never_prepare
+from fusestate.meta.postgres.loop_io import LoopConnection, await_, on_loop, run_on_loop
+from fusestate.meta.postgres.pipeline import Pipeline, never_prepare
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ Arguments = Union[Sequence[Any], Callable[[psycopg.Connection], Sequence[Any]]]
 IDLE, INTRANS, INERROR = (psycopg.pq.TransactionStatus.IDLE, psycopg.pq.TransactionStatus.INTRANS,
                           psycopg.pq.TransactionStatus.INERROR)
 # Serialization failure, deadlock, unique race; and a prepared statement the connection
-# lost (``pgpipeline`` prepares afresh on the next try).
+# lost (``pipeline`` prepares afresh on the next try).
 RETRIED_SQLSTATES = {"40001", "40P01", "23505", "26000"}
 MAX_CONFLICT_TRIES = 50
 CONNECT_TIMEOUT = 5  # seconds per server, unless the URL has a connect_timeout of its own
@@ -427,7 +427,7 @@ class PgPool:
     def _open(self, where: dict[str, str]) -> psycopg.Connection:
         """Connect (to the servers ``where`` names, or the URL's) and read the timeline."""
         # No automatic preparing by psycopg: it deallocates every prepared statement of
-        # the connection after a ROLLBACK, those of ``pgpipeline`` too, which prepares its own.
+        # the connection after a ROLLBACK, those of ``pipeline`` too, which prepares its own.
         conn = LoopConnection.connect(self.url, autocommit=True, prepare_threshold=None,
                                       **self._connect_params, **where)
         conn.server = _server_of(conn)  # type: ignore[attr-defined]
