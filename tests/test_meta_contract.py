@@ -834,7 +834,7 @@ def test_an_fsyncs_durable_commit_leaves_its_sync_nothing_to_do(new_engine, pg_u
         ino = conn.execute("SELECT inode FROM entries WHERE name = 'final'").fetchone()[0]
         for durable, mode in ((False, "off"), (True, "on")):
             with conn.transaction(force_rollback=True):
-                conn.execute("SELECT * FROM fs_commit_v3(%s, %s, '{}', '{}', '{}', 1, 1, 0, false, %s, NULL, '{}')",
+                conn.execute("SELECT * FROM fs_commit(%s, %s, '{}', '{}', '{}', 1, 1, 0, false, %s, NULL, '{}')",
                              (session, ino, durable))
                 assert conn.execute("SELECT current_setting('synchronous_commit')").fetchone()[0] == mode
 

@@ -24,10 +24,10 @@ from pgwire_cut import CuttingProxy
 BS = 64 * 1024
 FILE = NewNode(stat.S_IFREG | 0o644, 1000, 1000)
 CUT_TIMEOUT = 10.0
-CREATE_CALL = r"fs_create_v\d"
-UNLINK_CALL = r"fs_unlink_v\d"
-LINK_CALL = r"fs_link_v\d"
-RENAME_CALL = r"fs_rename_v\d"  # a file's rename; a directory's is operations.rename, ended by COMMIT
+CREATE_CALL = r"fs_create\("
+UNLINK_CALL = r"fs_unlink\("
+LINK_CALL = r"fs_link\("
+RENAME_CALL = r"fs_rename\("  # a file's rename; a directory's is operations.rename, ended by COMMIT
 DIR = NewNode(stat.S_IFDIR | 0o755, 1000, 1000)
 COMMIT = r"^COMMIT$"  # the statement that ends a namespace operation's transaction
 
@@ -190,7 +190,7 @@ def test_a_promotion_whose_commit_answer_was_lost(pg_url: str, proxy: CuttingPro
         scratch = await a.create(ROOT_INODE, b"blockmgr-1", NewNode(stat.S_IFDIR | 0o755, 0, 0, scratch_name=True))
         f = await a.create(scratch.id, b"000012.sst", FILE)
         blocks = {0: (f"{1:064x}", BS), 1: (f"{2:064x}", 100)}
-        proxy.cut_reply(r"fs_commit_v\d")
+        proxy.cut_reply(r"fs_commit\(")
         await broken(proxy, a.promote(f.id, blocks, BS + 100, 7, uploads_began=time.monotonic()))
         node, keys = await b.read_file(f.id)
         assert (node.scratch, node.size) == (0, BS + 100)

@@ -1,6 +1,6 @@
 """Other nodes' changes of names and inodes, as the database announces them.
 
-Triggers on ``entries`` and ``inodes`` (``CHANGE_TRIGGERS``) send a notification on
+Triggers on ``entries`` and ``inodes`` (``sql/change_feed.sql``) send a notification on
 ``CHANNEL`` for every name updated or deleted and every inode other than a directory
 updated or deleted, in the transaction that changes it: PostgreSQL delivers it to each
 listening session once the transaction commits. A new name is not announced (no node
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import stat
 from typing import Any, Callable, Optional
 
 import psycopg
@@ -39,7 +38,7 @@ import trio
 from psycopg import pq
 
 from fusestate.meta.postgres.lookup_cache import LookupCache, Name
-from fusestate.meta.postgres.pool import SESSION_SETTING, PgPool
+from fusestate.meta.postgres.pool import PgPool
 
 log = logging.getLogger(__name__)
 
@@ -54,42 +53,8 @@ RECONNECT_DELAYS = (0.2, 0.5, 1.0, 2.0, 5.0)  # after a failed connection, then 
 # each notifying commit of any node: about 20 us of the server's CPU per change and node.
 _QUESTION = f"SELECT pg_sleep({PING_EVERY})".encode()
 
-_S_IFMT = 0o170000  # the file type bits of st_mode
-# Each notification: its kind, the session of the connection that made the change (empty
-# if it has none), ':', and what changed:
-#   e<session>:<parent>/<name in hex>   a name updated or deleted
-#   i<session>:<inode>/<size>           an inode other than a directory updated: its new size
-#   i<session>:<inode>                  ... or deleted
-# Installed with the schema (idempotent: a node of this release creates them once, and
-# drops the triggers of the releases before, whose notifications named no session).
-CHANGE_TRIGGERS = f"""
-CREATE OR REPLACE FUNCTION fs_entry_changed_v2() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  PERFORM pg_notify('{CHANNEL}', 'e' || coalesce(current_setting('{SESSION_SETTING}', true), '') || ':'
-                    || OLD.parent || '/' || encode(OLD.name, 'hex'));
-  RETURN NULL;
-END $$;
-CREATE OR REPLACE FUNCTION fs_inode_changed_v2() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  PERFORM pg_notify('{CHANNEL}', 'i' || coalesce(current_setting('{SESSION_SETTING}', true), '') || ':' || OLD.id
-                    || CASE WHEN TG_OP = 'UPDATE' THEN '/' || NEW.size ELSE '' END);
-  RETURN NULL;
-END $$;
-DO $$ BEGIN
-  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_entries_changed_v2') THEN
-    CREATE TRIGGER fs_entries_changed_v2 AFTER UPDATE OR DELETE ON entries
-      FOR EACH ROW EXECUTE FUNCTION fs_entry_changed_v2();
-  END IF;
-  IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'fs_inodes_changed_v2') THEN
-    CREATE TRIGGER fs_inodes_changed_v2 AFTER UPDATE OR DELETE ON inodes
-      FOR EACH ROW WHEN ((OLD.mode & {_S_IFMT}) <> {stat.S_IFDIR}) EXECUTE FUNCTION fs_inode_changed_v2();
-  END IF;
-END $$;
-DROP TRIGGER IF EXISTS fs_entries_changed_v1 ON entries;
-DROP TRIGGER IF EXISTS fs_inodes_changed_v1 ON inodes;
-DROP FUNCTION IF EXISTS fs_entry_changed_v1();
-DROP FUNCTION IF EXISTS fs_inode_changed_v1();
-"""
+# Each notification: its kind (e: a name, i: an inode), the session that made the change,
+# ':', and what changed, as the triggers of ``sql/change_feed.sql`` write it.
 
 
 class ChangeFeed:

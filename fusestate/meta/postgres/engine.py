@@ -41,16 +41,16 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence, TypeVar
 
 import trio
-from psycopg import sql
 
 from fusestate.blocks.keys import INLINE_PREFIX, key_matches
 from fusestate.config import DEFAULT_BLOCK_SIZE
 from fusestate.errors import FsError
 from fusestate.meta import operations as ops
-from fusestate.meta.engine import (ROOT_INODE, AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
+from fusestate.meta.engine import (AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
                                    ObjectInfo)
 from fusestate.meta.postgres import functions as server
-from fusestate.meta.postgres.change_feed import CHANGE_TRIGGERS, ChangeFeed
+from fusestate.meta.postgres import schema
+from fusestate.meta.postgres.change_feed import ChangeFeed
 from fusestate.meta.postgres.lookup_cache import LookupCache, Name
 from fusestate.meta.postgres.pipeline import Pipeline, Slot
 from fusestate.meta.postgres.pool import PgPool, RefusedByServer, timeline_of
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SCHEMA_LOCK = 0x66757365  # advisory lock id taken while the schema is created
 MOVE_LOCK = 0x66757366    # advisory lock id that serializes directory moves between parents
 SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clean a session up
 # How long an unmount tries to end its session while the database is unreachable: nothing
@@ -88,94 +87,6 @@ _ADVISORY_LOCK = "SELECT pg_advisory_xact_lock(?::int, ?::int)"
 _FLUSH_WAL = ("WITH mode AS (SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')"
               " WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true))"
               " UPDATE counters SET op = op FROM mode WHERE session_id = ? AND lane = ? RETURNING 1")
-# The session fence (``functions``) and the commit mode of a namespace change, at once.
-_SESSION_CHECK = "SELECT fs_session_v1(?::bigint, false)"
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS inodes (
-    id BIGSERIAL PRIMARY KEY,
-    mode INTEGER NOT NULL, uid BIGINT NOT NULL, gid BIGINT NOT NULL,
-    size BIGINT NOT NULL DEFAULT 0, nlink INTEGER NOT NULL DEFAULT 0,
-    atime_ns BIGINT NOT NULL, mtime_ns BIGINT NOT NULL, ctime_ns BIGINT NOT NULL,
-    rdev BIGINT NOT NULL DEFAULT 0, symlink_target BYTEA,
-    scratch BIGINT NOT NULL DEFAULT 0  -- 0, or the session whose node-local file it is (--scratch)
-);
-CREATE INDEX IF NOT EXISTS inodes_scratch ON inodes (scratch) WHERE scratch <> 0;
-CREATE TABLE IF NOT EXISTS entries (
-    id BIGSERIAL PRIMARY KEY,
-    parent BIGINT NOT NULL, name BYTEA NOT NULL, inode BIGINT NOT NULL,
-    UNIQUE (parent, name)
-);
-CREATE INDEX IF NOT EXISTS entries_by_inode ON entries (inode);
--- A listing's pages in entry order, each read on its own (not the whole directory sorted).
-CREATE INDEX IF NOT EXISTS entries_listing ON entries (parent, id);
-CREATE TABLE IF NOT EXISTS blocks (
-    inode BIGINT NOT NULL, idx BIGINT NOT NULL, key TEXT NOT NULL, size BIGINT NOT NULL DEFAULT 0,
-    PRIMARY KEY (inode, idx)
-);
-CREATE TABLE IF NOT EXISTS objects (
-    key TEXT PRIMARY KEY, size BIGINT NOT NULL, refcount BIGINT NOT NULL,
-    uploaded INTEGER NOT NULL DEFAULT 1, unreferenced_since DOUBLE PRECISION, unreferenced_seq BIGINT,
-    deleting BIGINT NOT NULL DEFAULT 0  -- the session deleting it from the bucket, 0 if none
-);
-CREATE TABLE IF NOT EXISTS sessions (
-    id BIGSERIAL PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, mountpoint TEXT NOT NULL,
-    started DOUBLE PRECISION NOT NULL, heartbeat DOUBLE PRECISION NOT NULL,
-    timeout DOUBLE PRECISION NOT NULL DEFAULT 30  -- its own --session-timeout: others clean it up after that
-);
-ALTER TABLE sessions ADD COLUMN IF NOT EXISTS timeout DOUBLE PRECISION NOT NULL DEFAULT 30;
--- Keyed by inode first: "does any node hold it" and "does this node" are both one index
--- lookup, and a hold costs one index entry (volumes made before also have holds_by_inode).
--- UNLOGGED: a hold is written and deleted for every file a node opens, and no WAL record
--- for either; a crash or a failover of the server empties the table, and so holds_kept,
--- which tells the nodes to register their holds again (see heartbeat and fs_holds_trusted_v1).
-CREATE UNLOGGED TABLE IF NOT EXISTS holds (
-    session_id BIGINT NOT NULL, inode BIGINT NOT NULL, PRIMARY KEY (inode, session_id)
-);
-DO $$ BEGIN  -- a volume made by an earlier release: its holds WAL-logged
-  IF (SELECT relpersistence FROM pg_class WHERE oid = 'holds'::regclass) = 'p' THEN
-    ALTER TABLE holds SET UNLOGGED;
-  END IF;
-END $$;
--- One row, emptied with holds: since when (the database's clock) holds has been filled again.
-CREATE UNLOGGED TABLE IF NOT EXISTS holds_kept (
-    one INTEGER PRIMARY KEY DEFAULT 1 CHECK (one = 1), since DOUBLE PRECISION NOT NULL
-);
--- Files with no name left that were kept while the holds could not be trusted: the sweep's.
-CREATE TABLE IF NOT EXISTS orphans_kept (inode BIGINT PRIMARY KEY);
-CREATE TABLE IF NOT EXISTS uploads (
-    session_id BIGINT NOT NULL, key TEXT NOT NULL, size BIGINT NOT NULL DEFAULT 0,
-    PRIMARY KEY (session_id, key)
-);
-CREATE INDEX IF NOT EXISTS uploads_by_key ON uploads (key);
--- Blocks deleted from the bucket (or maybe deleted) since COLLECTED_KEEP: a commit of one
--- whose upload began before that is refused, and the node puts it again (functions).
-CREATE TABLE IF NOT EXISTS collected (
-    key TEXT PRIMARY KEY, at DOUBLE PRECISION NOT NULL
-);
--- Per session and lane (see _Attempts): the counts of inodes and bytes its transactions
--- added, and the number (op) of the lane's last operation, with what it made.
-CREATE TABLE IF NOT EXISTS counters (
-    session_id BIGINT NOT NULL, inodes BIGINT NOT NULL DEFAULT 0, used BIGINT NOT NULL DEFAULT 0,
-    lane INTEGER NOT NULL DEFAULT 0, op BIGINT NOT NULL DEFAULT 0, made BIGINT NOT NULL DEFAULT 0,
-    PRIMARY KEY (session_id, lane)
-);
-DO $$ BEGIN  -- the bytes of inline blocks (functions), kept in the row: one heap record per write
-  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'objects'::regclass AND attname = 'data') THEN
-    ALTER TABLE objects ADD COLUMN data BYTEA;
-    ALTER TABLE objects ALTER COLUMN data SET STORAGE MAIN;
-    -- A row of up to a page is left as it is: past the default (2 kB) the toaster would
-    -- move the key out to the TOAST table, two more WAL records per inline block.
-    ALTER TABLE objects SET (toast_tuple_target = 8160);
-  END IF;
-END $$;
-DO $$ BEGIN  -- a volume made by an earlier release: one row per session
-  IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'counters'::regclass AND attname = 'lane') THEN
-    ALTER TABLE counters ADD COLUMN lane INTEGER NOT NULL DEFAULT 0, ADD COLUMN op BIGINT NOT NULL DEFAULT 0,
-      ADD COLUMN made BIGINT NOT NULL DEFAULT 0, DROP CONSTRAINT counters_pkey, ADD PRIMARY KEY (session_id, lane);
-  END IF;
-END $$;
-"""
 
 _UNKNOWN = ("SELECT k FROM unnest(%s::text[]) AS k WHERE NOT EXISTS (SELECT 1 FROM objects WHERE key=k)"
             " AND NOT EXISTS (SELECT 1 FROM uploads WHERE key=k)")
@@ -188,7 +99,7 @@ _READDIR = ("SELECT d.mode, page.* FROM inodes d LEFT JOIN LATERAL"
             " ON true WHERE d.id = ?")
 _LOCK_INODES = f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id = ANY(?) ORDER BY id FOR UPDATE"
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock: one clock for every node
-_SWEEP_DUE = "SELECT EXISTS (SELECT 1 FROM orphans_kept) AND fs_holds_trusted_v1()"
+_SWEEP_DUE = "SELECT EXISTS (SELECT 1 FROM orphans_kept) AND fs_holds_trusted()"
 
 
 class SessionLost(FsError):
@@ -228,10 +139,10 @@ class _SessionHolds:
 
     def held(self, tx: ops.Tx, ino: int) -> bool:
         """Held by some node; or kept (and recorded for the sweep) while the holds cannot
-        be trusted, after the server lost them (``fs_keep_orphan_v1``). Asked after taking
+        be trusted, after the server lost them (``fs_keep_orphan``). Asked after taking
         the file's fence (``INODE_FENCE``), so a close in flight is seen or sees this."""
         tx.exec(_ADVISORY_LOCK, (server.INODE_FENCE, server.inode_key(ino)))
-        row = tx.one("SELECT EXISTS (SELECT 1 FROM holds WHERE inode=?) OR fs_keep_orphan_v1(?)", (ino, ino))
+        row = tx.one("SELECT EXISTS (SELECT 1 FROM holds WHERE inode=?) OR fs_keep_orphan(?)", (ino, ino))
         return bool(row and row[0])
 
 
@@ -413,7 +324,7 @@ class PostgresEngine:
         # (number of the first async commit, the timeline it and those after it ran on):
         # a durable commit on a newer timeline (a failover) does not cover them.
         self._timelines: list[tuple[int, int]] = []
-        self.pool.run_sync(self._create_schema)
+        self.pool.run_sync(schema.install)
 
     @property
     def open_connections(self) -> int:
@@ -421,20 +332,6 @@ class PostgresEngine:
         return self.pool.open_connections + int(self.changes is not None and self.changes.connected)
 
     # --- setup ----------------------------------------------------------------
-    @staticmethod
-    def _create_schema(cur: Any) -> None:
-        cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
-        cur.execute(_SCHEMA)
-        cur.execute(server.INSTALL)
-        cur.execute(CHANGE_TRIGGERS)
-        now = time.time_ns()
-        cur.execute("INSERT INTO inodes (id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns)"
-                    " VALUES (%s, %s, 0, 0, 0, 2, %s, %s, %s) ON CONFLICT DO NOTHING RETURNING id",
-                    (ROOT_INODE, 0o040755, now, now, now))
-        if cur.fetchone():
-            cur.execute("SELECT setval(pg_get_serial_sequence('inodes', 'id'), 1)")
-            cur.execute("INSERT INTO counters (session_id, inodes) VALUES (0, 1)")
-
     # --- running an operation -----------------------------------------------------
     @property
     def scratch_owner(self) -> int:
@@ -486,7 +383,7 @@ class PostgresEngine:
         # fails the statement (FSLST), and the transaction with it.
         with Pipeline(cur.connection) as pipe:
             pipe.queue("BEGIN")
-            pipe.queue(_SESSION_CHECK, (self.session_id,))
+            pipe.queue(server.SESSION_CHECK, (self.session_id,))
             if attempts is not None and self._done_before(pipe, attempts):
                 assert attempts.done is not None
                 outcome = attempts.done  # committed by the attempt whose answer was lost
@@ -632,7 +529,7 @@ class PostgresEngine:
             return await self._call(statement, args, attempts=_Attempts(lane, next(self._ops)))
 
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
-        """One call of ``fs_create_v2``, holding a lane: a retry after its answer was lost
+        """One call of ``fs_create``, holding a lane: a retry after its answer was lost
         returns the inode the call made rather than EEXIST (``_Attempts``)."""
         ops.check_name(name)
         since = self.lookups.generation
@@ -653,7 +550,7 @@ class PostgresEngine:
         return dataclasses.replace(new)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
-        """One call of ``fs_link_v1``, holding a lane (as ``create``): one round trip, where
+        """One call of ``fs_link``, holding a lane (as ``create``): one round trip, where
         ``operations.link`` takes two (a RocksDB checkpoint is mostly links)."""
         if not self.session_id:
             return await self._write(ops.link, ino, parent, name, once=True)
@@ -675,7 +572,7 @@ class PostgresEngine:
             self._renamed((parent, name))
 
     async def _unlink(self, parent: int, name: bytes) -> Freed:
-        """One call of ``fs_unlink_v1``, holding a lane (as ``create``)."""
+        """One call of ``fs_unlink``, holding a lane (as ``create``)."""
         if not self.session_id:
             return await self._write(ops.unlink, parent, name, once=True)
         rows = await self._call_in_lane(server.UNLINK, (self.session_id, parent, name, time.time_ns(), time.time()))
@@ -701,7 +598,7 @@ class PostgresEngine:
 
     async def _rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
                       flags: int = 0) -> Freed:
-        """A file's rename without flags: one call of ``fs_rename_v1``, holding a lane (as
+        """A file's rename without flags: one call of ``fs_rename``, holding a lane (as
         ``create``); a directory's, or one with flags, ``operations.rename``."""
         if flags or not self.session_id or src_name in (b".", b".."):
             return await self._write(ops.rename, src_parent, src_name, dst_parent, dst_name, flags, once=True)
@@ -1005,7 +902,7 @@ class PostgresEngine:
     async def heartbeat(self) -> None:
         """The session's heartbeat; and, when the server has lost the holds since this node
         last registered them (a crash, a failover: the table is UNLOGGED), its holds again,
-        in the same transaction, before the heartbeat that says so (``fs_holds_trusted_v1``)."""
+        in the same transaction, before the heartbeat that says so (``fs_holds_trusted``)."""
         def beat(cur: Any) -> Optional[float]:
             since = self._keep_holds(cur, self.session_id)
             cur.execute(f"UPDATE sessions SET heartbeat={_NOW} WHERE id=%s", (self.session_id,))
@@ -1121,7 +1018,7 @@ class PostgresEngine:
         """Make every namespace change committed so far durable (fsync, fsyncdir).
 
         Namespace operations commit without waiting for the database's WAL flush
-        (``fs_session_v1`` sets ``synchronous_commit = off``): they are visible to every
+        (``fs_session`` sets ``synchronous_commit = off``): they are visible to every
         node when they return, and durable within the server's WAL writer delay, or at the next
         durable commit: one round trip (``_flush_wal``) whose commit waits until the WAL is
         flushed up to its commit record, which is after every commit before it, this node's
@@ -1238,7 +1135,7 @@ def shared_problems(tx: ops.Tx, limit: int = 20) -> list[str]:
     for (ino,) in tx.all("SELECT i.id FROM inodes i WHERE i.nlink = 0 AND NOT EXISTS"
                          f" (SELECT 1 FROM holds h JOIN sessions s ON s.id = h.session_id WHERE h.inode = i.id)"
                          " AND NOT EXISTS (SELECT 1 FROM orphans_kept o WHERE o.inode = i.id)"
-                         f" AND fs_holds_trusted_v1() LIMIT {limit}"):
+                         f" AND fs_holds_trusted() LIMIT {limit}"):
         problems.append(f"inode {ino} has no name and no node holds it open")
     row = tx.one("SELECT (SELECT COALESCE(SUM(inodes), 0) FROM counters), (SELECT COUNT(*) FROM inodes),"
                  " (SELECT COALESCE(SUM(used), 0) FROM counters),"
