@@ -1,7 +1,11 @@
-"""The metadata engine contract: every engine (SQLite, PostgreSQL) answers every operation
-the same way. Each test runs once per engine against the real database (PostgreSQL: a
-server started by the tests on 127.0.0.1); the tests marked ``shared`` run two engines on
-one database, as two nodes do.
+"""The metadata engine contract: every namespace implementation answers every operation
+the same way. Each test runs once per implementation against the real database (PostgreSQL:
+a server started by the tests on 127.0.0.1): the SQLite engine, the PostgreSQL engine, and
+``scratch``, a shared volume's scratch directory, whose contents live in the node's memory
+(``meta.scratch``). The POSIX rules of names, links, renames, listings and open files run
+on all three, in a directory of their own (``root``: the volume's root, or a scratch dir);
+what only a file with blocks has (block maps, the ledger) on the two engines; the tests
+marked ``shared`` run two engines on one database, as two nodes do.
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ from fusestate.meta.engine import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE
                                    MetaEngine, NewNode)
 from fusestate.meta.postgres.functions import COLLECTED_MARGIN, SESSION_FENCE
 from fusestate.meta.postgres.engine import PostgresEngine
+from fusestate.meta.scratch.namespace import NodeLocalNames
 from fusestate.meta.embedded.engine import SQLiteEngine
 
 BS = 64 * 1024
 FILE = NewNode(stat.S_IFREG | 0o644, 1000, 1000)
 DIR = NewNode(stat.S_IFDIR | 0o755, 1000, 1000)
+SCRATCH_DIR = NewNode(stat.S_IFDIR | 0o755, 1000, 1000, scratch_name=True)
 FAR_FUTURE = 2**62
 
 Body = Callable[..., Awaitable[None]]
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgresql", "scratch"])
 def engine_kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -39,28 +45,36 @@ def engine_kind(request: pytest.FixtureRequest) -> str:
 def new_engine(engine_kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., MetaEngine]]:
     """A factory of engines on one fresh database: each call is another node (PostgreSQL)."""
     made: list[MetaEngine] = []
-    url = request.getfixturevalue("pg_url") if engine_kind == "postgresql" else ""
+    url = request.getfixturevalue("pg_url") if engine_kind != "sqlite" else ""
 
     def make(**kw) -> MetaEngine:
         if engine_kind == "sqlite":
             engine: MetaEngine = SQLiteEngine(str(tmp_path / "meta.db"), block_size=BS)
         else:
             engine = PostgresEngine(url, block_size=BS, mountpoint=f"/node{len(made)}", **kw)
+            if engine_kind == "scratch":
+                engine = NodeLocalNames(engine)  # type: ignore[assignment]
         made.append(engine)
         return engine
 
+    make.kind = engine_kind  # type: ignore[attr-defined]
     yield make
     for engine in made:
         engine.close()
 
 
 def drive(new_engine: Callable[..., MetaEngine], body: Body, nodes: int = 1, **kw) -> None:
-    """Start ``nodes`` engines on the database and run ``body(*engines)`` under trio."""
+    """Start ``nodes`` engines on the database and run ``body(*engines, root)`` under trio,
+    ``root`` the directory to work in: the volume's root, or a scratch dir of the first
+    engine's (``scratch``)."""
     async def main() -> None:
         engines = [new_engine(**kw) for _ in range(nodes)]
         for e in engines:
             await e.start()
-        await body(*engines)
+        root = ROOT_INODE
+        if new_engine.kind == "scratch":  # type: ignore[attr-defined]
+            root = (await engines[0].create(ROOT_INODE, b"scratch-root", SCRATCH_DIR)).id
+        await body(*engines, root)
 
     trio.run(main)
 
@@ -80,6 +94,8 @@ def key(n: int) -> str:
 
 
 shared_only = pytest.mark.parametrize("engine_kind", ["postgresql"])
+# What only files with blocks have, or only the volume's root: not in a scratch dir.
+engines_only = pytest.mark.parametrize("engine_kind", ["sqlite", "postgresql"])
 
 
 async def held_and_unlinked(a: MetaEngine, b: MetaEngine) -> Inode:
@@ -94,7 +110,7 @@ async def held_and_unlinked(a: MetaEngine, b: MetaEngine) -> Inode:
 # --- namespace ------------------------------------------------------------------------
 
 def test_every_inode_type_is_created_and_looked_up(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
+    async def body(m: MetaEngine, root: int) -> None:
         kinds = {
             b"file": NewNode(stat.S_IFREG | 0o640, 1, 2),
             b"dir": NewNode(stat.S_IFDIR | 0o750, 1, 2),
@@ -104,56 +120,57 @@ def test_every_inode_type_is_created_and_looked_up(new_engine) -> None:
             b"chr": NewNode(stat.S_IFCHR | 0o600, 1, 2, rdev=(1 << 8) | 3),
             b"blk": NewNode(stat.S_IFBLK | 0o600, 1, 2, rdev=(8 << 8) | 1),
         }
-        made = {name: await m.create(ROOT_INODE, name, node) for name, node in kinds.items()}
+        inodes = m.stats().inodes
+        made = {name: await m.create(root, name, node) for name, node in kinds.items()}
         for name, node in kinds.items():
-            found = await m.lookup(ROOT_INODE, name)
+            found = await m.lookup(root, name)
             assert found.id == made[name].id
             assert found.mode == node.mode and (found.uid, found.gid) == (1, 2)
             assert found.rdev == node.rdev
-        assert (await m.lookup(ROOT_INODE, b"link")).symlink_target == b"../somewhere"
-        assert (await m.lookup(ROOT_INODE, b"link")).size == len(b"../somewhere")
+        assert (await m.lookup(root, b"link")).symlink_target == b"../somewhere"
+        assert (await m.lookup(root, b"link")).size == len(b"../somewhere")
         assert (await m.getattr(made[b"dir"].id)).nlink == 2
-        assert (await m.getattr(ROOT_INODE)).nlink == 3  # ".", its own name, and dir's ".."
-        assert sorted(await names(m, ROOT_INODE)) == sorted(kinds)
-        assert m.stats().inodes == 1 + len(kinds)
+        assert (await m.getattr(root)).nlink == 3  # ".", its own name, and dir's ".."
+        assert sorted(await names(m, root)) == sorted(kinds)
+        assert m.stats().inodes == inodes + len(kinds)
 
     drive(new_engine, body)
 
 
 def test_create_errors(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        f = await m.create(ROOT_INODE, b"f", FILE)
-        await raises(errno.EEXIST, m.create(ROOT_INODE, b"f", FILE))
-        await raises(errno.EEXIST, m.create(ROOT_INODE, b"f", DIR))
+    async def body(m: MetaEngine, root: int) -> None:
+        f = await m.create(root, b"f", FILE)
+        await raises(errno.EEXIST, m.create(root, b"f", FILE))
+        await raises(errno.EEXIST, m.create(root, b"f", DIR))
         await raises(errno.ENOTDIR, m.create(f.id, b"x", FILE))
-        await raises(errno.ENAMETOOLONG, m.create(ROOT_INODE, b"n" * 256, FILE))
-        await raises(errno.ENAMETOOLONG, m.lookup(ROOT_INODE, b"n" * 256))
-        await m.create(ROOT_INODE, b"n" * 255, FILE)
-        d = await m.create(ROOT_INODE, b"d", DIR)
-        await m.rmdir(ROOT_INODE, b"d")
+        await raises(errno.ENAMETOOLONG, m.create(root, b"n" * 256, FILE))
+        await raises(errno.ENAMETOOLONG, m.lookup(root, b"n" * 256))
+        await m.create(root, b"n" * 255, FILE)
+        d = await m.create(root, b"d", DIR)
+        await m.rmdir(root, b"d")
         await raises(errno.ENOENT, m.create(d.id, b"x", FILE))  # into a removed directory
         await raises(errno.ENOENT, m.create(10**9, b"x", FILE))  # into no inode at all
-        await raises(errno.ENOENT, m.lookup(ROOT_INODE, b"missing"))
+        await raises(errno.ENOENT, m.lookup(root, b"missing"))
         await raises(errno.ENOTDIR, m.lookup(f.id, b"x"))
 
     drive(new_engine, body)
 
 
 def test_dot_and_dotdot_and_parent(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        a = await m.create(ROOT_INODE, b"a", DIR)
+    async def body(m: MetaEngine, root: int) -> None:
+        a = await m.create(root, b"a", DIR)
         b = await m.create(a.id, b"b", DIR)
         assert (await m.lookup(b.id, b".")).id == b.id
         assert (await m.lookup(b.id, b"..")).id == a.id
-        assert (await m.lookup(ROOT_INODE, b"..")).id == ROOT_INODE
+        assert (await m.lookup(root, b"..")).id == ROOT_INODE  # the root's own, or a scratch dir's parent
         assert await m.parent_of(b.id) == a.id
 
     drive(new_engine, body)
 
 
 def test_setgid_directory_passes_its_group_down(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        d = await m.create(ROOT_INODE, b"d", NewNode(stat.S_IFDIR | stat.S_ISGID | 0o775, 1000, 50))
+    async def body(m: MetaEngine, root: int) -> None:
+        d = await m.create(root, b"d", NewNode(stat.S_IFDIR | stat.S_ISGID | 0o775, 1000, 50))
         f = await m.create(d.id, b"f", NewNode(stat.S_IFREG | 0o644, 1000, 1000))
         sub = await m.create(d.id, b"sub", NewNode(stat.S_IFDIR | 0o755, 1000, 1000))
         assert f.gid == 50 and sub.gid == 50
@@ -163,110 +180,110 @@ def test_setgid_directory_passes_its_group_down(new_engine) -> None:
 
 
 def test_link_and_unlink_count_names(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        f = await m.create(ROOT_INODE, b"f", FILE)
-        d = await m.create(ROOT_INODE, b"d", DIR)
+    async def body(m: MetaEngine, root: int) -> None:
+        f = await m.create(root, b"f", FILE)
+        d = await m.create(root, b"d", DIR)
         assert (await m.link(f.id, d.id, b"g")).nlink == 2
-        await raises(errno.EEXIST, m.link(f.id, ROOT_INODE, b"d"))
-        await raises(errno.EPERM, m.link(d.id, ROOT_INODE, b"d2"))
+        await raises(errno.EEXIST, m.link(f.id, root, b"d"))
+        await raises(errno.EPERM, m.link(d.id, root, b"d2"))
         await raises(errno.ENOTDIR, m.link(f.id, f.id, b"x"))
         await raises(errno.ENOENT, m.link(f.id, 999_999, b"x"))
-        assert [e.name for e, _ in await m.readdir(ROOT_INODE, 0, 100)] == [b"f", b"d"]  # nothing made by them
-        await raises(errno.EISDIR, m.unlink(ROOT_INODE, b"d"))
-        await raises(errno.ENOENT, m.unlink(ROOT_INODE, b"missing"))
-        freed = await m.unlink(ROOT_INODE, b"f")
+        assert [e.name for e, _ in await m.readdir(root, 0, 100)] == [b"f", b"d"]  # nothing made by them
+        await raises(errno.EISDIR, m.unlink(root, b"d"))
+        await raises(errno.ENOENT, m.unlink(root, b"missing"))
+        freed = await m.unlink(root, b"f")
         assert freed.unlinked is not None and freed.unlinked.nlink == 1 and freed.deleted_inode is None
         assert (await m.lookup(d.id, b"g")).nlink == 1
         freed = await m.unlink(d.id, b"g")
         assert freed.deleted_inode == f.id
         await raises(errno.ENOENT, m.getattr(f.id))
-        await raises(errno.ENOENT, m.link(f.id, ROOT_INODE, b"back"))
+        await raises(errno.ENOENT, m.link(f.id, root, b"back"))
 
     drive(new_engine, body)
 
 
 def test_a_freed_inode_number_is_not_handed_out_again(new_engine) -> None:
     """The kernel may still hold a dead inode under its number (FUSE's generation is 0)."""
-    async def body(m: MetaEngine) -> None:
+    async def body(m: MetaEngine, root: int) -> None:
         seen: set[int] = set()
         for _ in range(3):
-            d = await m.create(ROOT_INODE, b"d", DIR)
-            s = await m.create(ROOT_INODE, b"s", NewNode(stat.S_IFLNK | 0o777, 0, 0, symlink_target=b"t"))
+            d = await m.create(root, b"d", DIR)
+            s = await m.create(root, b"s", NewNode(stat.S_IFLNK | 0o777, 0, 0, symlink_target=b"t"))
             assert not {d.id, s.id} & seen
             seen |= {d.id, s.id}
-            await m.unlink(ROOT_INODE, b"s")
-            await m.rmdir(ROOT_INODE, b"d")
+            await m.unlink(root, b"s")
+            await m.rmdir(root, b"d")
 
     drive(new_engine, body)
 
 
 def test_rmdir_rules(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        d = await m.create(ROOT_INODE, b"d", DIR)
+    async def body(m: MetaEngine, root: int) -> None:
+        d = await m.create(root, b"d", DIR)
         await m.create(d.id, b"f", FILE)
-        await m.create(ROOT_INODE, b"file", FILE)
-        await raises(errno.ENOTEMPTY, m.rmdir(ROOT_INODE, b"d"))
-        await raises(errno.ENOTDIR, m.rmdir(ROOT_INODE, b"file"))
+        await m.create(root, b"file", FILE)
+        await raises(errno.ENOTEMPTY, m.rmdir(root, b"d"))
+        await raises(errno.ENOTDIR, m.rmdir(root, b"file"))
         await raises(errno.EINVAL, m.rmdir(d.id, b"."))
-        await raises(errno.ENOENT, m.rmdir(ROOT_INODE, b"missing"))
+        await raises(errno.ENOENT, m.rmdir(root, b"missing"))
         await m.unlink(d.id, b"f")
-        assert (await m.getattr(ROOT_INODE)).nlink == 3
-        freed = await m.rmdir(ROOT_INODE, b"d")
+        assert (await m.getattr(root)).nlink == 3
+        freed = await m.rmdir(root, b"d")
         assert freed.deleted_inode == d.id
-        assert (await m.getattr(ROOT_INODE)).nlink == 2
-        assert await names(m, ROOT_INODE) == [b"file"]
+        assert (await m.getattr(root)).nlink == 2
+        assert await names(m, root) == [b"file"]
 
     drive(new_engine, body)
 
 
 def test_rename_replace_noreplace_exchange(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        a = await m.create(ROOT_INODE, b"a", FILE)
-        b = await m.create(ROOT_INODE, b"b", FILE)
-        await raises(errno.EEXIST, m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b", RENAME_NOREPLACE))
-        await raises(errno.ENOENT, m.rename(ROOT_INODE, b"a", ROOT_INODE, b"none", RENAME_EXCHANGE))
-        await m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b", RENAME_EXCHANGE)
-        assert (await m.lookup(ROOT_INODE, b"a")).id == b.id
-        assert (await m.lookup(ROOT_INODE, b"b")).id == a.id
-        freed = await m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b")  # replaces a's inode (now named b)
+    async def body(m: MetaEngine, root: int) -> None:
+        a = await m.create(root, b"a", FILE)
+        b = await m.create(root, b"b", FILE)
+        await raises(errno.EEXIST, m.rename(root, b"a", root, b"b", RENAME_NOREPLACE))
+        await raises(errno.ENOENT, m.rename(root, b"a", root, b"none", RENAME_EXCHANGE))
+        await m.rename(root, b"a", root, b"b", RENAME_EXCHANGE)
+        assert (await m.lookup(root, b"a")).id == b.id
+        assert (await m.lookup(root, b"b")).id == a.id
+        freed = await m.rename(root, b"a", root, b"b")  # replaces a's inode (now named b)
         assert freed.deleted_inode == a.id
-        assert (await m.lookup(ROOT_INODE, b"b")).id == b.id
-        await raises(errno.ENOENT, m.lookup(ROOT_INODE, b"a"))
-        await m.rename(ROOT_INODE, b"b", ROOT_INODE, b"c", RENAME_NOREPLACE)
-        assert await names(m, ROOT_INODE) == [b"c"]
-        await m.link(b.id, ROOT_INODE, b"c2")
-        assert not (await m.rename(ROOT_INODE, b"c", ROOT_INODE, b"c2")).keys  # two names of one file: nothing
-        assert sorted(await names(m, ROOT_INODE)) == [b"c", b"c2"]
+        assert (await m.lookup(root, b"b")).id == b.id
+        await raises(errno.ENOENT, m.lookup(root, b"a"))
+        await m.rename(root, b"b", root, b"c", RENAME_NOREPLACE)
+        assert await names(m, root) == [b"c"]
+        await m.link(b.id, root, b"c2")
+        assert not (await m.rename(root, b"c", root, b"c2")).keys  # two names of one file: nothing
+        assert sorted(await names(m, root)) == [b"c", b"c2"]
 
     drive(new_engine, body)
 
 
 def test_rename_of_directories(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        a = await m.create(ROOT_INODE, b"a", DIR)
+    async def body(m: MetaEngine, root: int) -> None:
+        a = await m.create(root, b"a", DIR)
         sub = await m.create(a.id, b"sub", DIR)
-        b = await m.create(ROOT_INODE, b"b", DIR)
+        b = await m.create(root, b"b", DIR)
         await m.create(b.id, b"x", FILE)
-        await m.create(ROOT_INODE, b"f", FILE)
-        await raises(errno.EINVAL, m.rename(ROOT_INODE, b"a", sub.id, b"a"))
-        await raises(errno.ENOTEMPTY, m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b"))
-        await raises(errno.ENOTDIR, m.rename(ROOT_INODE, b"a", ROOT_INODE, b"f"))
-        await raises(errno.EISDIR, m.rename(ROOT_INODE, b"f", ROOT_INODE, b"a"))
+        await m.create(root, b"f", FILE)
+        await raises(errno.EINVAL, m.rename(root, b"a", sub.id, b"a"))
+        await raises(errno.ENOTEMPTY, m.rename(root, b"a", root, b"b"))
+        await raises(errno.ENOTDIR, m.rename(root, b"a", root, b"f"))
+        await raises(errno.EISDIR, m.rename(root, b"f", root, b"a"))
         await m.rename(a.id, b"sub", b.id, b"sub")
         assert (await m.getattr(a.id)).nlink == 2 and (await m.getattr(b.id)).nlink == 3
         assert (await m.lookup(sub.id, b"..")).id == b.id
-        freed = await m.rename(b.id, b"sub", ROOT_INODE, b"a")  # over an empty directory
+        freed = await m.rename(b.id, b"sub", root, b"a")  # over an empty directory
         assert freed.deleted_inode == a.id
-        assert (await m.getattr(ROOT_INODE)).nlink == 4  # a (now sub), b, and "." + its name
-        await m.rename(ROOT_INODE, b"a", ROOT_INODE, b"b", RENAME_EXCHANGE)
-        assert (await m.lookup(ROOT_INODE, b"b")).id == sub.id
+        assert (await m.getattr(root)).nlink == 4  # a (now sub), b, and "." + its name
+        await m.rename(root, b"a", root, b"b", RENAME_EXCHANGE)
+        assert (await m.lookup(root, b"b")).id == sub.id
 
     drive(new_engine, body)
 
 
 def test_setattr_changes_what_it_names_and_ctime(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        d = await m.create(ROOT_INODE, b"d", DIR)
+    async def body(m: MetaEngine, root: int) -> None:
+        d = await m.create(root, b"d", DIR)
         before = d.ctime_ns
         await trio.sleep(0.002)
         after = await m.setattr(d.id, AttrChange(mode=0o700, uid=7, gid=8, atime_ns=10**9, mtime_ns=2 * 10**9))
@@ -279,8 +296,8 @@ def test_setattr_changes_what_it_names_and_ctime(new_engine) -> None:
 
 
 def test_readdir_pages_in_id_order(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        d = await m.create(ROOT_INODE, b"d", DIR)
+    async def body(m: MetaEngine, root: int) -> None:
+        d = await m.create(root, b"d", DIR)
         made = [await m.create(d.id, f"f{i:03}".encode(), FILE) for i in range(25)]
         seen: list = []
         after = 0
@@ -296,14 +313,135 @@ def test_readdir_pages_in_id_order(new_engine) -> None:
     drive(new_engine, body)
 
 
+def test_names_are_checked_first(new_engine) -> None:
+    """A name that cannot be, before anything about the directory or the file."""
+    async def body(m: MetaEngine, root: int) -> None:
+        f = await m.create(root, b"f", FILE)
+        long = b"n" * 256
+        for bad, code in ((b"", errno.EINVAL), (b"a/b", errno.EINVAL), (b".", errno.EINVAL),
+                          (b"..", errno.EINVAL), (long, errno.ENAMETOOLONG)):
+            await raises(code, m.create(root, bad, FILE))
+            await raises(code, m.create(10**9, bad, DIR))
+            await raises(code, m.link(f.id, root, bad))
+            await raises(code, m.rename(root, b"f", root, bad))
+        for call in (m.unlink(root, long), m.rmdir(root, long), m.lookup(f.id, long), m.unlink(f.id, long)):
+            await raises(errno.ENAMETOOLONG, call)
+        await raises(errno.EINVAL, m.rename(root, b".", root, b"x"))
+        await raises(errno.EINVAL, m.rename(root, b"..", root, b"x"))
+        await raises(errno.EINVAL, m.rmdir(root, b"."))
+        await raises(errno.ENOTEMPTY, m.rmdir(root, b".."))
+        assert await names(m, root) == [b"f"]
+
+    drive(new_engine, body)
+
+
+def test_a_file_is_no_directory(new_engine) -> None:
+    """Every operation that works in a directory answers ENOTDIR when handed a file, and
+    ENOENT when handed nothing."""
+    async def body(m: MetaEngine, root: int) -> None:
+        f = await m.create(root, b"f", FILE)
+        g = await m.create(root, b"g", FILE)
+        for parent, code in ((f.id, errno.ENOTDIR), (10**9, errno.ENOENT)):
+            await raises(code, m.create(parent, b"x", FILE))
+            await raises(code, m.lookup(parent, b"x"))
+            await raises(code, m.link(g.id, parent, b"x"))
+            await raises(code, m.unlink(parent, b"x"))
+            await raises(code, m.rmdir(parent, b"x"))
+            await raises(code, m.rename(parent, b"x", root, b"y"))
+            await raises(code, m.rename(root, b"g", parent, b"y"))
+            await raises(code, m.readdir(parent, 0))
+        assert await names(m, root) == [b"f", b"g"] and (await m.getattr(g.id)).nlink == 1
+
+    drive(new_engine, body)
+
+
+def test_a_removed_directory_takes_no_new_names(new_engine) -> None:
+    """Gone, or held open by this node after its rmdir (a process's working directory)."""
+    async def body(m: MetaEngine, root: int) -> None:
+        gone = await m.create(root, b"gone", DIR)
+        held = await m.create(root, b"held", DIR)
+        f = await m.create(root, b"f", FILE)
+        await m.open_file(held.id)
+        await m.rmdir(root, b"gone")
+        await m.rmdir(root, b"held")
+        for d in (gone, held):
+            await raises(errno.ENOENT, m.create(d.id, b"x", FILE))
+            await raises(errno.ENOENT, m.link(f.id, d.id, b"x"))
+            await raises(errno.ENOENT, m.rename(root, b"f", d.id, b"x"))
+        await raises(errno.ENOENT, m.lookup(root, b"held"))
+        assert (await m.getattr(f.id)).nlink == 1 and await names(m, root) == [b"f"]
+        await m.close_file(held.id)
+
+    drive(new_engine, body)
+
+
+def test_a_name_renamed_over_keeps_its_place_in_the_listing(new_engine) -> None:
+    """A listing is in entry order, which a kernel's listing continues after: a new name
+    comes last, a name renamed over or exchanged keeps its place."""
+    async def body(m: MetaEngine, root: int) -> None:
+        for name in (b"a", b"b", b"c", b"d"):
+            await m.create(root, name, FILE)
+        before = {e.name: e.entry_id for e, _ in await m.readdir(root, 0)}
+        await m.rename(root, b"d", root, b"a")  # over a
+        await m.rename(root, b"b", root, b"c", RENAME_EXCHANGE)
+        await m.link((await m.lookup(root, b"a")).id, root, b"e")
+        listing = await m.readdir(root, 0)
+        assert [e.name for e, _ in listing] == [b"a", b"b", b"c", b"e"]
+        assert {e.name: e.entry_id for e, _ in listing if e.name != b"e"} == {n: before[n] for n in (b"a", b"b", b"c")}
+        assert listing[-1][0].entry_id > max(before.values())
+        after = [e.name for e, _ in await m.readdir(root, before[b"b"])]  # a listing that had read a and b
+        assert after == [b"c", b"e"]
+
+    drive(new_engine, body)
+
+
+def test_moves_and_exchanges_between_directories(new_engine) -> None:
+    async def body(m: MetaEngine, root: int) -> None:
+        x = await m.create(root, b"x", DIR)
+        y = await m.create(root, b"y", DIR)
+        xs = await m.create(x.id, b"xs", DIR)
+        f = await m.create(y.id, b"f", FILE)
+        await m.create(xs.id, b"in", FILE)
+        await raises(errno.EINVAL, m.rename(root, b"x", xs.id, b"in", RENAME_EXCHANGE))  # x under itself
+        await m.unlink(xs.id, b"in")
+        await raises(errno.EINVAL, m.rename(x.id, b"xs", root, b"x", RENAME_EXCHANGE))  # x under xs
+        await m.rename(x.id, b"xs", y.id, b"f", RENAME_EXCHANGE)  # a directory for a file
+        assert (await m.lookup(y.id, b"f")).id == xs.id and (await m.lookup(x.id, b"xs")).id == f.id
+        assert (await m.lookup(xs.id, b"..")).id == y.id
+        assert [(await m.getattr(i)).nlink for i in (x.id, y.id)] == [2, 3]
+        await m.rename(y.id, b"f", root, b"z")  # the directory up to the root
+        assert (await m.getattr(root)).nlink == 5 and (await m.getattr(y.id)).nlink == 2
+        assert (await m.lookup(xs.id, b"..")).id == root
+        await m.rename(x.id, b"xs", y.id, b"f2")  # the file across
+        assert await names(m, x.id) == [] and await names(m, y.id) == [b"f2"]
+        assert (await m.parent_of(xs.id), await m.parent_of(y.id)) == (root, root)
+
+    drive(new_engine, body)
+
+
+def test_rename_over_an_open_file_keeps_it_until_its_close(new_engine) -> None:
+    async def body(m: MetaEngine, root: int) -> None:
+        old = await m.create(root, b"CURRENT", FILE, hold=True)
+        new = await m.create(root, b"CURRENT.tmp", FILE)
+        freed = await m.rename(root, b"CURRENT.tmp", root, b"CURRENT")
+        assert freed.deleted_inode is None and freed.unlinked.id == old.id and freed.unlinked.nlink == 0
+        assert (await m.lookup(root, b"CURRENT")).id == new.id
+        assert (await m.getattr(old.id)).nlink == 0
+        assert (await m.close_file(old.id)).deleted_inode == old.id
+        await raises(errno.ENOENT, m.getattr(old.id))
+
+    drive(new_engine, body)
+
+
 async def scratch_tree(m: MetaEngine, name: bytes) -> tuple[Inode, Inode, Inode]:
     """A scratch dir with a file ``name`` in it, and a plain file next to the dir."""
     s = await m.create(ROOT_INODE, b"blockmgr-1", NewNode(DIR.mode, 0, 0, scratch_name=True))
     return s, await m.create(s.id, name, FILE), await m.create(ROOT_INODE, b"plain", FILE)
 
 
+@engines_only
 def test_scratch_directories_stay_apart(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
+    async def body(m: MetaEngine, root: int) -> None:
         s, inner, plain = await scratch_tree(m, b"f")
         assert s.scratch and inner.scratch and not plain.scratch
         await raises(errno.EXDEV, m.link(inner.id, ROOT_INODE, b"g"))  # the vfs promotes it first
@@ -317,8 +455,9 @@ def test_scratch_directories_stay_apart(new_engine) -> None:
     drive(new_engine, body)
 
 
+@engines_only
 def test_a_promoted_scratch_file_joins_the_volume(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
+    async def body(m: MetaEngine, root: int) -> None:
         _, f, plain = await scratch_tree(m, b"000012.sst")
         await m.commit_blocks(f.id, {}, BS + 100, 5)  # a scratch file's size, no blocks
         assert not (await m.promote(f.id, {0: (key(1), BS), 1: (key(2), 100)}, BS + 100, 7)).keys
@@ -337,8 +476,9 @@ def test_a_promoted_scratch_file_joins_the_volume(new_engine) -> None:
 
 # --- file data and the block ledger ---------------------------------------------------------
 
+@engines_only
 def test_block_maps_count_references_and_free_the_last(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
+    async def body(m: MetaEngine, root: int) -> None:
         a = await m.create(ROOT_INODE, b"a", FILE)
         b = await m.create(ROOT_INODE, b"b", FILE)
         assert not (await m.commit_blocks(a.id, {0: (key(1), BS), 1: (key(2), 100)}, BS + 100, 5)).keys
@@ -362,8 +502,9 @@ def test_block_maps_count_references_and_free_the_last(new_engine) -> None:
     drive(new_engine, body)
 
 
+@engines_only
 def test_truncate_drops_blocks_past_the_end(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
+    async def body(m: MetaEngine, root: int) -> None:
         f = await m.create(ROOT_INODE, b"f", FILE)
         await m.commit_blocks(f.id, {i: (key(i + 1), BS) for i in range(4)}, 4 * BS, 1)
         node, freed = await m.truncate(f.id, BS + 10, 2)
@@ -377,26 +518,30 @@ def test_truncate_drops_blocks_past_the_end(new_engine) -> None:
 
 
 def test_an_open_file_outlives_its_last_name(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
-        f = await m.create(ROOT_INODE, b"f", FILE, hold=True)
-        await m.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1)
-        freed = await m.unlink(ROOT_INODE, b"f")
-        assert not freed.keys and freed.deleted_inode is None
-        attrs, blocks = await m.open_file(f.id)  # a second handle on the same node
-        assert attrs.nlink == 0 and blocks == {0: key(1)}
-        assert await m.block_map(f.id) == {0: key(1)}
+    async def body(m: MetaEngine, root: int) -> None:
+        blocks = {} if (await m.getattr(root)).scratch else {0: key(1)}  # a scratch file's bytes are no blocks
+        f = await m.create(root, b"f", FILE, hold=True)
+        await m.commit_blocks(f.id, {i: (k, BS) for i, k in blocks.items()}, BS, 1)
+        freed = await m.unlink(root, b"f")
+        assert not freed.keys and freed.deleted_inode is None and freed.unlinked.nlink == 0
+        assert await names(m, root) == []
+        attrs, found = await m.open_file(f.id)  # opened again: still one hold of this node
+        assert (attrs.nlink, attrs.size, found) == (0, BS, blocks)
+        assert await m.block_map(f.id) == blocks
+        await raises(errno.ENOENT, m.link(f.id, root, b"back"))  # no name to come back to
         freed = await m.close_file(f.id)
-        assert freed.keys == [key(1)] and freed.deleted_inode == f.id
+        assert freed.keys == list(blocks.values()) and freed.deleted_inode == f.id
         await raises(errno.ENOENT, m.getattr(f.id))
         await raises(errno.ENOENT, m.open_file(f.id))
-        empty = await m.create(ROOT_INODE, b"empty", FILE)
+        empty = await m.create(root, b"empty", FILE)
         assert (await m.open_file(empty.id))[1] == {}
 
     drive(new_engine, body)
 
 
+@engines_only
 def test_garbage_is_claimed_once_and_then_forgotten(new_engine) -> None:
-    async def body(m: MetaEngine) -> None:
+    async def body(m: MetaEngine, root: int) -> None:
         f = await m.create(ROOT_INODE, b"f", FILE)
         await m.commit_blocks(f.id, {0: (key(1), BS), 1: (key(2), BS)}, 2 * BS, 1)
         await m.mark_uploaded(key(1))
@@ -449,7 +594,7 @@ def test_a_scratch_dir_belongs_to_its_session_and_goes_with_it(new_engine, endin
     """On a shared volume a scratch dir records the session that made it, its blocks are
     recorded as not in the bucket (another node writing the same bytes uploads them), and
     its names go when that session ends: a clean unmount, or a lost node's clean-up."""
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         s = await a.create(ROOT_INODE, b"blockmgr-1", NewNode(DIR.mode, 0, 0, scratch_name=True))
         f = await a.create(s.id, b"shuffle", FILE)
         assert s.scratch == f.scratch == a.scratch_owner != b.scratch_owner != 0
@@ -484,7 +629,7 @@ def test_a_scratch_dir_belongs_to_its_session_and_goes_with_it(new_engine, endin
 
 @shared_only
 def test_a_clean_unmount_lets_go_of_what_its_session_held(new_engine) -> None:
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         f = await held_and_unlinked(a, b)
         assert (await b.object_info(key(1))).refcount == 1
         a.close()
@@ -499,7 +644,7 @@ def test_a_clean_unmount_lets_go_of_what_its_session_held(new_engine) -> None:
 
 @shared_only
 def test_one_name_created_by_many_at_once_has_one_winner(new_engine) -> None:
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         wins: list[int] = []
         losses: list[int] = []
 
@@ -524,7 +669,7 @@ def test_one_name_created_by_many_at_once_has_one_winner(new_engine) -> None:
 def test_concurrent_namespace_changes_lose_nothing(new_engine) -> None:
     """Two nodes create, link, rename and unlink in one directory at once: every name each
     node kept is there, once, and the link counts add up."""
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         d = await a.create(ROOT_INODE, b"d", DIR)
 
         async def churn(m: MetaEngine, tag: str) -> None:
@@ -554,7 +699,7 @@ def test_concurrent_namespace_changes_lose_nothing(new_engine) -> None:
 def test_crossing_directory_moves_never_make_a_cycle(new_engine) -> None:
     """Node A moves x under y's subtree while node B moves y under x's: one of them must
     fail with EINVAL, whatever the timing; every directory stays reachable from the root."""
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         for round_ in range(15):
             top = await a.create(ROOT_INODE, f"r{round_}".encode(), DIR)
             px = await a.create(top.id, b"px", DIR)
@@ -589,7 +734,7 @@ def test_crossing_directory_moves_never_make_a_cycle(new_engine) -> None:
 
 @shared_only
 def test_a_file_held_by_another_node_outlives_its_unlink(new_engine) -> None:
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         f = await held_and_unlinked(a, b)
         assert await a.block_map(f.id) == {0: key(1)}
         freed = await a.close_file(f.id)
@@ -600,7 +745,7 @@ def test_a_file_held_by_another_node_outlives_its_unlink(new_engine) -> None:
 
 @shared_only
 def test_a_dead_session_is_cleaned_and_cannot_publish_again(new_engine) -> None:
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         f = await held_and_unlinked(a, b)
         await trio.sleep(1.5)  # a stops beating
         await b.heartbeat()
@@ -618,7 +763,7 @@ def test_a_cleaned_up_node_commits_no_upload(new_engine) -> None:
     """A node whose session was cleaned up may upload a block before it learns so: its
     commit is refused, the block stays unknown to the database (the sweep of unknown
     objects takes it), and once the node knows it uploads nothing more."""
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         f = await a.create(ROOT_INODE, b"f", FILE)
         await trio.sleep(1.5)  # a stops beating
         await b.heartbeat()
@@ -639,7 +784,7 @@ def test_an_fsync_does_not_wait_for_the_nodes_writes_in_flight(new_engine, pg_ur
     commits a heartbeat to that session's row: the two must not wait for each other
     (RocksDB fsyncs while the same node commits blocks), while the clean-up still waits
     for the write."""
-    async def body(a: MetaEngine) -> None:
+    async def body(a: MetaEngine, root: int) -> None:
         f = await a.create(ROOT_INODE, b"f", FILE)
         with psycopg.connect(pg_url) as other, psycopg.connect(pg_url) as cleaner:
             # Another node's transaction on the file: a's commit waits for it, inside its
@@ -685,7 +830,7 @@ def test_a_block_collected_while_it_was_uploaded_is_put_again_before_its_commit(
     """Uploads are not registered: a commit of a block the collector claimed, or deleted
     from the bucket after the upload began, is refused with EAGAIN and changes nothing;
     the same commit after the bytes were put again goes through."""
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         f = await a.create(ROOT_INODE, b"f", FILE)
         await a.commit_blocks(f.id, {0: (key(1), BS)}, BS, 1, uploads_began=time.monotonic())
         await a.commit_blocks(f.id, {0: None}, BS, 2)  # key(1) now unreferenced
@@ -710,7 +855,7 @@ def test_blocks_nobody_will_commit_become_garbage(new_engine) -> None:
     """An upload superseded before its commit, and the deletions a node that died had
     claimed: each ends as an unreferenced block the collector takes, and a block that
     may be gone is never taken for present."""
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         assert await a.begin_upload(key(1), BS) is False
         await a.end_upload(key(1))
         info = await b.object_info(key(1))
@@ -738,7 +883,7 @@ def test_blocks_nobody_will_commit_become_garbage(new_engine) -> None:
 
 @shared_only
 def test_a_sweep_of_unknown_blocks_holds_back_commits_of_the_same_bytes(new_engine) -> None:
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         f = await a.create(ROOT_INODE, b"f", FILE)
         await a.commit_blocks(f.id, {0: (key(2), BS)}, BS, 1, uploads_began=time.monotonic())  # known
         began = time.monotonic()  # a begins to upload key(3)'s bytes
@@ -773,7 +918,7 @@ def test_closing_while_the_database_is_down_gives_up_in_seconds(new_engine, post
 def test_a_nodes_own_writes_answer_its_getattr_for_the_attribute_timeout(new_engine) -> None:
     """What this node just wrote answers its getattr for attr_cache_seconds (the kernel's
     own attribute timeout), no longer; a lookup or an open always asks the database."""
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         d = await a.create(ROOT_INODE, b"d", DIR)
         await a.create(d.id, b"x", FILE)
         mine = await a.getattr(d.id)
@@ -801,7 +946,7 @@ def test_an_fsyncs_durable_commit_leaves_its_sync_nothing_to_do(new_engine, pg_u
     its own (the commit notifies other nodes, and must not hold the notification queue's
     lock through a flush), so the sync that follows sends nothing; a namespace change
     after it (the rename of a commit pattern) makes the next sync flush again."""
-    async def body(a: MetaEngine) -> None:
+    async def body(a: MetaEngine, root: int) -> None:
         sent = []
         run, query = a.pool.run, a.pool.query
 
@@ -844,7 +989,7 @@ def test_after_an_outage_no_node_is_cleaned_up_before_it_could_beat_again(new_en
     """The database is away longer than the session timeout (a failover, a restart): the
     first node back must not take the others, whose heartbeats were held up as long as its
     own, for dead; a node that stays silent once the database is back is cleaned up."""
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         await a.heartbeat()
         await b.heartbeat()
         await trio.to_thread.run_sync(postgres_server.stop, "fast")
@@ -873,7 +1018,7 @@ def test_another_nodes_change_made_by_a_server_process_once_this_nodes_is_seen(n
     may serve another's: its changes must still reach this node's lookup memory. Forced here:
     one of node A's connections, its server process with it, is handed to node B (which
     names its session on it, as at any connect) and unlinks a name A remembers."""
-    async def body(a: MetaEngine, b: MetaEngine) -> None:
+    async def body(a: MetaEngine, b: MetaEngine, root: int) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(a.changes.run)
             f = await a.create(ROOT_INODE, b"f", FILE)
@@ -914,7 +1059,7 @@ def test_a_failover_fails_the_first_sync_only_after_changes_it_may_have_lost(new
         for conn in m.pool._idle:
             conn.timeline += 1
 
-    async def body(m: PostgresEngine) -> None:
+    async def body(m: PostgresEngine, root: int) -> None:
         f = await m.create(ROOT_INODE, b"f", FILE)
         await m.sync()
         await m.open_file(f.id)
@@ -925,5 +1070,18 @@ def test_a_failover_fails_the_first_sync_only_after_changes_it_may_have_lost(new
         await raises(errno.EIO, m.sync())
         await m.sync()  # reported once
         await m.close_file(f.id)
+
+    drive(new_engine, body)
+
+
+@shared_only
+def test_fsck_finds_a_name_in_a_directory_that_does_not_exist(new_engine, pg_url: str) -> None:
+    """What a rename into a directory removed meanwhile left, before it was refused."""
+    async def body(m: MetaEngine, root: int) -> None:
+        f = await m.create(root, b"f", FILE)
+        assert await m.check() == []
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute("UPDATE entries SET parent = 999999 WHERE inode = %s", (f.id,))
+        assert await m.check() == ["entry b'f' is in directory 999999, which does not exist"]
 
     drive(new_engine, body)

@@ -31,7 +31,7 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
 __all__ = ["ROOT_INODE", "NAME_MAX", "RENAME_NOREPLACE", "RENAME_EXCHANGE", "FsError", "Inode", "DirEntry",
-           "ObjectInfo", "NewNode", "AttrChange", "Freed", "MetaEngine", "EngineStats", "inherited"]
+           "ObjectInfo", "NewNode", "AttrChange", "Freed", "MetaEngine", "EngineStats"]
 
 
 @dataclass
@@ -111,14 +111,6 @@ class AttrChange:
         if self.mtime_ns is not None:
             node.mtime_ns = self.mtime_ns
         node.ctime_ns = now_ns
-
-
-def inherited(parent: Inode, mode: int, gid: int) -> tuple[int, int]:
-    """A new inode's mode and group in ``parent``: in a set-group-ID directory the group,
-    and for a directory the bit too, come from the parent."""
-    if parent.mode & stat.S_ISGID:
-        return (mode | stat.S_ISGID if stat.S_ISDIR(mode) else mode), parent.gid
-    return mode, gid
 
 
 @dataclass

@@ -6,7 +6,8 @@ transaction, so a check can never be overtaken by another node. SQL is written o
 with ``?`` placeholders and statements both SQLite and PostgreSQL accept; an engine's
 ``Tx`` supplies what differs (placeholders, row locks, who holds a file open).
 
-Rows are locked in increasing inode order (``Tx.lock``) before they are changed: two
+Which error each operation answers, and in what order, is ``posix``'s (the scratch
+namespace keeps the same rules with the same functions). Rows are locked in increasing inode order (``Tx.lock``) before they are changed: two
 operations on the same inodes queue instead of deadlocking. Names are read before the
 locks are taken and read again after; a name that moved in between restarts the
 operation (``Restart``).
@@ -20,8 +21,9 @@ from collections import Counter
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from fusestate.errors import FsError
-from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INODE, AttrChange, DirEntry,
-                                   Freed, Inode, NewNode, ObjectInfo, inherited)
+from fusestate.meta import posix
+from fusestate.meta.engine import (RENAME_EXCHANGE, ROOT_INODE, AttrChange, DirEntry, Freed, Inode, NewNode,
+                                   ObjectInfo)
 
 INODE_COLUMNS = "id, mode, uid, gid, size, nlink, atime_ns, mtime_ns, ctime_ns, rdev, symlink_target, scratch"
 INODE_ROW = f"SELECT {INODE_COLUMNS} FROM inodes WHERE id=?"  # one inode's row, unlocked
@@ -114,11 +116,13 @@ def found(row: Optional[tuple]) -> Inode:
     return inode_of_row(row)
 
 
+def _maybe(tx: Tx, ino: int) -> Optional[Inode]:
+    row = tx.inode_row(ino)
+    return inode_of_row(row) if row is not None else None
+
+
 def _directory(tx: Tx, ino: int) -> Inode:
-    node = get(tx, ino)
-    if not node.is_dir:
-        raise FsError(errno.ENOTDIR)
-    return node
+    return posix.directory(_maybe(tx, ino))
 
 
 _ENTRY = "SELECT inode FROM entries WHERE parent=? AND name=?"
@@ -133,13 +137,6 @@ def _entries(tx: Tx, *names: tuple[int, bytes]) -> list[Optional[int]]:
     """Several names' inodes, asked at once (one round trip)."""
     pending = [tx.later(_ENTRY, name) for name in names]
     return [rows[0][0] if rows else None for rows in (p() for p in pending)]
-
-
-def check_name(name: bytes) -> None:
-    if len(name) > NAME_MAX:
-        raise FsError(errno.ENAMETOOLONG)
-    if not name or b"/" in name or name in (b".", b".."):
-        raise FsError(errno.EINVAL)
 
 
 def _save(tx: Tx, node: Inode) -> None:
@@ -199,11 +196,6 @@ LOOKUP = (f"SELECT p.mode, {JOINED_INODE_COLUMNS} FROM inodes p"
           " LEFT JOIN inodes i ON i.id = e.inode WHERE p.id = ?")
 
 
-def plain_name(name: bytes) -> bool:
-    """Whether a lookup of ``name`` is the one statement ``LOOKUP``."""
-    return len(name) <= NAME_MAX and name not in (b".", b"..")
-
-
 def looked_up(row: Optional[tuple]) -> Inode:
     """The inode ``LOOKUP`` found, or the error its row tells."""
     if row is None:
@@ -216,35 +208,29 @@ def looked_up(row: Optional[tuple]) -> Inode:
 
 
 def lookup(tx: Tx, parent: int, name: bytes) -> Inode:
-    if plain_name(name):
+    """``.``, ``..`` and names too long; a plain name is the one statement ``LOOKUP``."""
+    if posix.plain_name(name):
         return looked_up(tx.one(LOOKUP, (name, parent)))
+    posix.check_lookup_name(name)
     _directory(tx, parent)
-    if len(name) > NAME_MAX:
-        raise FsError(errno.ENAMETOOLONG)  # not ENOENT: no such name can exist
     if name == b".":
         return get(tx, parent)
     return get(tx, parent_of(tx, parent))
 
 
 def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False) -> Inode:
-    check_name(name)
+    posix.check_name(name)
     tx.lock([parent_id])
-    existing = _entry(tx, parent_id, name)  # asked with the lock (one round trip): a file or a
-    parent = _directory(tx, parent_id)      # removed directory has no entries, so ENOTDIR and
-    if parent.nlink == 0:                   # ENOENT still come before EEXIST
-        raise FsError(errno.ENOENT)
-    if existing is not None:
-        raise FsError(errno.EEXIST)
+    existing = _entry(tx, parent_id, name)  # asked with the lock (one round trip)
+    parent = posix.live_directory(_maybe(tx, parent_id))
+    posix.check_free(existing is not None)
     if parent.scratch and parent.scratch != tx.scratch_owner:
         # Its files' bytes would be on this node, its names go with the other one.
         raise FsError(errno.EIO, "a scratch directory of another node")
-    mode, gid = inherited(parent, new.mode, new.gid)
-    is_dir = stat.S_ISDIR(mode)
-    scratch = parent.scratch or (tx.scratch_owner if is_dir and new.scratch_name else 0)
-    size = len(new.symlink_target) if new.symlink_target is not None else 0
-    nlink = 2 if is_dir else 1
-    now = tx.now_ns
-    columns = (mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, scratch)
+    scratch = parent.scratch or (tx.scratch_owner if stat.S_ISDIR(new.mode) and new.scratch_name else 0)
+    node = posix.new_inode(parent, new, tx.now_ns, scratch)
+    columns = (node.mode, node.uid, node.gid, node.size, node.nlink, node.atime_ns, node.mtime_ns, node.ctime_ns,
+               node.rdev, node.symlink_target, node.scratch)
     chosen = tx.new_inode_id()
     if chosen is None:
         row = tx.one(f"INSERT INTO inodes ({_NEW_INODE_COLUMNS}) VALUES ({_NEW_INODE_VALUES}) RETURNING id", columns)
@@ -252,10 +238,10 @@ def create(tx: Tx, parent_id: int, name: bytes, new: NewNode, hold: bool = False
         row = tx.one(f"INSERT INTO inodes (id, {_NEW_INODE_COLUMNS}) VALUES (?, {_NEW_INODE_VALUES}) RETURNING id",
                      (chosen, *columns))
     assert row is not None
-    node = Inode(row[0], mode, new.uid, gid, size, nlink, now, now, now, new.rdev, new.symlink_target, scratch)
+    node.id = row[0]
     tx.exec("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent_id, name, node.id))
     tx.inodes_delta += 1
-    if is_dir:
+    if node.is_dir:
         parent.nlink += 1
     _touch(tx, parent)
     _save(tx, parent)
@@ -279,20 +265,14 @@ def link(tx: Tx, ino: int, parent_id: int, name: bytes, held: bool = False) -> I
     """``held``: the caller holds the file, which may have no name in the database (made a
     row by ``adopt``, or named only in the node's scratch dirs); a file with no name is
     otherwise one that was deleted."""
-    check_name(name)
+    posix.check_name(name)
     tx.lock([ino, parent_id])
     existing = _entry(tx, parent_id, name)  # with the lock; checked last, as create does
     node = get(tx, ino)
-    if node.is_dir:
-        raise FsError(errno.EPERM)
-    if node.nlink == 0 and not held:
-        raise FsError(errno.ENOENT)
-    parent = _directory(tx, parent_id)
-    if parent.nlink == 0:
-        raise FsError(errno.ENOENT)
+    posix.check_linkable(node.is_dir, node.nlink, held)
+    parent = posix.live_directory(_maybe(tx, parent_id))
     _check_scratch_move(tx, node, parent)
-    if existing is not None:
-        raise FsError(errno.EEXIST)
+    posix.check_free(existing is not None)
     tx.exec("INSERT INTO entries (parent, name, inode) VALUES (?, ?, ?)", (parent_id, name, ino))
     node.nlink += 1
     _touch(tx, node, mtime=False)
@@ -304,10 +284,11 @@ def link(tx: Tx, ino: int, parent_id: int, name: bytes, held: bool = False) -> I
 
 def _locked_child(tx: Tx, parent_id: int, name: bytes) -> tuple[Inode, Inode]:
     """A directory and its child named ``name``, both locked; ENOENT if there is none."""
+    posix.check_lookup_name(name)
     child = _entry(tx, parent_id, name)
     if child is None:
         _directory(tx, parent_id)
-        raise FsError(errno.ENOENT)
+        posix.check_found(False)
     tx.lock([parent_id, child])
     if _entry(tx, parent_id, name) != child:
         raise Restart()
@@ -316,8 +297,7 @@ def _locked_child(tx: Tx, parent_id: int, name: bytes) -> tuple[Inode, Inode]:
 
 def unlink(tx: Tx, parent_id: int, name: bytes) -> Freed:
     parent, node = _locked_child(tx, parent_id, name)
-    if node.is_dir:
-        raise FsError(errno.EISDIR)
+    posix.check_unlinkable(node.is_dir)
     tx.exec("DELETE FROM entries WHERE parent=? AND name=?", (parent_id, name))
     node.nlink -= 1
     _touch(tx, node, mtime=False)
@@ -330,15 +310,9 @@ def unlink(tx: Tx, parent_id: int, name: bytes) -> Freed:
 
 
 def rmdir(tx: Tx, parent_id: int, name: bytes) -> Freed:
-    if name == b".":
-        raise FsError(errno.EINVAL)
-    if name == b"..":
-        raise FsError(errno.ENOTEMPTY)
+    posix.check_rmdir_name(name)
     parent, node = _locked_child(tx, parent_id, name)
-    if not node.is_dir:
-        raise FsError(errno.ENOTDIR)
-    if _not_empty(tx, node):
-        raise FsError(errno.ENOTEMPTY)
+    posix.check_removable(node.is_dir, node.is_dir and not _not_empty(tx, node))
     tx.exec("DELETE FROM entries WHERE parent=? AND name=?", (parent_id, name))
     node.nlink = 0
     parent.nlink -= 1
@@ -366,45 +340,35 @@ def _is_ancestor(tx: Tx, ancestor: int, ino: int) -> bool:
 
 
 def rename(tx: Tx, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes, flags: int) -> Freed:
-    check_name(dst_name)
-    if src_name in (b".", b".."):
-        raise FsError(errno.EINVAL)
+    posix.check_rename_names(src_name, dst_name)
     names = (src_parent, src_name), (dst_parent, dst_name)
     ino, target = _entries(tx, *names)
     if ino is None:
         _directory(tx, src_parent)
         _directory(tx, dst_parent)
-        raise FsError(errno.ENOENT)
+        posix.check_found(False)
     if src_parent != dst_parent and any(_is_dir(tx, i) for i in (ino, target) if i is not None):
         tx.lock_moves()
     tx.lock({src_parent, dst_parent, ino} | ({target} if target is not None else set()))
     if _entries(tx, *names) != [ino, target]:
         raise Restart()
     src_dir = _directory(tx, src_parent)
-    dst_dir = src_dir if dst_parent == src_parent else _directory(tx, dst_parent)
+    dst_dir = src_dir if dst_parent == src_parent else posix.live_directory(_maybe(tx, dst_parent))
     node = get(tx, ino)
     _check_scratch_move(tx, node, dst_dir)
-    if flags & RENAME_NOREPLACE and target is not None:
-        raise FsError(errno.EEXIST)
+    posix.check_rename_target(flags, target is not None)
     if flags & RENAME_EXCHANGE:
-        if target is None:
-            raise FsError(errno.ENOENT)
+        assert target is not None
         other = get(tx, target)
         _check_scratch_move(tx, other, src_dir)
         _exchange(tx, src_dir, src_name, node, dst_dir, dst_name, other)
         return Freed()
     if target == ino:
         return Freed()  # two names of one file: POSIX says do nothing
-    if node.is_dir and _is_ancestor(tx, ino, dst_parent):
-        raise FsError(errno.EINVAL)
+    posix.check_not_into_itself(node.is_dir and _is_ancestor(tx, ino, dst_parent))
     replaced = get(tx, target) if target is not None else None
     if replaced is not None:
-        if node.is_dir and not replaced.is_dir:
-            raise FsError(errno.ENOTDIR)
-        if not node.is_dir and replaced.is_dir:
-            raise FsError(errno.EISDIR)
-        if replaced.is_dir and _not_empty(tx, replaced):
-            raise FsError(errno.ENOTEMPTY)
+        posix.check_replace(node.is_dir, replaced.is_dir, not replaced.is_dir or not _not_empty(tx, replaced))
     tx.exec("DELETE FROM entries WHERE parent=? AND name=?", (src_parent, src_name))
     if replaced is not None:
         tx.exec("UPDATE entries SET inode=? WHERE parent=? AND name=?", (ino, dst_parent, dst_name))
@@ -431,11 +395,8 @@ def rename(tx: Tx, src_parent: int, src_name: bytes, dst_parent: int, dst_name: 
 
 
 def _exchange(tx: Tx, src_dir: Inode, src_name: bytes, a: Inode, dst_dir: Inode, dst_name: bytes, b: Inode) -> None:
-    if src_dir.id != dst_dir.id:
-        if a.is_dir and _is_ancestor(tx, a.id, dst_dir.id):
-            raise FsError(errno.EINVAL)
-        if b.is_dir and _is_ancestor(tx, b.id, src_dir.id):
-            raise FsError(errno.EINVAL)
+    posix.check_not_into_itself(src_dir.id != dst_dir.id and (
+        (a.is_dir and _is_ancestor(tx, a.id, dst_dir.id)) or (b.is_dir and _is_ancestor(tx, b.id, src_dir.id))))
     tx.exec("UPDATE entries SET inode=? WHERE parent=? AND name=?", (b.id, src_dir.id, src_name))
     tx.exec("UPDATE entries SET inode=? WHERE parent=? AND name=?", (a.id, dst_dir.id, dst_name))
     if src_dir.id != dst_dir.id and a.is_dir != b.is_dir:
@@ -714,6 +675,10 @@ def consistency_problems(tx: Tx, limit: int = 20) -> list[str]:
             "SELECT e.parent, e.name, e.inode FROM entries e LEFT JOIN inodes i ON i.id = e.inode"
             f" WHERE i.id IS NULL LIMIT {limit}"):
         problems.append(f"entry {bytes(name)!r} in directory {parent} names inode {ino}, which does not exist")
+    for (parent, name) in tx.all(
+            "SELECT e.parent, e.name FROM entries e LEFT JOIN inodes d ON d.id = e.parent"
+            f" WHERE d.id IS NULL LIMIT {limit}"):
+        problems.append(f"entry {bytes(name)!r} is in directory {parent}, which does not exist")
     for (ino, nlink, names) in tx.all(
             "SELECT i.id, i.nlink, COUNT(e.id) FROM inodes i LEFT JOIN entries e ON e.inode = i.id"
             f" WHERE (i.mode & {_S_IFMT}) <> {stat.S_IFDIR} GROUP BY i.id, i.nlink"

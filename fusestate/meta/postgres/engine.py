@@ -46,6 +46,7 @@ from fusestate.blocks.keys import INLINE_PREFIX, key_matches
 from fusestate.config import DEFAULT_BLOCK_SIZE
 from fusestate.errors import FsError
 from fusestate.meta import operations as ops
+from fusestate.meta import posix
 from fusestate.meta.engine import (AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
                                    ObjectInfo)
 from fusestate.meta.postgres import functions as server
@@ -508,7 +509,7 @@ class PostgresEngine:
         return ops.found(rows[0] if rows else None)
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
-        if not ops.plain_name(name):
+        if not posix.plain_name(name):
             return await self._read(ops.lookup, parent, name)
         cache = self._cached()
         node = cache.lookup(parent, name) if cache is not None else None
@@ -531,7 +532,7 @@ class PostgresEngine:
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
         """One call of ``fs_create``, holding a lane: a retry after its answer was lost
         returns the inode the call made rather than EEXIST (``_Attempts``)."""
-        ops.check_name(name)
+        posix.check_name(name)
         since = self.lookups.generation
         args = (self.session_id, parent, name, node.mode, node.uid, node.gid, node.rdev, node.symlink_target,
                 node.scratch_name, hold, time.time_ns())
@@ -554,7 +555,7 @@ class PostgresEngine:
         ``operations.link`` takes two (a RocksDB checkpoint is mostly links)."""
         if not self.session_id:
             return await self._write(ops.link, ino, parent, name, once=True)
-        ops.check_name(name)
+        posix.check_name(name)
         rows = await self._call_in_lane(server.LINK, (self.session_id, ino, parent, name, time.time_ns()))
         # A retry finds what is there now: the file may be gone (another node removed it
         # since), and a row this node remembers of it with it.
@@ -573,6 +574,7 @@ class PostgresEngine:
 
     async def _unlink(self, parent: int, name: bytes) -> Freed:
         """One call of ``fs_unlink``, holding a lane (as ``create``)."""
+        posix.check_lookup_name(name)  # the server would look for it: ENOENT
         if not self.session_id:
             return await self._write(ops.unlink, parent, name, once=True)
         rows = await self._call_in_lane(server.UNLINK, (self.session_id, parent, name, time.time_ns(), time.time()))
@@ -600,9 +602,9 @@ class PostgresEngine:
                       flags: int = 0) -> Freed:
         """A file's rename without flags: one call of ``fs_rename``, holding a lane (as
         ``create``); a directory's, or one with flags, ``operations.rename``."""
-        if flags or not self.session_id or src_name in (b".", b".."):
+        posix.check_rename_names(src_name, dst_name)
+        if flags or not self.session_id:
             return await self._write(ops.rename, src_parent, src_name, dst_parent, dst_name, flags, once=True)
-        ops.check_name(dst_name)
         try:
             rows = await self._call_in_lane(server.RENAME, (self.session_id, src_parent, src_name, dst_parent,
                                                             dst_name, time.time_ns(), time.time()))

@@ -8,7 +8,8 @@ compaction) would be a transaction on the server while the executor waits. So on
 scratch directory itself is a row (the other nodes see it, empty, and its session's end
 removes it); what is made inside it lives in this process: inodes, names and attributes,
 answered from memory. A directory's entries are kept in the order of their ids, which a
-listing continues after (``_add_entry``).
+listing continues after (``_add_entry``). The POSIX rules, and which error each breach
+answers, are those of the engines: ``meta.posix`` holds them for both.
 
 Crossing the edge keeps POSIX's meaning:
 
@@ -29,15 +30,15 @@ from __future__ import annotations
 import dataclasses
 import errno
 import itertools
-import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import trio
 
-from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, AttrChange, DirEntry, EngineStats,
-                                   Freed, FsError, Inode, MetaEngine, NewNode, inherited)
+from fusestate.meta import posix
+from fusestate.meta.engine import (RENAME_EXCHANGE, AttrChange, DirEntry, EngineStats, Freed, FsError, Inode,
+                                   MetaEngine, NewNode)
 
 ID_BATCH = 1024  # inode numbers reserved from the database at a time
 
@@ -50,13 +51,6 @@ class _Dir:
     parent: int
     entries: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # name -> (entry id, inode)
     subdirs: int = 0
-
-
-def _check_name(name: bytes) -> None:
-    if len(name) > NAME_MAX:
-        raise FsError(errno.ENAMETOOLONG)
-    if not name or name in (b".", b"..") or b"/" in name:
-        raise FsError(errno.EINVAL)
 
 
 def _copy(node: Inode) -> Inode:
@@ -72,7 +66,7 @@ class NodeLocalNames:
         self._dirs: dict[int, _Dir] = {}       # their directories, and the scratch roots
         self._roots: dict[int, Inode] = {}     # scratch roots: their attributes as last seen
         self._root_names: dict[int, tuple[int, bytes]] = {}  # root -> (parent, name) as made or moved here
-        self._opened: dict[int, int] = {}      # inodes made here that the vfs holds open
+        self._opened: set[int] = set()         # inodes made here that the vfs holds open
         self._foreign: dict[int, int] = {}     # files of the volume named here: how many names
         # Files of the volume the vfs holds open: with the names above, what this node's hold
         # in the database stands for; it goes when neither is left.
@@ -121,13 +115,26 @@ class NodeLocalNames:
         assert node is not None, ino
         return node
 
+    def _here(self, ino: int) -> Optional[_Dir]:
+        """The entries of a directory kept here; None for a directory of the database's.
+        ENOTDIR for a file made here."""
+        d = self._dirs.get(ino)
+        if d is None and ino in self._nodes:
+            posix.directory(self._nodes[ino])
+        return d
+
     def _add_entry(self, parent: int, name: bytes, ino: int) -> None:
-        """A new entry, with an id above every other: listings continue after the last id
-        they handed out, so a directory's entries are kept in the order of their ids (a name
-        given a new entry, renamed over, moves to the end)."""
+        """``name`` names ``ino``: a new name gets an id above every other, so a directory's
+        entries stay in the order of their ids, which listings continue after; a name renamed
+        over keeps its id and place, as a row of the database's ``entries`` does."""
         entries = self._dirs[parent].entries
-        entries.pop(name, None)
-        entries[name] = (next(self._entry_ids), ino)
+        old = entries.get(name)
+        entries[name] = (old[0] if old is not None else next(self._entry_ids), ino)
+
+    async def _database_directory(self, ino: int) -> None:
+        """The rules of the directory a name leaves this node for, before the EXDEV a file
+        made here answers there (the vfs promotes it, then asks again)."""
+        posix.live_directory(await self.inner.getattr(ino))
 
     def _root_of(self, ino: int) -> int:
         while ino in self._nodes:
@@ -147,10 +154,12 @@ class NodeLocalNames:
         names = self._foreign.get(ino, 0)
         held = bool(names) or ino in self._vfs_open
         node = await self.inner.getattr(ino) if held else (await self.inner.open_file(ino))[0]
-        if node.is_dir or (node.nlink == 0 and not names):
+        try:
+            posix.check_linkable(node.is_dir, node.nlink, held=bool(names))
+        except FsError:
             if not held and not self._foreign.get(ino) and ino not in self._vfs_open:
                 await self.inner.close_file(ino)
-            raise FsError(errno.EPERM if node.is_dir else errno.ENOENT)
+            raise
         self._foreign[ino] = self._foreign.get(ino, 0) + 1
         node.nlink += self._foreign[ino]
         return node
@@ -189,7 +198,7 @@ class NodeLocalNames:
         else:
             node.nlink -= 1
         node.ctime_ns = now
-        if node.nlink == 0 and not self._opened.get(ino):
+        if node.nlink == 0 and ino not in self._opened:
             del self._nodes[ino]
             return Freed(deleted_inode=ino, unlinked=_copy(node))
         return Freed(unlinked=_copy(node))
@@ -215,120 +224,104 @@ class NodeLocalNames:
         return self._noted(await self.inner.getattr(ino))
 
     async def lookup(self, parent: int, name: bytes) -> Inode:
-        d = self._dirs.get(parent)
+        posix.check_lookup_name(name)
+        d = self._here(parent)
         if d is None:
             return self._noted(await self.inner.lookup(parent, name), parent, name)
-        if len(name) > NAME_MAX:
-            raise FsError(errno.ENAMETOOLONG)
         if name == b".":
             return await self.getattr(parent)
         if name == b"..":
             return await self.getattr(d.parent if parent in self._nodes else await self.inner.parent_of(parent))
         entry = d.entries.get(name)
-        if entry is None:
-            raise FsError(errno.ENOENT)
+        posix.check_found(entry is not None)
         return await self.getattr(entry[1])
 
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
-        d = self._dirs.get(parent)
+        posix.check_name(name)
+        d = self._here(parent)
         if d is None:
             made = self._noted(await self.inner.create(parent, name, node, hold), parent, name)
             if hold:
                 self._vfs_open.add(made.id)
             return made
-        _check_name(name)
         if getattr(self.inner, "lost", False):
             raise FsError(errno.EIO, "this mount's metadata session ended")
-        if name in d.entries:
-            raise FsError(errno.EEXIST)
-        at = self._dir_attrs(parent)
-        if at.nlink == 0:
-            raise FsError(errno.ENOENT)
+        at = posix.live_directory(self._dir_attrs(parent))
+        posix.check_free(name in d.entries)
         ino = await self._new_id()
-        if name in d.entries or parent not in self._dirs:  # made, or the parent removed, meanwhile
-            raise FsError(errno.EEXIST if name in d.entries else errno.ENOENT)
-        mode, gid = inherited(at, node.mode, node.gid)
-        is_dir = stat.S_ISDIR(mode)
-        now = time.time_ns()
-        size = len(node.symlink_target) if node.symlink_target is not None else 0
-        made = Inode(ino, mode, node.uid, gid, size, 2 if is_dir else 1, now, now, now, node.rdev,
-                     node.symlink_target, self.inner.scratch_owner)
+        # Made, or the directory removed, while a batch of numbers was reserved.
+        at = posix.live_directory(self._dir_attrs(parent) if parent in self._dirs else None)
+        posix.check_free(name in d.entries)
+        made = posix.new_inode(at, node, time.time_ns(), self.inner.scratch_owner, ino)
         self._nodes[ino] = made
         self._add_entry(parent, name, ino)
-        if is_dir:
+        if made.is_dir:
             self._dirs[ino] = _Dir(parent)
             d.subdirs += 1
             if parent in self._nodes:
                 self._nodes[parent].nlink += 1
-        self._touch(parent, now)
+        self._touch(parent, made.ctime_ns)
         if hold:
-            self._opened[ino] = self._opened.get(ino, 0) + 1
+            self._opened.add(ino)
         return _copy(made)
 
     async def link(self, ino: int, parent: int, name: bytes) -> Inode:
-        d = self._dirs.get(parent)
-        if d is None:
-            if ino in self._nodes:
-                raise FsError(errno.EXDEV)  # the vfs promotes it, then links again
-            return self._noted(await self._inner_link(ino, parent, name))
-        _check_name(name)
-        if name in d.entries:
-            raise FsError(errno.EEXIST)
-        if self._dir_attrs(parent).nlink == 0:
-            raise FsError(errno.ENOENT)
-        now = time.time_ns()
+        posix.check_name(name)
         node = self._nodes.get(ino)
         if node is not None:
-            if node.is_dir:
-                raise FsError(errno.EPERM)
-            if node.nlink == 0:
-                raise FsError(errno.ENOENT)
+            posix.check_linkable(node.is_dir, node.nlink)
+        d = self._here(parent)
+        if d is None:
+            if node is None:
+                return self._noted(await self._inner_link(ino, parent, name))
+            await self._database_directory(parent)
+            raise FsError(errno.EXDEV, "a scratch file is promoted before it is named in the volume")
+        if node is not None:
+            posix.live_directory(self._dir_attrs(parent))
+            posix.check_free(name in d.entries)
             node.nlink += 1
-            node.ctime_ns = now
+            node.ctime_ns = time.time_ns()
             answer = _copy(node)
         else:
-            answer = await self._hold_foreign(ino)
-            if name in d.entries:  # made meanwhile
+            answer = await self._hold_foreign(ino)  # the file's own rules, asked of the database
+            try:  # the directory's, as it is after that wait
+                posix.live_directory(self._dir_attrs(parent) if parent in self._dirs else None)
+                posix.check_free(name in d.entries)
+            except FsError:
                 await self._drop_foreign(ino)
-                raise FsError(errno.EEXIST)
+                raise
         self._add_entry(parent, name, ino)
-        self._touch(parent, now)
+        self._touch(parent, time.time_ns())
         return answer
 
     async def unlink(self, parent: int, name: bytes) -> Freed:
-        d = self._dirs.get(parent)
+        posix.check_lookup_name(name)
+        d = self._here(parent)
         if d is None:
             return await self.inner.unlink(parent, name)
         entry = d.entries.get(name)
-        if entry is None:
-            raise FsError(errno.ENAMETOOLONG if len(name) > NAME_MAX else errno.ENOENT)
+        posix.check_found(entry is not None)
         ino = entry[1]
-        if ino in self._dirs:
-            raise FsError(errno.EISDIR)
+        posix.check_unlinkable(ino in self._dirs)  # only a directory made here is one
         del d.entries[name]
         now = time.time_ns()
         self._touch(parent, now)
         return await self._drop_name(ino, now)
 
     async def rmdir(self, parent: int, name: bytes) -> Freed:
-        d = self._dirs.get(parent)
+        posix.check_rmdir_name(name)
+        posix.check_lookup_name(name)
+        d = self._here(parent)
         if d is None:
             self._check_root_removable(parent, name)
             freed = await self.inner.rmdir(parent, name)
             self._forget_root(freed)
             return freed
-        if name == b".":
-            raise FsError(errno.EINVAL)
-        if name == b"..":
-            raise FsError(errno.ENOTEMPTY)
         entry = d.entries.get(name)
-        if entry is None:
-            raise FsError(errno.ENAMETOOLONG if len(name) > NAME_MAX else errno.ENOENT)
+        posix.check_found(entry is not None)
         ino = entry[1]
-        if ino not in self._dirs:
-            raise FsError(errno.ENOTDIR)
-        if self._dirs[ino].entries:
-            raise FsError(errno.ENOTEMPTY)
+        sub = self._dirs.get(ino)
+        posix.check_removable(sub is not None, sub is None or not sub.entries)
         del d.entries[name]
         now = time.time_ns()
         self._touch(parent, now)
@@ -336,7 +329,8 @@ class NodeLocalNames:
 
     async def rename(self, src_parent: int, src_name: bytes, dst_parent: int, dst_name: bytes,
                      flags: int = 0) -> Freed:
-        here_src, here_dst = src_parent in self._dirs, dst_parent in self._dirs
+        posix.check_rename_names(src_name, dst_name)
+        here_src, here_dst = self._here(src_parent) is not None, self._here(dst_parent) is not None
         if here_src and here_dst:
             return await self._rename_here(src_parent, src_name, dst_parent, dst_name, flags)
         if here_dst:
@@ -358,21 +352,17 @@ class NodeLocalNames:
                            flags: int) -> Freed:
         sd, dd = self._dirs[src_parent], self._dirs[dst_parent]
         src = sd.entries.get(src_name)
-        if src is None:
-            raise FsError(errno.ENOENT)
-        _check_name(dst_name)
+        posix.check_found(src is not None)
         dst = dd.entries.get(dst_name)
+        posix.check_rename_target(flags, dst is not None)
         a = src[1]
         a_dir = a in self._dirs
         now = time.time_ns()
         if flags & RENAME_EXCHANGE:
-            if dst is None:
-                raise FsError(errno.ENOENT)
             b = dst[1]
             b_dir = b in self._dirs
-            if src_parent != dst_parent and ((a_dir and self._is_ancestor(a, dst_parent))
-                                             or (b_dir and self._is_ancestor(b, src_parent))):
-                raise FsError(errno.EINVAL)
+            posix.check_not_into_itself(src_parent != dst_parent and (
+                (a_dir and self._is_ancestor(a, dst_parent)) or (b_dir and self._is_ancestor(b, src_parent))))
             sd.entries[src_name] = (src[0], b)
             dd.entries[dst_name] = (dst[0], a)
             if src_parent != dst_parent:
@@ -385,21 +375,12 @@ class NodeLocalNames:
             self._touch(src_parent, now)
             self._touch(dst_parent, now)
             return Freed()
-        if a_dir and self._is_ancestor(a, dst_parent):
-            raise FsError(errno.EINVAL)
+        if dst is not None and dst[1] == a:
+            return Freed()  # two names of one file: nothing happens
+        posix.check_not_into_itself(a_dir and self._is_ancestor(a, dst_parent))
         if dst is not None:
-            if flags & RENAME_NOREPLACE:
-                raise FsError(errno.EEXIST)
-            b = dst[1]
-            if b == a:
-                return Freed()  # two names of one file: nothing happens
-            b_dir = b in self._dirs
-            if a_dir and not b_dir:
-                raise FsError(errno.ENOTDIR)
-            if b_dir and not a_dir:
-                raise FsError(errno.EISDIR)
-            if b_dir and self._dirs[b].entries:
-                raise FsError(errno.ENOTEMPTY)
+            replaced = self._dirs.get(dst[1])
+            posix.check_replace(a_dir, replaced is not None, replaced is None or not replaced.entries)
         del sd.entries[src_name]
         self._add_entry(dst_parent, dst_name, a)
         if a_dir and src_parent != dst_parent:
@@ -423,21 +404,16 @@ class NodeLocalNames:
                          flags: int) -> Freed:
         """A file of the volume renamed into a scratch dir: its name goes from the database,
         and this node holds the file under its new name."""
-        if flags & RENAME_EXCHANGE:
-            raise FsError(errno.EXDEV)
-        _check_name(dst_name)
         src = await self.inner.lookup(src_parent, src_name)
-        if src.is_dir:
-            raise FsError(errno.EXDEV)
+        if src.is_dir or flags & RENAME_EXCHANGE:
+            raise FsError(errno.EXDEV, "a directory, or an exchange, between scratch and the volume")
         dd = self._dirs[dst_parent]
         dst = dd.entries.get(dst_name)
+        posix.check_rename_target(flags, dst is not None)
         if dst is not None:
-            if flags & RENAME_NOREPLACE:
-                raise FsError(errno.EEXIST)
             if dst[1] == src.id:
                 return Freed()
-            if dst[1] in self._dirs:
-                raise FsError(errno.EISDIR)
+            posix.check_replace(False, dst[1] in self._dirs, True)
         await self._hold_foreign(src.id)
         try:
             freed = await self.inner.unlink(src_parent, src_name)
@@ -461,15 +437,13 @@ class NodeLocalNames:
         tells the vfs to), a directory does not move (EXDEV stands); a file of the volume is
         linked into this scratch dir's root under a passing name, which the database then
         renames over the target, so the target is replaced at once."""
-        if flags & RENAME_EXCHANGE:
-            raise FsError(errno.EXDEV)
         sd = self._dirs[src_parent]
         src = sd.entries.get(src_name)
-        if src is None:
-            raise FsError(errno.ENOENT)
+        posix.check_found(src is not None)
         ino = src[1]
-        if ino in self._nodes:
-            raise FsError(errno.EXDEV)
+        if ino in self._nodes or flags & RENAME_EXCHANGE:
+            await self._database_directory(dst_parent)
+            raise FsError(errno.EXDEV, "a scratch file is promoted before it is moved into the volume")
         root = self._root_of(src_parent)
         passing = b".fusestate-rename-%d-%d" % (ino, next(self._entry_ids))
         await self._inner_link(ino, root, passing)
@@ -495,7 +469,7 @@ class NodeLocalNames:
         return _copy(node)
 
     async def readdir(self, ino: int, after_id: int, limit: int = 1000) -> list[tuple[DirEntry, Inode]]:
-        d = self._dirs.get(ino)
+        d = self._here(ino)
         if d is None:
             return [(entry, self._noted(node, ino, entry.name))
                     for entry, node in await self.inner.readdir(ino, after_id, limit)]
@@ -519,7 +493,7 @@ class NodeLocalNames:
     async def open_file(self, ino: int) -> tuple[Inode, dict[int, str]]:
         node = self._nodes.get(ino)
         if node is not None:
-            self._opened[ino] = self._opened.get(ino, 0) + 1
+            self._opened.add(ino)
             return _copy(node), {}
         if self._foreign.get(ino) or ino in self._vfs_open:
             answer = await self.inner.read_file(ino)
@@ -538,11 +512,7 @@ class NodeLocalNames:
         """A close this node answers itself; None: the database's."""
         node = self._nodes.get(ino)
         if node is not None:
-            left = self._opened.get(ino, 0) - 1
-            if left > 0:
-                self._opened[ino] = left
-                return Freed()
-            self._opened.pop(ino, None)
+            self._opened.discard(ino)
             if node.nlink == 0:
                 del self._nodes[ino]
                 return Freed(deleted_inode=ino)
@@ -608,7 +578,8 @@ class NodeLocalNames:
         self._unnamed.add(ino)
         if node.nlink:
             self._foreign[ino] = node.nlink
-        if self._opened.pop(ino, 0):
+        if ino in self._opened:
+            self._opened.discard(ino)
             self._vfs_open.add(ino)
         if not node.nlink and ino not in self._vfs_open:
             freed.keys += (await self.inner.close_file(ino)).keys

@@ -371,8 +371,12 @@ BEGIN
   SELECT * INTO src FROM inodes WHERE id = p_src_parent;
   SELECT * INTO dst FROM inodes WHERE id = p_dst_parent;
   SELECT * INTO child FROM inodes WHERE id = v_ino;
-  IF (src.mode & 61440) <> 16384 OR (dst.mode & 61440) <> 16384 THEN
+  IF dst.id IS NULL THEN
+    RAISE EXCEPTION 'no such directory' USING ERRCODE = 'FS002';
+  ELSIF (src.mode & 61440) <> 16384 OR (dst.mode & 61440) <> 16384 THEN
     RAISE EXCEPTION 'not a directory' USING ERRCODE = 'FS020';
+  ELSIF dst.nlink = 0 THEN
+    RAISE EXCEPTION 'no such directory' USING ERRCODE = 'FS002';
   END IF;
   IF (child.mode & 61440) = 16384 THEN
     RAISE EXCEPTION 'a directory: the general rename' USING ERRCODE = 'FSRUN';
