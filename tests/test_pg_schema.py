@@ -33,7 +33,7 @@ CURRENT = b"MANIFEST-000001\n"  # a small file, its block inline
 # The digest of every SQL file, for each version. A change to the SQL is a new version: add
 # sql/upgrade/NNNN.sql (its changes to the tables, what it drops, the version row), make
 # schema.sql what a new database of that version is, and add the new digest here.
-DIGESTS = {2: "0a59d3a8c5a9896f32f061d9bc6a5c9f6470578e3a6258a94176bb59d322ad09"}
+DIGESTS = {2: "c3cc72249cfb4307ea4c9e9051ea0bf0f01d367ccb926a076832ff2422d1d24e"}
 
 
 def sql_digest() -> str:
@@ -165,7 +165,9 @@ def test_a_version_1_volume_is_upgraded_at_open_and_reads_back(pg_url: str) -> N
 
     trio.run(main)
     assert fetch(pg_url, "SELECT version FROM schema_version") == [(schema.VERSION,)]
-    assert fetch(pg_url, "SELECT proname FROM pg_proc WHERE proname ~ '^fs_.*_v[0-9]+$'") == []
+    # Every function of version 1 gone; in the place of its first, the guard against its release.
+    assert fetch(pg_url, "SELECT proname, prorettype::regtype::text FROM pg_proc WHERE proname ~ '^fs_.*_v[0-9]+$'") == [
+        ("fs_session_v1", "text")]
     assert sorted(fetch(pg_url, "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal")) == [
         ("fs_entries_changed",), ("fs_inodes_changed",)]
 
@@ -216,6 +218,18 @@ def test_two_nodes_opening_a_version_1_volume_at_once_upgrade_it_once(pg_url: st
     finally:
         for e in engines:
             e.close()
+
+
+def test_a_release_before_versions_cannot_mount_an_upgraded_volume(pg_url: str) -> None:
+    """Its mount installs its schema and functions (version 1's SQL) in one transaction: the
+    guard fails it, and nothing of it stays."""
+    version_1_volume(pg_url)
+    PostgresEngine(pg_url, block_size=BS).close()
+    before = catalog(pg_url)
+    with pytest.raises(psycopg.errors.InvalidFunctionDefinition, match="cannot change return type"):
+        with psycopg.connect(pg_url, autocommit=True) as conn:  # its tables and functions, one transaction
+            conn.execute(V1.read_text().rsplit("\nINSERT INTO inodes (id,", 1)[0])
+    assert catalog(pg_url) == before
 
 
 def test_a_newer_schema_is_refused_with_one_clear_line(pg_url: str) -> None:

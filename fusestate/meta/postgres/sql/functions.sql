@@ -49,6 +49,13 @@
 --   bytes with the block map. The row is counted, shared and collected as any block's
 --   (the collector deletes no object for it).
 
+-- Releases before schema versions (version 1) install their functions at every mount, and
+-- would put them beside these. This one has the name and arguments of the first they make,
+-- with another return type: their install fails (cannot change return type of existing
+-- function), and so does their mount, before anything of theirs is written.
+CREATE OR REPLACE FUNCTION fs_session_v1(p_session bigint, p_durable boolean) RETURNS text
+LANGUAGE sql AS $$ SELECT 'this volume''s metadata is of a newer schema version: upgrade fusestate'::text $$;
+
 -- The start of every call: the session's fence (p_session 0: no session yet, as fsck's),
 -- and the commit mode of a namespace change.
 CREATE OR REPLACE FUNCTION fs_session(p_session bigint, p_durable boolean) RETURNS void
