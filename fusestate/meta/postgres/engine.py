@@ -18,49 +18,53 @@ Every publishing transaction checks that its own session is still alive: a node 
 was declared dead and comes back cannot publish. The sessions of dead nodes are cleaned
 up by the others. Counters for statfs are kept per session and lane (no hot row). A
 create, link, rename, unlink or rmdir whose connection broke with its commit in flight is
-run again without being applied twice (``_Attempts``).
+run again without being applied twice (``Attempts``).
 
 Blocks are committed only once they are in the bucket (``shared = True``): the shared
 metadata never points at a block another node cannot read, except a scratch file's
 (``--scratch``): its inode records the session that made it, its blocks stay on that
 node and are recorded as not uploaded, and its names go when that session ends.
+
+Here: the operations, a session's upkeep and durability. Beside it: a transaction and the
+attempts of one operation (``transaction``), what ends with a session (``sessions``), the
+block ledger and garbage collection (``collector``), fsck's checks (``check``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
-import functools
 import itertools
 import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import trio
 
-from fusestate.blocks.keys import INLINE_PREFIX, key_matches
 from fusestate.config import DEFAULT_BLOCK_SIZE
 from fusestate.errors import FsError
 from fusestate.meta import operations as ops
 from fusestate.meta import posix
-from fusestate.meta.engine import (AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode,
-                                   ObjectInfo)
+from fusestate.meta.engine import AttrChange, DirEntry, EngineStats, Freed, Inode, NewNode
 from fusestate.meta.postgres import functions as server
 from fusestate.meta.postgres import schema
 from fusestate.meta.postgres.change_feed import ChangeFeed
+from fusestate.meta.postgres.check import shared_problems
+from fusestate.meta.postgres.collector import ObjectLedger
 from fusestate.meta.postgres.lookup_cache import LookupCache, Name
-from fusestate.meta.postgres.pipeline import Pipeline, Slot
+from fusestate.meta.postgres.pipeline import Pipeline
 from fusestate.meta.postgres.pool import PgPool, RefusedByServer, timeline_of
+from fusestate.meta.postgres.sessions import (LOST_MESSAGE, SessionHolds, SessionInfo, SessionLost, clean_session,
+                                              drop_nameless, end_session)
+from fusestate.meta.postgres.transaction import (ADD_COUNTERS, ADVISORY_LOCK, NOW, Attempts, Lanes, PgTx,
+                                                 in_pipeline)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-MOVE_LOCK = 0x66757366    # advisory lock id that serializes directory moves between parents
 SESSION_TTL = 30.0         # seconds without a heartbeat before other nodes clean a session up
 # How long an unmount tries to end its session while the database is unreachable: nothing
 # but the session's own rows is at stake (the other nodes clean them up after SESSION_TTL).
@@ -71,26 +75,18 @@ RECENT_ROWS_MAX = 10_000  # rows of this node's own writes that getattr answers 
 INLINE_MAX = 4096
 INLINE_SEEN_MAX = 1024  # inline blocks an open brought along, kept until the block store asks
 
-# A session's rows are made when it registers (``start``): an UPDATE writes one WAL record,
-# the upsert it replaces two (a row lock, then the update). Lane 0 takes the counts of
-# operations that hold no lane.
-_ADD_COUNTERS = "UPDATE counters SET inodes = inodes + ?, used = used + ? WHERE session_id = ? AND lane = 0"
 # What an operation that holds a lane writes instead: its counts and its number, in one
-# update of a row no other transaction writes (see ``_Attempts``).
+# update of a row no other transaction writes (see ``Attempts``).
 _MARK = "UPDATE counters SET inodes = inodes + ?, used = used + ?, op = ? WHERE session_id = ? AND lane = ?"
 _DONE = "SELECT 1 FROM counters WHERE session_id = ? AND lane = ? AND op = ?"
-# A lane's lock (_Attempts) or an inode's fence (functions.INODE_FENCE): (class, key).
-_ADVISORY_LOCK = "SELECT pg_advisory_xact_lock(?::int, ?::int)"
 # A transaction of its own that writes a WAL record (a commit without one does not wait for
 # the flush): an update of a lane's row, which no other transaction writes meanwhile
-# (``_Lanes``). With a server's synchronous_commit = off it waits all the same; a stronger
+# (``Lanes``). With a server's synchronous_commit = off it waits all the same; a stronger
 # setting (remote_apply) is kept.
 _FLUSH_WAL = ("WITH mode AS (SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit')"
               " WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true))"
               " UPDATE counters SET op = op FROM mode WHERE session_id = ? AND lane = ? RETURNING 1")
 
-_UNKNOWN = ("SELECT k FROM unnest(%s::text[]) AS k WHERE NOT EXISTS (SELECT 1 FROM objects WHERE key=k)"
-            " AND NOT EXISTS (SELECT 1 FROM uploads WHERE key=k)")
 # A page of a directory's listing in one statement: the directory's mode (ENOENT, ENOTDIR),
 # then its entries after an id with their inodes (see ops.listing).
 _READDIR = ("SELECT d.mode, page.* FROM inodes d LEFT JOIN LATERAL"
@@ -98,183 +94,10 @@ _READDIR = ("SELECT d.mode, page.* FROM inodes d LEFT JOIN LATERAL"
             "  (SELECT id, name, inode FROM entries WHERE parent = d.id AND id > ? ORDER BY id LIMIT ?) e"
             "  JOIN inodes i ON i.id = e.inode ORDER BY e.id) page"
             " ON true WHERE d.id = ?")
-_LOCK_INODES = f"SELECT {ops.INODE_COLUMNS} FROM inodes WHERE id = ANY(?) ORDER BY id FOR UPDATE"
-_NOW = "extract(epoch from clock_timestamp())"  # the database's clock: one clock for every node
 _SWEEP_DUE = "SELECT EXISTS (SELECT 1 FROM orphans_kept) AND fs_holds_trusted()"
 
 
-class SessionLost(FsError):
-    """This node's session was declared dead by the others: it may not publish any more."""
-
-    def __init__(self) -> None:
-        super().__init__(errno.EIO, "this mount's session on the metadata database expired; remount")
-
-
-# What a node whose session was cleaned up logs once: what it means and what to do.
-LOST_MESSAGE = ("metadata session %d was cleaned up by the other nodes (no heartbeat within its "
-                "--session-timeout, %.0f s): this mount publishes nothing more (creates, opens, and closes "
-                "and fsyncs of written files fail with EIO) and `fusestate status` exits 1. Unmount it "
-                "(fusestate umount %s) and mount it again, or restart its service or pod")
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    id: int
-    host: str
-    pid: int
-    mountpoint: str
-    started: float
-    heartbeat_age: float
-
-
-class _SessionHolds:
-    def __init__(self, session: Callable[[], int]) -> None:
-        self._session = session
-
-    def add(self, tx: ops.Tx, ino: int) -> None:
-        tx.exec("INSERT INTO holds (session_id, inode) VALUES (?, ?) ON CONFLICT DO NOTHING",
-                (self._session(), ino))
-
-    def remove(self, tx: ops.Tx, ino: int) -> None:
-        tx.exec("DELETE FROM holds WHERE session_id=? AND inode=?", (self._session(), ino))
-
-    def held(self, tx: ops.Tx, ino: int) -> bool:
-        """Held by some node; or kept (and recorded for the sweep) while the holds cannot
-        be trusted, after the server lost them (``fs_keep_orphan``). Asked after taking
-        the file's fence (``INODE_FENCE``), so a close in flight is seen or sees this."""
-        tx.exec(_ADVISORY_LOCK, (server.INODE_FENCE, server.inode_key(ino)))
-        row = tx.one("SELECT EXISTS (SELECT 1 FROM holds WHERE inode=?) OR fs_keep_orphan(?)", (ino, ino))
-        return bool(row and row[0])
-
-
-class _Lanes:
-    """A session's lanes, 1 to ``count``: each is held by one operation at a time, for all
-    of that operation's attempts, so the lane's row in ``counters`` is written by no other
-    transaction meanwhile. Lane 0 counts what operations that hold no lane add."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self._free = list(range(count, 0, -1))
-        self._available = trio.Semaphore(count)
-
-    @contextlib.asynccontextmanager
-    async def hold(self) -> AsyncIterator[int]:
-        try:  # a free lane is the common case: taken without a scheduling round
-            self._available.acquire_nowait()
-        except trio.WouldBlock:
-            await self._available.acquire()
-        lane = self._free.pop()
-        try:
-            yield lane
-        finally:
-            self._free.append(lane)
-            self._available.release()
-
-
-@dataclass
-class _Attempts:
-    """The attempts of one operation whose outcome may become unknown.
-
-    The pool runs an operation again on a new connection when its connection breaks; if
-    that happened after the commit was sent, the commit may or may not have happened.
-    Such an operation holds a lane (``_Lanes``) and has a number (``op``, unique within
-    the session); each attempt takes the lane's advisory lock first (``LANE_FENCE``) and
-    writes the number into the lane's counters row in the same transaction (the row a
-    create updates anyway, and an update that a namespace change pays for by taking no
-    row lock on its session). An attempt after one that sent its commit takes the lock
-    (so it waits for an earlier attempt the server is still running), then looks for the
-    number: found, the earlier attempt committed, and its result is returned; not found,
-    nothing of it happened, and the operation runs again. Other nodes never write a
-    session's lanes, so what they did meanwhile cannot make the answer wrong."""
-
-    lane: int
-    op: int  # 0: a call that only needs to know whether it is a retry (``_call``)
-    sent: bool = False  # an attempt sent its commit, and its answer never came
-    retried: bool = False  # the last attempt came after one that was sent
-    # What the last attempt that sent its commit would have returned, had the answer come:
-    # the result, the counter deltas, the rows it wrote.
-    done: Optional[tuple[Any, int, int, dict[int, Optional[Inode]]]] = None
-
-
-class _PgTx:
-    """One transaction on a connection, its statements in a :class:`Pipeline`: a statement
-    whose result nobody reads (``exec``) is only queued, and goes to the server with the
-    next one whose rows are read, or with COMMIT. A namespace operation then costs one
-    round trip per query it reads, not one per statement."""
-
-    commits_uploaded = True
-
-    def __init__(self, pipe: Pipeline, engine: "PostgresEngine", now_ns: Optional[int] = None) -> None:
-        self._pipe = pipe
-        self.now_ns = time.time_ns() if now_ns is None else now_ns
-        self.block_size = engine.block_size
-        self.holds = engine._holds
-        self.inodes_delta = 0
-        self.used_delta = 0
-        self.scratch_owner = engine.session_id
-        self._locked: dict[int, tuple] = {}  # rows this transaction locked, until it changes them
-        self.saved_rows: dict[int, Optional[Inode]] = {}  # what it left in rows it changed (None: deleted, unknown)
-        self._lock_slots: list[Slot] = []  # locks queued, their rows not taken in yet
-
-    def new_inode_id(self) -> None:
-        return None  # BIGSERIAL: a sequence never hands a number out twice
-
-    def one(self, sql: str, args: tuple = ()) -> Optional[tuple]:
-        rows = self._pipe.query(sql, args)
-        return rows[0] if rows else None
-
-    def all(self, sql: str, args: tuple = ()) -> list[tuple]:
-        return self._pipe.query(sql, args)
-
-    def exec(self, sql: str, args: tuple = ()) -> None:
-        self._pipe.queue(sql, args)
-
-    def later(self, sql: str, args: tuple = ()) -> Callable[[], list[tuple]]:
-        slot = self._pipe.queue(sql, args, rows=True)
-        assert slot is not None
-        return functools.partial(self._pipe.rows, slot)
-
-    def lock(self, inodes: Iterable[int]) -> None:
-        # Only queued: the operation's next query (it reads a name again, or the rows)
-        # takes the lock's answer in the same round trip. The rows come back whole.
-        self._lock_slots.append(self._pipe.queue(_LOCK_INODES, (sorted(set(inodes)),), rows=True))
-
-    def _take_locked(self) -> None:
-        for slot in self._lock_slots:
-            self._locked.update((row[0], row) for row in self._pipe.rows(slot))
-        self._lock_slots.clear()
-
-    def inode_row(self, ino: int) -> Optional[tuple]:
-        if self._lock_slots:
-            self._take_locked()
-        row = self._locked.get(ino)
-        return row if row is not None else self.one(ops.INODE_ROW, (ino,))
-
-    def changed(self, ino: int) -> None:
-        if self._lock_slots:
-            self._take_locked()
-        self._locked.pop(ino, None)
-        self.saved_rows[ino] = None
-
-    def saved(self, node: Inode) -> None:
-        self.saved_rows[node.id] = dataclasses.replace(node)
-
-    def lock_moves(self) -> None:
-        self._pipe.queue("SELECT pg_advisory_xact_lock(?)", (MOVE_LOCK,))
-
-    def unreferenced_mark(self) -> int:
-        return 0
-
-
-def _in_pipeline(engine: "PostgresEngine", operation: Callable[..., T], *args: Any) -> Callable[[Any], T]:
-    """``operation(tx, *args)`` as a pool transaction function, its statements pipelined."""
-    def run(cur: Any) -> T:
-        with Pipeline(cur.connection) as pipe:
-            return operation(_PgTx(pipe, engine), *args)
-    return run
-
-
-class PostgresEngine:
+class PostgresEngine(ObjectLedger):
     """See the module docstring."""
 
     kind = "postgresql"
@@ -295,11 +118,11 @@ class PostgresEngine:
         self.mountpoint = mountpoint
         self.session_ttl = session_ttl
         self.pool = PgPool(url, size=pool_size, outage_budget=outage_budget, prepare=prepare)
-        self._lanes = _Lanes(pool_size)
-        self._ops = itertools.count(1)  # numbers of this session's operations (_Attempts)
+        self._lanes = Lanes(pool_size)
+        self._ops = itertools.count(1)  # numbers of this session's operations (Attempts)
         self.session_id = 0
         self.lost = False  # the other nodes cleaned up this session: nothing more may be published
-        self._holds = _SessionHolds(lambda: self.session_id)
+        self._holds = SessionHolds(lambda: self.session_id)
         # The files this node holds open, registered again after the server lost the holds
         # (holds_kept's since, as this node last registered them).
         self._held: set[int] = set()
@@ -350,7 +173,7 @@ class PostgresEngine:
 
         ``once``: the operation would not do the same again (a link, a rename, an unlink):
         it holds a lane, so that a retry after a connection lost with the commit in flight
-        finds out whether the commit happened (``_Attempts``). Every attempt keeps the
+        finds out whether the commit happened (``Attempts``). Every attempt keeps the
         operation's first time."""
         if self.read_only:
             raise FsError(errno.EROFS)
@@ -358,10 +181,10 @@ class PostgresEngine:
         if not once or not self.session_id:
             return await self._attempt(operation, args, after, None, now_ns)
         async with self._lanes.hold() as lane:
-            return await self._attempt(operation, args, after, _Attempts(lane, next(self._ops)), now_ns)
+            return await self._attempt(operation, args, after, Attempts(lane, next(self._ops)), now_ns)
 
     async def _attempt(self, operation: Callable[..., T], args: tuple, after: Optional[Callable[[ops.Tx], None]],
-                       attempts: Optional[_Attempts], now_ns: int) -> T:
+                       attempts: Optional[Attempts], now_ns: int) -> T:
         while True:
             try:
                 result, inodes, used = await self.pool.run(self._txn, operation, args, after, attempts, now_ns,
@@ -376,7 +199,7 @@ class PostgresEngine:
             return result
 
     def _txn(self, cur: Any, operation: Callable[..., T], args: tuple, after: Optional[Callable[[ops.Tx], None]],
-             attempts: Optional[_Attempts], now_ns: int) -> tuple[T, int, int]:
+             attempts: Optional[Attempts], now_ns: int) -> tuple[T, int, int]:
         # Pipelined: BEGIN, the session check and the commit mode go out with the
         # operation's first query, and its last writes with the counters and COMMIT. The
         # session is fenced as the server-side operations fence it (``functions``: an
@@ -390,14 +213,14 @@ class PostgresEngine:
                 outcome = attempts.done  # committed by the attempt whose answer was lost
                 pipe.queue("COMMIT")  # this one wrote nothing
             else:
-                tx = _PgTx(pipe, self, now_ns)
+                tx = self._new_tx(pipe, now_ns)
                 result = operation(tx, *args)
                 if after is not None:
                     after(tx)
                 if attempts is not None:
                     pipe.queue(_MARK, (tx.inodes_delta, tx.used_delta, attempts.op, self.session_id, attempts.lane))
                 elif tx.inodes_delta or tx.used_delta:
-                    pipe.queue(_ADD_COUNTERS, (tx.inodes_delta, tx.used_delta, self.session_id))
+                    pipe.queue(ADD_COUNTERS, (tx.inodes_delta, tx.used_delta, self.session_id))
                 pipe.queue("COMMIT")
                 outcome = (result, tx.inodes_delta, tx.used_delta, tx.saved_rows)
                 if attempts is not None:
@@ -429,10 +252,10 @@ class PostgresEngine:
             raise FsError(errno.EIO, f"the metadata database failed over (timeline {max(lost)} to {timeline}): "
                                      "changes this node committed just before may be lost")
 
-    def _done_before(self, pipe: Pipeline, attempts: _Attempts) -> bool:
+    def _done_before(self, pipe: Pipeline, attempts: Attempts) -> bool:
         """Take the operation's lane (waiting for an earlier attempt the server still runs);
         whether an earlier attempt committed, asked only after one sent its commit."""
-        pipe.queue(_ADVISORY_LOCK, (server.LANE_FENCE, server.lane_key(self.session_id, attempts.lane)))
+        pipe.queue(ADVISORY_LOCK, (server.LANE_FENCE, server.lane_key(self.session_id, attempts.lane)))
         return attempts.sent and bool(pipe.query(_DONE, (self.session_id, attempts.lane, attempts.op)))
 
     def _remember(self, rows: dict[int, Optional[Inode]]) -> None:
@@ -456,13 +279,13 @@ class PostgresEngine:
         """The lookup cache, if it holds every change of the last ``MAX_LAG`` seconds."""
         return self.lookups if self.changes is not None and self.changes.fresh() else None
 
-    async def _call(self, statement: str, args: tuple, attempts: Optional[_Attempts] = None,
+    async def _call(self, statement: str, args: tuple, attempts: Optional[Attempts] = None,
                     changes: bool = True) -> list[tuple]:
         """One server-side operation (``functions``): one statement, one round trip, one
         transaction, committed without waiting for the WAL flush; its POSIX errors come back
         as :class:`RefusedByServer`. ``attempts``: records whether the last call was a retry after one that was sent;
         with a number (``op``), the statement's first arguments after the session are the
-        lane, the number and that (``_Attempts``). ``changes`` False: the operation changes
+        lane, the number and that (``Attempts``). ``changes`` False: the operation changes
         nothing a failover could lose (``sync`` has nothing of it to make durable)."""
         if self.read_only:
             raise FsError(errno.EROFS)
@@ -491,8 +314,11 @@ class PostgresEngine:
         if inodes or used:
             self._stats = EngineStats(self._stats.inodes + inodes, self._stats.used_bytes + used)
 
+    def _new_tx(self, pipe: Pipeline, now_ns: Optional[int] = None) -> PgTx:
+        return PgTx(pipe, self.block_size, self._holds, self.session_id, now_ns)
+
     async def _read(self, operation: Callable[..., T], *args: Any) -> T:
-        return await self.pool.run(_in_pipeline(self, operation, *args), explicit=True)
+        return await self.pool.run(in_pipeline(self._new_tx, operation, *args), explicit=True)
 
     # --- namespace ----------------------------------------------------------------
     async def getattr(self, ino: int) -> Inode:
@@ -525,13 +351,13 @@ class PostgresEngine:
 
     async def _call_in_lane(self, statement: str, args: tuple) -> list[tuple]:
         """A server-side namespace operation holding one of the session's lanes, so that a
-        retry after a lost answer finds what the first attempt did (``_Attempts``)."""
+        retry after a lost answer finds what the first attempt did (``Attempts``)."""
         async with self._lanes.hold() as lane:
-            return await self._call(statement, args, attempts=_Attempts(lane, next(self._ops)))
+            return await self._call(statement, args, attempts=Attempts(lane, next(self._ops)))
 
     async def create(self, parent: int, name: bytes, node: NewNode, hold: bool = False) -> Inode:
         """One call of ``fs_create``, holding a lane: a retry after its answer was lost
-        returns the inode the call made rather than EEXIST (``_Attempts``)."""
+        returns the inode the call made rather than EEXIST (``Attempts``)."""
         posix.check_name(name)
         since = self.lookups.generation
         args = (self.session_id, parent, name, node.mode, node.uid, node.gid, node.rdev, node.symlink_target,
@@ -711,7 +537,7 @@ class PostgresEngine:
         found = [blocks[i] for i in order]
         inline = inline or {}
         data = [inline.get(b[0]) if b else None for b in found]
-        attempts = _Attempts(0, 0)
+        attempts = Attempts(0, 0)
         try:
             # Committed without waiting for the WAL flush even for an fsync, which then waits
             # on its own (``_flush_wal``): a transaction that notifies (``change_feed``) holds
@@ -748,115 +574,6 @@ class PostgresEngine:
         row = await self._read(lambda tx: tx.one("SELECT data FROM objects WHERE key = ?", (key,)))
         return bytes(row[0]) if row is not None and row[0] is not None else None
 
-    # --- objects: uploads and garbage collection ------------------------------------------
-    async def object_info(self, key: str) -> Optional[ObjectInfo]:
-        return await self._read(ops.object_info, key)
-
-    async def begin_upload(self, key: str, size: int) -> Optional[bool]:
-        """Always False (put the block): uploads are not registered. The commit that follows
-        finds out whether the collector deleted these bytes meanwhile (EAGAIN: put them
-        again, see ``functions``), which costs nothing when it did not, where a
-        registration cost every block a transaction before its upload."""
-        if self.lost:
-            raise SessionLost()  # its commit could never come
-        return False
-
-    async def end_upload(self, key: str) -> None:
-        """An upload whose commit will not come (the block was superseded): the block is
-        recorded as unreferenced, so the collector deletes it in time. uploaded=0: the PUT
-        may not have happened."""
-        await self._write(lambda tx: tx.exec(
-            "INSERT INTO objects (key, size, refcount, uploaded, unreferenced_since) VALUES (?, 0, 0, 0, ?)"
-            " ON CONFLICT DO NOTHING", (key, tx.now_ns / 1e9)))
-
-    async def mark_uploaded(self, key: str) -> None:
-        pass  # a shared engine records a block when it is committed, after its upload
-
-    async def forget_objects(self, keys: list[str]) -> None:
-        """Scratch blocks nothing references any more: never in the bucket, so no row is
-        needed. A row some upload of the same bytes marked as in the bucket stays, for
-        the collector."""
-        if keys:
-            await self.pool.run(lambda cur: cur.execute(
-                "DELETE FROM objects WHERE key = ANY(%s) AND refcount<=0 AND uploaded=0", (keys,)))
-
-    async def pending_objects(self) -> list[ObjectInfo]:
-        return []  # nothing is committed before it is uploaded
-
-    async def blocks_by_recency(self, budget: Optional[int] = None) -> list[tuple[str, int]]:
-        return await self._read(ops.blocks_by_recency, budget)
-
-    async def collectable_objects(self, older_than: float, covered_seq: int) -> list[str]:
-        return [r[0] for r in await self._read(lambda tx: tx.all(
-            "SELECT key FROM objects WHERE refcount<=0 AND deleting=0 AND unreferenced_since<=?", (older_than,)))]
-
-    async def claim_garbage(self, older_than: float, covered_seq: int) -> list[str]:
-        """Mark unreferenced blocks for deletion: those no commit references since before
-        ``older_than`` and no session is uploading. A marked block is deleted from the
-        bucket, then forgotten (``garbage_deleted``); a commit of the same bytes meanwhile
-        is refused, and its node puts them again (``functions``)."""
-        def claim(cur: Any) -> list[str]:
-            cur.execute("SELECT key FROM objects WHERE refcount<=0 AND deleting=0 AND unreferenced_since<=%s"
-                        " ORDER BY key LIMIT 1000", (older_than,))
-            claimed = []
-            for (key,) in cur.fetchall():
-                # Locked first, then checked with a fresh snapshot: an upload registered
-                # before the lock is seen, one registered after waits for 'deleting' to go.
-                cur.execute("SELECT refcount FROM objects WHERE key=%s AND deleting=0 FOR UPDATE", (key,))
-                row = cur.fetchone()
-                if row is None or row[0] > 0:
-                    continue
-                cur.execute("SELECT 1 FROM uploads WHERE key=%s LIMIT 1", (key,))
-                if cur.fetchone() is not None:
-                    continue
-                cur.execute("UPDATE objects SET deleting=%s WHERE key=%s", (self.session_id, key))
-                claimed.append(key)
-            return claimed
-
-        return await self.pool.run(claim)
-
-    async def garbage_deleted(self, keys: list[str]) -> None:
-        """Deleted from the bucket: the rows go, and each key is recorded as collected, so a
-        commit of the same bytes uploaded before the deletion is refused (``functions``)."""
-        def forget(cur: Any) -> None:
-            cur.execute(f"WITH gone AS (DELETE FROM objects WHERE key = ANY(%s) AND deleting=%s RETURNING key)"
-                        f" INSERT INTO collected (key, at) SELECT key, {_NOW} FROM gone"
-                        f" ON CONFLICT (key) DO UPDATE SET at = excluded.at", (keys, self.session_id))
-            cur.execute(f"DELETE FROM collected WHERE at < {_NOW} - %s", (server.COLLECTED_KEEP,))
-
-        if keys:
-            await self.pool.run(forget)
-
-    async def unknown(self, keys: list[str]) -> list[str]:
-        """The keys the database has no row and no upload registered for."""
-        def find(cur: Any) -> list[str]:
-            cur.execute(_UNKNOWN, (keys,))
-            return [r[0] for r in cur.fetchall()]
-
-        return await self.pool.run(find) if keys else []
-
-    async def garbage_kept(self, keys: list[str]) -> None:
-        if keys:
-            await self.pool.run(lambda cur: cur.execute(
-                "UPDATE objects SET deleting=0 WHERE key = ANY(%s) AND deleting=%s", (keys, self.session_id)))
-
-    async def sweep_unknown(self, keys: list[str]) -> list[str]:
-        """Claim blocks found in the bucket that the database knows nothing of (no row, no
-        registration of an earlier release): left by a node that died between a PUT and its
-        commit. Returns the keys to delete, then ``garbage_deleted``. The caller passes only
-        blocks older than its grace period. A commit of the same bytes meanwhile finds the
-        claim, or the collected key, and puts them again (``functions``); two sweeps
-        claiming one key meet on its primary key, and the second runs again."""
-        def claim(cur: Any) -> list[str]:
-            cur.execute(_UNKNOWN, (keys,))
-            unknown = [r[0] for r in cur.fetchall()]
-            for key in unknown:
-                cur.execute(f"INSERT INTO objects (key, size, refcount, uploaded, deleting, unreferenced_since)"
-                            f" VALUES (%s, 0, 0, 1, %s, {_NOW})", (key, self.session_id))
-            return unknown
-
-        return await self.pool.run(claim) if keys else []
-
     # --- sessions -------------------------------------------------------------------------
     async def start(self) -> Freed:
         """Register this mount as a session; clean up sessions whose heartbeat stopped."""
@@ -864,7 +581,7 @@ class PostgresEngine:
             def register(cur: Any) -> tuple[int, float]:
                 since = self._keep_holds(cur, 0)  # before the session's first heartbeat, which then trusts them
                 cur.execute(f"INSERT INTO sessions (host, pid, mountpoint, started, heartbeat, timeout)"
-                            f" VALUES (%s, %s, %s, {_NOW}, {_NOW}, %s) RETURNING id",
+                            f" VALUES (%s, %s, %s, {NOW}, {NOW}, %s) RETURNING id",
                             (socket.gethostname(), os.getpid(), self.mountpoint, self.session_ttl))
                 session_id = cur.fetchone()[0]
                 cur.execute("INSERT INTO counters (session_id, lane) SELECT %s, generate_series(0, %s)"
@@ -907,7 +624,7 @@ class PostgresEngine:
         in the same transaction, before the heartbeat that says so (``fs_holds_trusted``)."""
         def beat(cur: Any) -> Optional[float]:
             since = self._keep_holds(cur, self.session_id)
-            cur.execute(f"UPDATE sessions SET heartbeat={_NOW} WHERE id=%s", (self.session_id,))
+            cur.execute(f"UPDATE sessions SET heartbeat={NOW} WHERE id=%s", (self.session_id,))
             return since if cur.rowcount == 1 else None
 
         since = await self.pool.run(beat)
@@ -922,7 +639,7 @@ class PostgresEngine:
         cur.execute("SELECT since FROM holds_kept")
         row = cur.fetchone()
         if row is None:
-            cur.execute(f"INSERT INTO holds_kept (since) VALUES ({_NOW}) ON CONFLICT DO NOTHING")
+            cur.execute(f"INSERT INTO holds_kept (since) VALUES ({NOW}) ON CONFLICT DO NOTHING")
             cur.execute("INSERT INTO orphans_kept (inode) SELECT id FROM inodes WHERE nlink = 0 ON CONFLICT DO NOTHING")
             cur.execute("SELECT since FROM holds_kept")
             row = cur.fetchone()
@@ -938,7 +655,7 @@ class PostgresEngine:
         def sweep(tx: ops.Tx) -> Freed:
             kept = tx.all("DELETE FROM orphans_kept WHERE inode IN (SELECT inode FROM orphans_kept LIMIT 500)"
                           " RETURNING inode")
-            return _drop_nameless(tx, [ino for (ino,) in kept])
+            return drop_nameless(tx, [ino for (ino,) in kept])
 
         if self.read_only:
             return Freed()
@@ -971,7 +688,7 @@ class PostgresEngine:
         back_for = 1e12 if back is None else time.monotonic() - back
 
         def dead(cur: Any) -> list[tuple[int, Optional[float]]]:
-            cur.execute(f"SELECT id, timeout FROM sessions WHERE heartbeat < {_NOW} - timeout AND id <> %s"
+            cur.execute(f"SELECT id, timeout FROM sessions WHERE heartbeat < {NOW} - timeout AND id <> %s"
                         " AND timeout <= %s"
                         " UNION SELECT DISTINCT session_id, NULL::float8 FROM uploads u"
                         " WHERE NOT EXISTS (SELECT 1 FROM sessions s WHERE s.id = u.session_id)",
@@ -980,7 +697,7 @@ class PostgresEngine:
 
         freed = Freed()
         for session, timeout in await self.pool.run(dead):
-            one = await self._write(_clean_session, session)
+            one = await self._write(clean_session, session)
             freed.keys += one.keys
             if timeout is None:
                 log.warning("released the upload registrations of ended metadata session %d", session)
@@ -1000,7 +717,7 @@ class PostgresEngine:
 
     async def sessions(self) -> list[SessionInfo]:
         def listing(cur: Any) -> list[SessionInfo]:
-            cur.execute(f"SELECT id, host, pid, mountpoint, started, {_NOW} - heartbeat FROM sessions ORDER BY id")
+            cur.execute(f"SELECT id, host, pid, mountpoint, started, {NOW} - heartbeat FROM sessions ORDER BY id")
             return [SessionInfo(*row) for row in cur.fetchall()]
 
         return await self.pool.run(listing)
@@ -1053,7 +770,7 @@ class PostgresEngine:
             self.pool.outage_budget = min(self.pool.outage_budget, CLOSE_OUTAGE_BUDGET)
             try:
                 # A clean unmount: every file this node held is closed by now; let go of the rest.
-                self.pool.run_sync(_in_pipeline(self, _end_session, self.session_id))
+                self.pool.run_sync(in_pipeline(self._new_tx, end_session, self.session_id))
             except Exception as exc:  # noqa: BLE001 - the others clean it up after the timeout
                 log.warning("could not end the metadata session: %s", exc)
         self.pool.close()
@@ -1063,94 +780,9 @@ def _close_file(tx: ops.Tx, ino: int) -> Freed:
     """``operations.close_file`` without its row lock for a file that still has a name (the
     common close): the file's fence, the hold dropped, then the link count; a file with no
     name left is locked and deleted as there."""
-    tx.exec(_ADVISORY_LOCK, (server.INODE_FENCE, server.inode_key(ino)))
+    tx.exec(ADVISORY_LOCK, (server.INODE_FENCE, server.inode_key(ino)))
     tx.holds.remove(tx, ino)
     row = tx.one("SELECT nlink FROM inodes WHERE id=?", (ino,))
     if row is None or row[0] > 0:
         return Freed()
     return ops.close_file(tx, ino)
-
-
-def _clean_session(tx: ops.Tx, session: int) -> Freed:
-    freed = Freed()
-    held = [r[0] for r in tx.all("DELETE FROM holds WHERE session_id=? RETURNING inode", (session,))]
-    _end_uploads(tx, "session_id=?", (session,))
-    # Deletions it claimed may or may not have happened: the blocks are unreferenced still,
-    # and maybe gone from the bucket, so the next upload of their bytes must not skip the
-    # PUT, and a commit of an upload that began before now must put them again.
-    tx.exec(f"INSERT INTO collected (key, at) SELECT key, {_NOW} FROM objects WHERE deleting=?"
-            " ON CONFLICT (key) DO UPDATE SET at = excluded.at", (session,))
-    tx.exec("UPDATE objects SET deleting=0, uploaded=0 WHERE deleting=?", (session,))
-    # After every server-side operation of the session in flight (they hold the fence shared),
-    # before any that would come: they then find no row (functions).
-    tx.exec("SELECT pg_advisory_xact_lock(?::int, ?::int)", (server.SESSION_FENCE, session % 2147483647))
-    tx.exec("DELETE FROM sessions WHERE id=?", (session,))
-    # Its lanes' counts go into its row of lane 0: one row stays per ended session, as before lanes.
-    tx.exec("WITH lanes AS (DELETE FROM counters WHERE session_id=? AND lane<>0 RETURNING inodes, used)"
-            " UPDATE counters SET inodes = inodes + (SELECT COALESCE(SUM(inodes), 0) FROM lanes),"
-            " used = used + (SELECT COALESCE(SUM(used), 0) FROM lanes) WHERE session_id=? AND lane=0",
-            (session, session))
-    # Its scratch files were readable nowhere else: their names go with it.
-    freed.keys += ops.purge_scratch(tx, session).keys
-    freed.keys += _drop_nameless(tx, held).keys
-    return freed
-
-
-def _drop_nameless(tx: ops.Tx, inodes: list[int]) -> Freed:
-    """Delete those of these files that have no name left and that no node holds."""
-    freed = Freed()
-    for ino in sorted(inodes):
-        tx.lock([ino])
-        row = tx.one("SELECT nlink FROM inodes WHERE id=?", (ino,))
-        if row is not None and row[0] == 0 and not tx.holds.held(tx, ino):
-            freed.keys += ops.drop_orphans(tx, [ino]).keys
-    return freed
-
-
-
-def _end_session(tx: ops.Tx, session: int) -> Freed:
-    """A clean unmount: its own clean-up, outside the transactions that count their changes
-    (``_txn``), so it counts its own."""
-    freed = _clean_session(tx, session)
-    if tx.inodes_delta or tx.used_delta:
-        tx.exec(_ADD_COUNTERS, (tx.inodes_delta, tx.used_delta, session))
-    return freed
-
-
-def _end_uploads(tx: ops.Tx, where: str, args: tuple) -> None:
-    """Registered uploads whose commits will not come become unreferenced objects: the
-    block may be in the bucket, and the collector deletes it once its grace has passed."""
-    for key, size in tx.all(f"DELETE FROM uploads WHERE {where} RETURNING key, size", args):
-        if tx.one("SELECT 1 FROM uploads WHERE key=?", (key,)) is None:
-            # uploaded=0: the PUT may not have happened, so the next upload of these bytes
-            # must not skip it.
-            tx.exec("INSERT INTO objects (key, size, refcount, uploaded, unreferenced_since)"
-                    " VALUES (?, ?, 0, 0, ?) ON CONFLICT DO NOTHING", (key, size, tx.now_ns / 1e9))
-
-
-def shared_problems(tx: ops.Tx, limit: int = 20) -> list[str]:
-    """Checks of the shared tables on top of ``operations.consistency_problems``: files
-    without names that no live session holds, and the per-session counters."""
-    problems = ops.consistency_problems(tx, limit)
-    # Not while the holds cannot be trusted (the server lost them), nor the files then kept,
-    # which the sweep deletes once they can be.
-    for (ino,) in tx.all("SELECT i.id FROM inodes i WHERE i.nlink = 0 AND NOT EXISTS"
-                         f" (SELECT 1 FROM holds h JOIN sessions s ON s.id = h.session_id WHERE h.inode = i.id)"
-                         " AND NOT EXISTS (SELECT 1 FROM orphans_kept o WHERE o.inode = i.id)"
-                         f" AND fs_holds_trusted() LIMIT {limit}"):
-        problems.append(f"inode {ino} has no name and no node holds it open")
-    row = tx.one("SELECT (SELECT COALESCE(SUM(inodes), 0) FROM counters), (SELECT COUNT(*) FROM inodes),"
-                 " (SELECT COALESCE(SUM(used), 0) FROM counters),"
-                 " (SELECT COALESCE(SUM(size), 0) FROM objects WHERE refcount > 0)")
-    assert row is not None
-    if int(row[0]) != int(row[1]):
-        problems.append(f"the inode counters say {row[0]}, the table holds {row[1]}")
-    if int(row[2]) != int(row[3]):
-        problems.append(f"the usage counters say {row[2]} bytes, the blocks in use add up to {row[3]}")
-    for key, data in tx.all(f"SELECT key, data FROM objects WHERE starts_with(key, '{INLINE_PREFIX}')"
-                            " AND refcount > 0"):
-        if data is None or not key_matches(key, bytes(data)):
-            problems.append(f"inline block {key[:24]} has {'no bytes' if data is None else 'other bytes'}")
-            if len(problems) >= limit:
-                break
-    return problems
