@@ -1,7 +1,7 @@
 """The Spark cluster a user would deploy with JuiceFS instead of fusestate: every node's state
 on its local disk, the checkpoint on one JuiceFS volume mounted at the same path on every node.
 
-:class:`JuiceFSCluster` is ``fusestate.spark.cluster.Cluster``'s local-disk baseline (no
+:class:`JuiceFSCluster` is the local-disk baseline (``bench.baseline_cluster``: no
 fusestate mount, each node's Spark local dir on local disk) with its checkpoint at
 ``file://<mountpoint>/checkpoints``: Spark's RocksDB state store copies each snapshot's files
 there and back through Hadoop's local file system, as it does to any shared directory. Each
@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fusestate.spark.cluster import Cluster, ClusterError, Node
+from bench.baseline_cluster import BaselineCluster
+from fusestate.spark.cluster import ClusterError, Node
 
 MOUNT_TIMEOUT = 120.0
 RUN = "--run"  # the node's command follows (not "--": the node's own parser would take that)
@@ -62,14 +63,14 @@ class JuiceFSNode(Node):
             raise ClusterError(f"node {self.name}: {text.removeprefix('error: ')}")
 
 
-class JuiceFSCluster(Cluster):
+class JuiceFSCluster(BaselineCluster):
     """The cluster with its checkpoint on a formatted JuiceFS volume (``meta_url``), mounted by
     every node at ``mountpoint``; each node's state on its local disk."""
 
     def __init__(self, root: str | os.PathLike, meta_url: str, *, mountpoint: str, juicefs: str,
                  **kw: object) -> None:
-        super().__init__(root, None, None, mountpoint=mountpoint,
-                         checkpoint_root=f"file://{Path(mountpoint).resolve()}/checkpoints", **kw)  # type: ignore[arg-type]
+        super().__init__(root, mountpoint=mountpoint, checkpoint_root=f"file://{Path(mountpoint).resolve()}/checkpoints",
+                         **kw)
         self.juicefs = juicefs
         self.juicefs_meta = meta_url
         Path(mountpoint).mkdir(parents=True, exist_ok=True)  # every node mounts over it, in its namespace

@@ -103,6 +103,7 @@ def variant_of(keys: int, payload: int) -> str:
 
 def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             endpoint: Optional[ShapedMoto] = None) -> dict[str, float]:
+    from bench.baseline_cluster import BaselineCluster
     from bench.juicefs_cluster import JuiceFSCluster
     from bench.s3a import connector_jars
     from bench.systems import JuiceFSSystem
@@ -153,9 +154,12 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             assert juicefs is not None
             harness: Cluster = JuiceFSCluster(work / "cluster", juicefs_meta, mountpoint=str(work / "state"),
                                               juicefs=juicefs, worker_memory="3g")
+        elif checkpoint_root is not None:
+            harness = BaselineCluster(work / "cluster", mountpoint=str(work / "state"), worker_memory="3g",
+                                      checkpoint_root=checkpoint_root)
         else:
             harness = Cluster(work / "cluster", volume, meta, mountpoint=str(work / "state"), worker_memory="3g",
-                              checkpoint_root=checkpoint_root, mount_options=mount_options)
+                              mount_options=mount_options)
         with harness as cluster:
             cluster.start(workers=2)
             out, report = work / "out", work / "report.json"

@@ -251,18 +251,14 @@ class Cluster:
     """A master, worker nodes and driver nodes on one shared volume. Use as a context manager:
     every node is stopped and unmounted on exit, also after a failure.
 
-    ``volume_url=None`` is a baseline a benchmark compares with: no mounts, every node's
-    local dir on local disk, and the checkpoint in a plain directory that all nodes share
-    (a favourable stand-in for HDFS or an object store connector), or under
-    ``checkpoint_root`` (``s3a://bucket/prefix``: what most jobs run, the pipeline's
-    arguments then name the connector)."""
+    ``volume_url=None``: no mounts, every node's local dir on local disk, and the checkpoint
+    in a plain directory that all nodes share (the benchmarks' baselines build on it:
+    ``bench/baseline_cluster.py``)."""
 
     def __init__(self, root: str | os.PathLike, volume_url: Optional[str], meta_url: Optional[str], *,
                  mountpoint: str = DEFAULT_MOUNTPOINT, mount_options: Sequence[str] = (),
-                 worker_cores: int = 1, worker_memory: str = "1g", session_timeout: float = 10.0,
-                 checkpoint_root: Optional[str] = None) -> None:
+                 worker_cores: int = 1, worker_memory: str = "1g", session_timeout: float = 10.0) -> None:
         self.root = Path(root).resolve()
-        self.checkpoint_root = checkpoint_root.rstrip("/") if checkpoint_root else None
         self.volume_url = volume_url
         self.meta_url = meta_url
         self.mountpoint = mountpoint
@@ -350,12 +346,10 @@ class Cluster:
         return self.volume_url is not None
 
     def checkpoint(self, query: str) -> str:
-        """Where a query's checkpoint goes: on the volume through the shim, or (baseline) under
-        ``checkpoint_root`` or in a directory every node shares."""
+        """Where a query's checkpoint goes: on the volume through the shim, or (no volume) in a
+        directory every node shares."""
         if self.shared_volume:
             return f"fusestate://{self.mountpoint}/checkpoints/{query}"
-        if self.checkpoint_root:
-            return f"{self.checkpoint_root}/{query}"
         return f"file://{self.root / 'checkpoints' / query}"
 
     def node(self, name: str, host: str, mount_args: Optional[list[str]]) -> Node:

@@ -1,15 +1,18 @@
-"""The setup most Spark users run today, as a baseline: the state on local disk, the checkpoint
-on an object store through Hadoop's S3A connector (``s3a://bucket/prefix``).
+"""Hadoop's S3A connector for a checkpoint on an object store (``s3a://bucket/prefix``), with
+the state on local disk: the setup most Spark users run today, which ``fusestate spark-pipeline
+--local --checkpoint s3a://...`` runs and prints the settings of (``--print-conf``), as the
+starting point of a move to fusestate (docs/spark.md, "From a checkpoint on S3").
 
 The connector is ``org.apache.hadoop:hadoop-aws`` at the version of the Hadoop client Spark
 ships (PySpark's ``jars/hadoop-client-api-<version>.jar``), with the AWS SDK bundle it depends
 on. Spark fetches both itself with ``spark.jars.packages`` (:func:`package`); a job that has
 them already passes their paths instead (``jars``), so no session waits for a resolution.
+Fetching them ahead of time is the benchmarks' business (``bench/s3a.py``).
 
 :func:`s3a_conf` writes the settings an S3-compatible endpoint that is not AWS needs (Hadoop's
 "Working with third-party S3 stores"): the endpoint URL, its region (SigV4 signs with one),
 path-style requests, plain HTTP when the URL says so. Everything else keeps S3A's defaults, so
-the baseline is what a user gets: among them, since hadoop-aws 3.4.2, no request checksums
+the setup is what a user gets: among them, since hadoop-aws 3.4.2, no request checksums
 beyond the MD5 header (``fs.s3a.checksum.generation=false``), which third-party stores accept.
 """
 
