@@ -4,7 +4,9 @@
 ``fusestate-s3`` are fusestate mounts of a ``file://`` bucket and of a bucket on a moto S3
 server (``fusestate-native`` and ``fusestate-passthrough``: ``fusestate-file`` on the native
 front end, without and with FUSE passthrough); ``fusestate-pg`` is ``fusestate-file`` with its metadata in a PostgreSQL server on
-127.0.0.1 (the shared engine, without a network between); ``rclone`` (``--vfs-cache-mode full``) and ``s3fs`` (s3fs-fuse) are the peers, mounted
+127.0.0.1 (the shared engine, without a network between), and ``fusestate-pg-scratch`` the same
+volume with the benchmark's directory a scratch dir (``--scratch``: its contents in the daemon's
+memory and in plain files of its cache dir, gone at the unmount); ``rclone`` (``--vfs-cache-mode full``) and ``s3fs`` (s3fs-fuse) are the peers, mounted
 on the same moto endpoint. ``juicefs-pg`` is JuiceFS, the peer on a shared volume: its
 metadata in a database of its own on the same PostgreSQL server as ``fusestate-pg``'s, its
 data in a ``file://`` directory (``juicefs-pg-fast``: the same with the kernel's write-back
@@ -35,9 +37,10 @@ from bench.pgwork import Database
 from fusestate.harness.postgres import LocalPostgres as Postgres, free_port
 
 ALL = ["local", "fusestate-file", "fusestate-native", "fusestate-passthrough", "fusestate-pg", "fusestate-s3", "fusestate-s3-shaped", "rclone", "s3fs",
-       "juicefs-pg", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"]
+       "juicefs-pg", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped", "fusestate-pg-scratch"]
 # Run only when --systems names them.
-ON_REQUEST = {"fusestate-native", "fusestate-passthrough", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"}
+ON_REQUEST = {"fusestate-native", "fusestate-passthrough", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped",
+              "fusestate-pg-scratch"}
 # fusestate systems that differ from fusestate-file by mount options: the front end.
 FUSESTATE_OPTIONS: dict[str, list[str]] = {"fusestate-native": ["--frontend", "native"],
                                            "fusestate-passthrough": ["--frontend", "passthrough"]}
@@ -45,7 +48,7 @@ DEFAULT = [n for n in ALL if n not in ON_REQUEST]
 SHAPED = "fusestate-s3-shaped"  # a bucket on bench/shaped_s3.py's endpoint: S3's latency and bandwidth
 S3_BACKED = {"fusestate-s3", "rclone", "s3fs", "local-s3", "juicefs-pg-s3"}
 SHAPED_BACKED = {SHAPED, "juicefs-pg-s3-shaped"}
-PG_BACKED = {"fusestate-pg", "juicefs-pg", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"}
+PG_BACKED = {"fusestate-pg", "fusestate-pg-scratch", "juicefs-pg", "juicefs-pg-fast", "juicefs-pg-s3", "juicefs-pg-s3-shaped"}
 # JuiceFS systems that differ from juicefs-pg by options: (``juicefs format``'s, ``juicefs mount``'s).
 # juicefs-pg-fast: its fastest settings comparable with fusestate's, the kernel's write-back cache
 # (FUSE's writeback_cache: writes gathered in the page cache) and no trash (a removed file is gone at once).
@@ -147,6 +150,7 @@ class System:
     """A directory to benchmark in, and how to settle it between runs and to make its cache cold."""
 
     kind = "base"
+    keeps_files = True  # its files are there after make_cold (a remount)
 
     def __init__(self, name: str, root: Path) -> None:
         self.name = name
@@ -333,6 +337,31 @@ class SharedFusestateSystem(FusestateSystem):
         other = FusestateSystem(self.name, self.root / node, self.url)
         other.args, other.env = list(self.args), dict(self.env)  # the same (short) runtime dir: its sockets' paths
         return other
+
+
+class ScratchFusestateSystem(SharedFusestateSystem):
+    """``fusestate-pg-scratch``: ``fusestate-pg``, the benchmark's directory one of the node's
+    scratch dirs. Another node sees none of it, and a remount none of its files."""
+
+    keeps_files = False
+    SCRATCH = "scratch-bench"
+
+    def __init__(self, name: str, root: Path, server: Postgres, **kw: Any) -> None:
+        super().__init__(name, root, server, **kw)
+        self.db_name = "fusestate_scratch"  # beside fusestate-pg's, on the same server
+        self.args += ["--scratch", self.SCRATCH]
+        self.path = self.mnt / self.SCRATCH
+
+    def start(self) -> None:
+        super().start()
+        self.path.mkdir(exist_ok=True)
+
+    def revive(self) -> None:
+        super().revive()
+        self.path.mkdir(exist_ok=True)
+
+    def twin(self, node: str = "node-b") -> Optional[System]:
+        return None
 
 
 class MountedPeer(System):
@@ -647,9 +676,10 @@ def make_system(name: str, work: Path, moto: Optional[Moto], *, cache_size: str 
         return FusestateSystem(name, root, f"file://{root / 'bucket'}", cache_size=cache_size, extra=extra)
     if name in PG_BACKED and postgres is None:
         raise ValueError(f"{name} needs a PostgreSQL server")
-    if name == "fusestate-pg":
+    if name in ("fusestate-pg", "fusestate-pg-scratch"):
         assert postgres is not None
-        return SharedFusestateSystem(name, root, postgres, cache_size=cache_size, extra=fusestate_extra)
+        kind = ScratchFusestateSystem if name == "fusestate-pg-scratch" else SharedFusestateSystem
+        return kind(name, root, postgres, cache_size=cache_size, extra=fusestate_extra)
     if name.startswith("juicefs-") and name in ALL:
         assert postgres is not None
         endpoint = {"juicefs-pg-s3": moto, "juicefs-pg-s3-shaped": shaped}.get(name)
