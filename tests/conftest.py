@@ -222,6 +222,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("frontend", ["pyfuse3", "passthrough"], indirect=True)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_posix on the passthrough front end runs on the embedded engine only (its suite
+    takes minutes per engine and front end); test_frontend and the scratch POSIX suite run
+    passthrough on PostgreSQL."""
+    def wanted(item: pytest.Item) -> bool:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return not (item.module.__name__.endswith("test_posix") and params.get("frontend") == "passthrough"
+                    and params.get("mnt") == "postgresql")
+    items[:] = [item for item in items if wanted(item)]
+
+
 @pytest.fixture(autouse=True)
 def frontend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Optional[str]:
     """The front end every daemon this test starts runs (its FUSESTATE_FRONTEND): each of

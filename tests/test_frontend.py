@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import Mount, assert_one_line_error, is_mounted, native_front_end_missing
+from conftest import ENGINES, Mount, assert_one_line_error, engine_args, is_mounted, native_front_end_missing
 
 from fusestate.errors import UserError
 from fusestate.fuse import frontend as frontends
@@ -78,8 +78,10 @@ def _passthrough_mount(make_mount, file_bucket, *extra: str) -> Mount:
     return make_mount(file_bucket, extra=["--frontend", "passthrough", *extra]).mount()
 
 
-def test_passthrough_writes_never_reach_the_daemon_and_land_in_the_bucket(make_mount, file_bucket) -> None:
-    m = _passthrough_mount(make_mount, file_bucket)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_passthrough_writes_never_reach_the_daemon_and_land_in_the_bucket(make_mount, file_bucket, engine: str,
+                                                                          request: pytest.FixtureRequest) -> None:
+    m = _passthrough_mount(make_mount, file_bucket, *engine_args(engine, request))
     data = os.urandom(9 * MiB + 5)
     with open(m.path / "sst", "wb") as f:
         for start in range(0, len(data), 4096):  # small writes: one round trip each without passthrough
@@ -100,6 +102,7 @@ def test_passthrough_writes_never_reach_the_daemon_and_land_in_the_bucket(make_m
     m.wipe_cache()
     m.mount("--frontend", "pyfuse3")
     assert (m.path / "sst").read_bytes() == expected
+    assert m.status()["metadata"]["engine"] == ("sqlite" if engine == "sqlite" else "postgresql")
     assert not any((m.cache_dir / "backing").iterdir())
 
 
