@@ -31,7 +31,7 @@ from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, 
                                    MetaEngine, NewNode)
 from fusestate.vfs.block_buffer import BlockBuffer
 from fusestate.vfs.dir_listing import DirListing
-from fusestate.vfs.errors import FsError, from_os_error
+from fusestate.vfs.errors import FsError, commit_error, from_os_error
 from fusestate.vfs.open_file import OpenFile, Sealing, content_version
 from fusestate.vfs.passthrough import PassthroughFiles, PassthroughStats
 
@@ -528,15 +528,11 @@ class FileSystem(PassthroughFiles):
 
             freed = await self._commit_putting_again(promote, put_all_again, began)
         except BaseException as exc:
-            with trio.CancelScope(shield=True):
-                for key, _ in sealed:
-                    with contextlib.suppress(Exception):
-                        await self.blocks.abandon(key)
-            if isinstance(exc, UploadFailed):
-                raise FsError(errno.EIO, str(exc)) from exc
-            if isinstance(exc, OSError) and not isinstance(exc, FsError):  # the cache disk's
-                raise from_os_error(exc) from exc
-            raise
+            await self._abandon_sealed([key for key, _ in sealed])
+            translated = commit_error(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
         sealed = [b for b in blocks.values() if b is not None]
         f.node.scratch = 0
         f.keys = {index: b[0] for index, b in blocks.items() if b is not None}
@@ -553,6 +549,13 @@ class FileSystem(PassthroughFiles):
         await self.blocks.release(freed.keys)
         self.promoted_files += 1
         self.promoted_bytes += size
+
+    async def _abandon_sealed(self, keys: list[str]) -> None:
+        """Let go of blocks sealed for a commit that will not happen (shielded: on the way out)."""
+        with trio.CancelScope(shield=True):
+            for key in keys:
+                with contextlib.suppress(Exception):
+                    await self.blocks.abandon(key)
 
     async def _held_file(self, ino: int) -> OpenFile:
         """A file this node holds open: on the first open, fresh attributes and block map

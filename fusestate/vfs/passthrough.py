@@ -29,8 +29,6 @@ files.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
 import time
@@ -40,12 +38,12 @@ import trio
 
 from fusestate.blocks.keys import seal_digest
 from fusestate.blocks.scratch_files import ScratchFiles
-from fusestate.blocks.uploader import UploadFailed
-from fusestate.vfs.errors import FsError, from_os_error
+from fusestate.vfs.errors import FsError, commit_error
 from fusestate.vfs.open_file import OpenFile, content_version
 
 if TYPE_CHECKING:
     from fusestate.vfs.filesystem import FileSystem, Handle
+
 
 log = logging.getLogger(__name__)
 
@@ -275,15 +273,11 @@ class PassthroughFiles:
                     expected = []
                     await self.blocks.release(freed.keys)
             except BaseException as exc:
-                with trio.CancelScope(shield=True):
-                    for key, _ in expected:
-                        with contextlib.suppress(Exception):
-                            await self.blocks.abandon(key)
-                if isinstance(exc, UploadFailed):
-                    raise FsError(errno.EIO, str(exc)) from exc
-                if isinstance(exc, OSError) and not isinstance(exc, FsError):
-                    raise from_os_error(exc) from exc
-                raise
+                await self._abandon_sealed([key for key, _ in expected])
+                translated = commit_error(exc)
+                if translated is exc:
+                    raise
+                raise translated from exc
             for index, block in changed.items():
                 if block is None:
                     f.keys.pop(index, None)
