@@ -24,8 +24,11 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from bench.baseline_cluster import BaselineCluster
-from fusestate.spark.cluster import ClusterError, Node
+if not __package__:  # run by its path in a node's namespace: the repository's root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.baseline_cluster import BaselineCluster  # noqa: E402
+from fusestate.spark.cluster import ClusterError, Node  # noqa: E402
 
 MOUNT_TIMEOUT = 120.0
 RUN = "--run"  # the node's command follows (not "--": the node's own parser would take that)
