@@ -70,7 +70,7 @@ CACHED_CONTENT_MAX = 100_000  # files whose cached content a shared mount rememb
 HOLD_RELEASE_DELAY = 0.1  # seconds a closed file's hold waits to go with others (shared engines)
 # A shared engine refused a commit because the collector deleted the block while it was
 # uploaded: wait this long (past the deletion in progress), put it again, up to this often.
-PUT_AGAIN_AFTER = 4.0  # longer than the engine's margin (pg_functions.COLLECTED_MARGIN)
+PUT_AGAIN_AFTER = 4.0  # longer than the engine's margin (meta.postgres.functions.COLLECTED_MARGIN)
 PUT_AGAIN_TRIES = 20
 DELETED_REMEMBERED_MAX = 10_000  # deleted files whose last attributes answer the kernel's late SETATTR
 
@@ -1108,7 +1108,7 @@ class FileSystem(PassthroughFiles):
         ino = self._dir_handles[fh].ino
         kept_here = getattr(self.meta, "kept_here", None)
         if kept_here is not None and kept_here(ino):
-            return  # its entries are in this node's memory (meta.node_local): gone at the unmount anyway
+            return  # its entries are in this node's memory (meta.scratch.namespace): gone at the unmount anyway
         node = await self._check_dir(ino)
         if node is None or not node.scratch:  # shared: asking would cost what syncing does
             await self.sync_metadata()
