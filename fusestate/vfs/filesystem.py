@@ -19,7 +19,7 @@ import stat
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Optional, Sequence
+from typing import Awaitable, Callable, Collection, Optional, Sequence
 
 import trio
 
@@ -518,13 +518,7 @@ class FileSystem(PassthroughFiles):
                 return await self.meta.promote(f.inode, blocks, size, f.node.mtime_ns, uploads_began=uploads_began)
 
             async def put_all_again() -> float:
-                again = time.monotonic()
-                for index, block in blocks.items():
-                    if block is not None:
-                        data = await trio.to_thread.run_sync(self.scratch.read_block, f.inode, index * bs, block[1],
-                                                             not self.passthrough)
-                        await self.blocks.put_again(block[0], data)
-                return again
+                return await self._put_again_from(self.scratch, f.inode, blocks, direct=not self.passthrough)
 
             freed = await self._commit_putting_again(promote, put_all_again, began)
         except BaseException as exc:
@@ -549,6 +543,18 @@ class FileSystem(PassthroughFiles):
         await self.blocks.release(freed.keys)
         self.promoted_files += 1
         self.promoted_bytes += size
+
+    async def _put_again_from(self, store: ScratchFiles, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
+                              direct: bool, skip: Collection[str] = ()) -> float:
+        """Put a local file's sealed blocks in the bucket again (the collector took them while
+        they were uploaded); returns when the puts began. ``skip``: keys not in the bucket
+        (inline blocks, whose commit carries them)."""
+        again = time.monotonic()
+        for index, block in blocks.items():
+            if block is not None and block[0] not in skip:
+                data = await trio.to_thread.run_sync(store.read_block, ino, index * self.block_size, block[1], direct)
+                await self.blocks.put_again(block[0], data)
+        return again
 
     async def _abandon_sealed(self, keys: list[str]) -> None:
         """Let go of blocks sealed for a commit that will not happen (shielded: on the way out)."""

@@ -299,13 +299,7 @@ class PassthroughFiles:
                                                  uploads_began=uploads_began, inline=inline or None)
 
         async def put_all_again() -> float:
-            again = time.monotonic()
-            for index, block in changed.items():
-                if block is not None and block[0] not in inline:
-                    data = await trio.to_thread.run_sync(self.backing.read_block, f.inode, index * self.block_size,
-                                                         block[1], False)
-                    await self.blocks.put_again(block[0], data)
-            return again
+            return await self._put_again_from(self.backing, f.inode, changed, direct=False, skip=inline)
 
         async with f.commit_lock:
             return await self._commit_putting_again(commit, put_all_again, began)
