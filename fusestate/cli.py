@@ -11,8 +11,8 @@ import sys
 from typing import Optional, Sequence
 
 from fusestate import __version__
-from fusestate.config import (DEFAULT_BLOCK_SIZE, FRONTENDS, DEFAULT_METRICS_PORT, METRICS_PORTS, PREFETCH_MODES,
-                              WHOLE_BLOCK_MODES, MountConfig, format_size, meta_url_of, parse_size)
+from fusestate.config import (DEFAULT_BLOCK_SIZE, FRONTENDS, DEFAULT_METRICS_PORT, METRICS_PORTS,
+                              PREFETCH_LINK_MODES, PREFETCH_MODES, WHOLE_BLOCK_MODES, MountConfig, format_size, meta_url_of, parse_size)
 from fusestate.errors import UserError
 from fusestate.spark.arguments import cluster_arguments, pipeline_arguments
 
@@ -141,10 +141,13 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
                         "'all' (or the bare flag) as much of the volume as 90%% of the disk cache holds; "
                         "'off' only on demand; 'auto' (default) is 'recent' for s3:// and gs:// and "
                         "'off' for a file:// bucket, which is no slower to read than the cache")
-    m.add_argument("--prefetch-links", default=unset, choices=("on", "off"),
+    m.add_argument("--prefetch-links", default=unset, choices=PREFETCH_LINK_MODES,
                    help="a file hard-linked on this node whose blocks the node does not hold (a Spark "
                         "state store loaded from its checkpoint) is fetched in the background into the "
-                        "kernel's page cache, so its reads skip the daemon (default on)")
+                        "kernel's page cache, so its reads skip the daemon: 'lazy' (default) first what "
+                        "opening it reads (a RocksDB table's index, filters and footer; other files whole), "
+                        "then its data blocks while no read waits for the bucket; 'tails' only the first "
+                        "part; 'whole' (or 'on') each file from its start; 'off' none")
     m.add_argument("--page-fill-budget", default=unset,
                    help="bytes of linked files queued for the page cache at once; a link beyond it is "
                         "not filled, a requested file (spark-fill, the fill attribute) waits, up to twice "

@@ -17,6 +17,8 @@ DEFAULT_BLOCK_SIZE = 4 * MiB
 FRONTENDS = ("auto", "pyfuse3", "native", "passthrough")  # what speaks to the kernel (fusestate.fuse.frontend)
 PREFETCH_MODES = ("auto", "off", "recent", "all")  # cache warming after the mount (--prefetch)
 WHOLE_BLOCK_MODES = ("auto", "always", "never")  # cold reads fetch whole blocks (--whole-blocks)
+# Files linked here go to the page cache (--prefetch-links); "on" is the earlier name of "whole".
+PREFETCH_LINK_MODES = ("lazy", "tails", "whole", "on", "off")
 DEFAULT_CACHE_DIR = "/var/cache/fusestate"
 DEFAULT_METRICS_PORT = 9567
 METRICS_PORTS = 10  # without --metrics-addr: 127.0.0.1 on the first free port of 9567-9576
@@ -108,7 +110,7 @@ class MountConfig:
     journal_interval: float = 2.0            # seconds between journal shipments (fsync ships at once)
     lease_ttl: float = 30.0                  # seconds a lease stays valid without a heartbeat
     prefetch: str = "auto"                   # auto | off | recent | all: background cache warming after mounting
-    prefetch_links: str = "on"               # on | off: files linked here from elsewhere go to the page cache
+    prefetch_links: str = "lazy"             # lazy | tails | whole | off: files linked here go to the page cache
     page_fill_budget: Optional[int] = None   # bytes queued for the page cache at once; None: a quarter of memory, <= 8 GiB
     whole_blocks: str = "auto"               # auto | always | never: cold reads bring whole blocks to the node
     scratch_dirs: list[str] = field(default_factory=list)  # name globs of node-local directories (--scratch)
@@ -150,8 +152,10 @@ class MountConfig:
             raise UserError(f"bad --prefetch {self.prefetch!r}: expected auto, off, recent or all")
         if self.prefetch == "auto":
             self.prefetch = default_prefetch(self.url)
-        if self.prefetch_links not in ("on", "off"):
-            raise UserError(f"bad --prefetch-links {self.prefetch_links!r}: expected on or off")
+        if self.prefetch_links not in PREFETCH_LINK_MODES:
+            raise UserError(f"bad --prefetch-links {self.prefetch_links!r}: expected lazy, tails, whole or off")
+        if self.prefetch_links == "on":
+            self.prefetch_links = "whole"
         if self.page_fill_budget is not None and self.page_fill_budget <= 0:
             raise UserError(f"bad --page-fill-budget {self.page_fill_budget}: expected a size such as 4G, more than 0")
         if self.whole_blocks not in WHOLE_BLOCK_MODES:

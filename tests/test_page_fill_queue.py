@@ -1,4 +1,5 @@
-"""The page fill's queue: a request larger than the budget waits instead of being cut short.
+"""The page fill's queue: a request larger than the budget waits instead of being cut short,
+and what a lazy fill brings first (RocksDB tables' tails) and when the rest follows.
 
 One piece alone (``PageFill``), with a file system and a block store reduced to what the
 queue asks of them, so the order of events is the test's: which fills run, which wait, and
@@ -8,12 +9,16 @@ the page cache) is in test_snapshot_fill.py.
 
 from __future__ import annotations
 
+import os
 import stat
+from pathlib import Path
 from typing import Callable
 
+import pytest
 import trio
 import trio.testing
 
+from fusestate import sst
 from fusestate.fuse.page_fill import PageFill
 from fusestate.meta.engine import Inode
 
@@ -50,7 +55,13 @@ class Blocks:
     def filled(self, keys: list[str]) -> None:
         pass
 
-    async def fetch_for_fill(self, key: str) -> bytes:
+    async def read(self, key: str, start: int, end: int) -> bytes:
+        return bytes(end - start)  # no RocksDB table: each file is filled whole
+
+    def readers_busy(self) -> bool:
+        return False
+
+    async def fetch_for_fill(self, key: str, run=None) -> bytes:
         self.started.append(key)
         await self.gate(key).wait()
         self.fetched.append(key)
@@ -76,11 +87,18 @@ class FileSystem:
         pass
 
 
-def run(body) -> None:
+@pytest.fixture(params=["whole", "lazy"])
+def mode(request) -> str:
+    """Both orders queue alike: a file that is no RocksDB table is filled whole either way."""
+    return request.param
+
+
+def run(body, mode: str = "whole") -> None:
     async def main() -> None:
         fs = FileSystem()
         stored: list[int] = []
-        fill = PageFill(fs, lambda ino, offset, data: stored.append(ino), budget=2 * BS)  # type: ignore[arg-type]
+        fill = PageFill(fs, lambda ino, offset, data: stored.append(ino), budget=2 * BS,  # type: ignore[arg-type]
+                        mode=mode)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fill.run)
             await body(fill, fs, stored)
@@ -103,7 +121,7 @@ async def until(condition: Callable[[], bool]) -> None:
     await trio.testing.wait_all_tasks_blocked()
 
 
-def test_a_request_over_the_budget_waits_and_is_filled_in_order() -> None:
+def test_a_request_over_the_budget_waits_and_is_filled_in_order(mode: str) -> None:
     async def body(fill: PageFill, fs: FileSystem, stored: list[int]) -> None:
         queued, queued_bytes = await fill.requested_all([node(i) for i in range(1, 6)])
         # Two fit the budget, two more wait (twice the budget in all), the fifth is skipped.
@@ -126,10 +144,10 @@ def test_a_request_over_the_budget_waits_and_is_filled_in_order() -> None:
         await settle(fill)
         assert sorted(stored) == [1, 2, 3, 4] and fill.stats.files == 4
 
-    run(body)
+    run(body, mode)
 
 
-def test_a_waiting_fill_stops_at_once_before_other_content() -> None:
+def test_a_waiting_fill_stops_at_once_before_other_content(mode: str) -> None:
     """An open for writing stops the fill of its file: one that waits never runs, and the
     stop does not wait for the fills before it."""
     async def body(fill: PageFill, fs: FileSystem, stored: list[int]) -> None:
@@ -147,4 +165,133 @@ def test_a_waiting_fill_stops_at_once_before_other_content() -> None:
         await settle(fill)
         assert stored[-1] == 3
 
-    run(body)
+    run(body, mode)
+
+
+class TableBlocks:
+    """Blocks holding real files' bytes; records what the fill asked for and in what order,
+    and lets the test say whether readers wait for the bucket."""
+
+    def __init__(self, files: dict[int, bytes], block_size: int) -> None:
+        self.data = {f"{ino}-{i}": content[i * block_size:(i + 1) * block_size]
+                     for ino, content in files.items() for i in range((len(content) + block_size - 1) // block_size)}
+        self.events: list[tuple[str, str]] = []  # ("read" | "fetch" | "background", key)
+        self.busy = False
+        self.quiet = trio.Event()
+        self.in_flight = 0  # background fetches
+        self.most_in_flight = {True: 0, False: 0}  # the most at once, while readers were busy and not
+
+    def holds(self, key: str) -> bool:
+        return False
+
+    def will_fill(self, keys: list[str]) -> None:
+        pass
+
+    def filled(self, keys: list[str]) -> None:
+        pass
+
+    async def read(self, key: str, start: int, end: int) -> bytes:
+        self.events.append(("read", key))
+        return self.data[key][start:end]
+
+    def readers_busy(self) -> bool:
+        return self.busy
+
+    async def readers_quiet(self) -> None:
+        await self.quiet.wait()
+
+    async def fetch_for_fill(self, key: str, run=None) -> bytes:
+        self.events.append(("background" if run is not None else "fetch", key))
+        if run is not None:
+            self.in_flight += 1
+            self.most_in_flight[self.busy] = max(self.most_in_flight[self.busy], self.in_flight)
+        await trio.sleep(0.02)
+        if run is not None:
+            self.in_flight -= 1
+        return self.data[key]
+
+
+def test_lazy_fills_every_tables_tail_first_and_its_data_blocks_only_while_readers_are_quiet(
+        rocksdb_tables: list[Path]) -> None:
+    """Two RocksDB tables and a file that is not one: the tables' tails (index, filters,
+    footer) go to the page cache before any of their data blocks, the other file whole at
+    once; the data blocks follow in the background, one at a time while readers wait for the
+    bucket, several once they are quiet; in the end the page cache holds every byte."""
+    bs = 128 * 1024
+    files = {1: rocksdb_tables[0].read_bytes(), 2: rocksdb_tables[1].read_bytes(), 3: os.urandom(bs + 1000)}
+    ends = {ino: sst.data_end_of_file(str(t)) for ino, t in ((1, rocksdb_tables[0]), (2, rocksdb_tables[1]))}
+
+    async def main() -> None:
+        fs = FileSystem()
+        fs.block_size = bs
+        blocks = fs.blocks = TableBlocks(files, bs)  # type: ignore[assignment]
+
+        class Meta:
+            async def block_map(self, ino: int) -> dict[int, str]:
+                return {i: f"{ino}-{i}" for i in range((len(files[ino]) + bs - 1) // bs)}
+
+        fs.meta = Meta()  # type: ignore[assignment]
+        pages: dict[int, bytearray] = {ino: bytearray(len(c)) for ino, c in files.items()}
+        stores: list[tuple[int, int]] = []
+
+        def store(ino: int, offset: int, data: memoryview) -> None:
+            stores.append((ino, offset))
+            pages[ino][offset:offset + len(data)] = data
+
+        fill = PageFill(fs, store, budget=64 << 20, mode="lazy")  # type: ignore[arg-type]
+        blocks.busy = True  # readers wait for the bucket
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fill.run)
+            await fill.requested_all([node(ino, len(c)) for ino, c in files.items()])
+            await until(lambda: fill.stats.tables == 2 and fill.stats.files == 1
+                        and sum(kind == "background" for kind, _ in blocks.events) >= 3)
+            for ino in (1, 2):
+                tail = ends[ino] // 4096 * 4096
+                assert (ino, tail) in stores
+                assert pages[ino][tail:] == files[ino][tail:]
+            assert pages[3] == files[3] and all(k.startswith("3-") for kind, k in blocks.events if kind == "fetch")
+            first_background = next(i for i, (kind, _) in enumerate(blocks.events) if kind == "background")
+            assert all(kind != "read" for kind, _ in blocks.events[first_background:])
+            blocks.busy = False
+            blocks.quiet.set()
+            await settle(fill)
+            nursery.cancel_scope.cancel()
+        assert blocks.most_in_flight == {True: 1, False: 8}, blocks.most_in_flight
+        assert all(pages[ino] == files[ino] for ino in files)
+        assert fill.stats.files == 3 and fill.stats.failures == 0
+        assert fill.stats.tail_bytes == sum(len(files[i]) - ends[i] // 4096 * 4096 for i in (1, 2))
+        assert fill.stats.first_bytes == fill.stats.tail_bytes + len(files[3])
+        assert fill.stats.bytes == fill.stats.first_bytes + fill.stats.body_bytes
+
+    trio.run(main)
+
+
+def test_tails_fills_only_what_an_open_reads(rocksdb_tables: list[Path]) -> None:
+    bs = 256 * 1024
+    content = rocksdb_tables[0].read_bytes()
+    end = sst.data_end_of_file(str(rocksdb_tables[0]))
+
+    async def main() -> None:
+        fs = FileSystem()
+        fs.block_size = bs
+        blocks = fs.blocks = TableBlocks({1: content}, bs)  # type: ignore[assignment]
+
+        class Meta:
+            async def block_map(self, ino: int) -> dict[int, str]:
+                return {i: f"1-{i}" for i in range((len(content) + bs - 1) // bs)}
+
+        fs.meta = Meta()  # type: ignore[assignment]
+        stored: list[tuple[int, int]] = []
+        fill = PageFill(fs, lambda ino, offset, data: stored.append((offset, len(data))),  # type: ignore[arg-type]
+                        budget=64 << 20, mode="tails")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fill.run)
+            await fill.requested_all([node(1, len(content))])
+            await settle(fill)
+            nursery.cancel_scope.cancel()
+        tail = end // 4096 * 4096
+        assert stored == [(tail, len(content) - tail)]
+        assert not any(kind in ("fetch", "background") for kind, _ in blocks.events)
+        assert fill.stats.files == 0 and fill.stats.tables == 1
+
+    trio.run(main)

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator, Optional
@@ -54,6 +55,10 @@ DIRECT_PUT_BYTES = 256 * 1024
 # Blocks put from memory that may wait at once for the disk cache (``_keep_on_disk``): past it a
 # written block is not kept, rather than hold its bytes in memory for a cache write.
 KEEP_BEHIND_BLOCKS = 8
+# Background fetches (a page fill's data blocks) wait until no reader has waited for the bucket
+# for this long: a point lookup follows the one before it within milliseconds, so a gap this
+# long means the readers are done for now, not between two reads.
+READERS_QUIET_SECONDS = 0.25
 
 
 @dataclass
@@ -138,6 +143,10 @@ class BlockStore:
         self.deduplicated_bytes = 0
         # Latency hook (metrics): called with the source ("local", "remote", "range") and seconds.
         self.read_observer: Optional[Callable[[str, float], None]] = None
+        # Readers waiting for the bucket now, and when the last one stopped (``readers_quiet``).
+        self._reader_waits = 0
+        self._reader_waits_ended = -math.inf
+        self._reader_waits_changed = trio.Event()
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -437,6 +446,10 @@ class BlockStore:
             if data is not None:
                 self._observe("local", started)
                 return bytes(data[start:end])
+        with self._reader_waiting():
+            return await self._read_from_bucket(key, start, end, small, started)
+
+    async def _read_from_bucket(self, key: str, start: int, end: int, small: bool, started: float) -> bytes:
         if self.read_costs.whole_blocks_pay():
             if not small:
                 data = await self.fetch(key)
@@ -461,6 +474,39 @@ class BlockStore:
         self.stats.remote_range_reads += 1
         self._observe("range", started)
         return chunk
+
+    @contextlib.contextmanager
+    def _reader_waiting(self) -> Iterator[None]:
+        self._reader_waits += 1
+        try:
+            yield
+        finally:
+            self._reader_waits -= 1
+            self._reader_waits_ended = trio.current_time()
+            self._reader_waits_changed.set()
+            self._reader_waits_changed = trio.Event()
+
+    @property
+    def readers_waiting(self) -> int:
+        """Reads that wait for the bucket now."""
+        return self._reader_waits
+
+    def readers_busy(self, quiet: float = READERS_QUIET_SECONDS) -> bool:
+        """Whether a read waits for the bucket now, or did less than ``quiet`` seconds ago."""
+        return bool(self._reader_waits) or trio.current_time() - self._reader_waits_ended < quiet
+
+    async def readers_quiet(self, quiet: float = READERS_QUIET_SECONDS) -> None:
+        """Return once no reader has waited for the bucket for ``quiet`` seconds: background
+        fetches call it before each block, so they never hold a bucket connection, a worker
+        thread or a core that a reader could use."""
+        while True:
+            if self._reader_waits:
+                await self._reader_waits_changed.wait()
+                continue
+            left = self._reader_waits_ended + quiet - trio.current_time()
+            if left <= 0:
+                return
+            await trio.sleep(left)
 
     def _get_range_on_loop(self, key: str, start: int, end: int) -> Optional[bytes]:
         """A small range read from a ``file://`` bucket whose small reads are quick, made on
@@ -571,11 +617,14 @@ class BlockStore:
             if self._filling[key] <= 0:
                 del self._filling[key]
 
-    async def fetch_for_fill(self, key: str) -> BlockData:
+    async def fetch_for_fill(self, key: str,
+                             run: Optional[Callable[[Callable[[], BlockData]], Awaitable[BlockData]]] = None
+                             ) -> BlockData:
         """The whole block for a page fill: from memory or this node's disk when they hold it,
         else from the bucket, once: a reader's fetch of it in flight is waited for, and a
         reader that waits for this one gets its bytes (kept in neither cache: the kernel's
-        page cache is the copy)."""
+        page cache is the copy). ``run`` runs the blocking fetch (default: a remote-store
+        thread; a background fill passes its own lower-priority threads)."""
         if is_inline(key):
             return await self._from_database(key, keep=False)
         while True:
@@ -590,7 +639,7 @@ class BlockStore:
             if data is not None:
                 return data
         with _in_flight(self._fetching, key):
-            data = await self.remote.run(self._fetch_verified_sync, key)
+            data = await (run or self.remote.run)(functools.partial(self._fetch_verified_sync, key))
             self._handed_over[key] = data
             while len(self._handed_over) > HANDED_OVER:
                 self._handed_over.popitem(last=False)

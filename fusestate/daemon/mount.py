@@ -111,8 +111,9 @@ class Daemon:
         assert cfg.attr_timeout is not None
         self.ops = FuseOperations(self.fs, attr_timeout=cfg.attr_timeout)
         self.frontend = frontend.build(self.frontend_choice, self.ops)
-        if cfg.prefetch_links == "on" and not cfg.read_only:
-            self.ops.page_fill = PageFill(self.fs, self.frontend.notify_store, budget=cfg.page_fill_budget)
+        if cfg.prefetch_links != "off" and not cfg.read_only:
+            self.ops.page_fill = PageFill(self.fs, self.frontend.notify_store, budget=cfg.page_fill_budget,
+                                          mode=cfg.prefetch_links)
         # The embedded engine's own durability: its journal shipped to the bucket, fenced by the lease.
         self.shipper: Optional[JournalShipper] = None
         if isinstance(self.meta, SQLiteEngine):

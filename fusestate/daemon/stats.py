@@ -229,6 +229,16 @@ STATS: list[Stat] = [
            (lambda d, a=key: _fill_stat(d, a)), labels={"outcome": outcome})
       for key, outcome in (("files", "filled"), ("skipped", "skipped"), ("stopped", "stopped"),
                            ("failures", "failed"))],
+    *[Stat(f"page_fill.{key}", "fusestate_page_fill_part_bytes_total", COUNTER,
+           "Bytes handed to the page cache by part: what an open reads first (RocksDB tables' tails, other "
+           "files whole), and tables' data blocks filled in the background",
+           (lambda d, a=key: _fill_stat(d, a)), labels={"part": part})
+      for key, part in (("first_bytes", "first"), ("body_bytes", "data_blocks"))],
+    Stat("page_fill.tables", "fusestate_page_fill_tables_total", COUNTER,
+         "RocksDB tables whose index, filters and footer were filled before their data blocks",
+         lambda d: _fill_stat(d, "tables")),
+    Stat("page_fill.tail_bytes", "fusestate_page_fill_tail_bytes_total", COUNTER,
+         "Bytes of those tables' tails (index, filters, footer)", lambda d: _fill_stat(d, "tail_bytes")),
     Stat("page_fill.requested", "fusestate_page_fill_requested_files_total", COUNTER,
          "Files queued for the page cache by name before any link (a restart's latest snapshot)",
          lambda d: _fill_stat(d, "requested")),

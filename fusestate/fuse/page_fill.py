@@ -22,6 +22,16 @@ JVM starts, and the links that come later find them filled. A request larger tha
 is not cut short: what does not fit waits, in order, and is queued as earlier fills finish
 (up to twice the budget in all; the kernel holds filled pages, not this process).
 
+What comes first (``--prefetch-links``). A restarting state store opens every table it
+loads, which reads each table's tail (index, filters, footer: fusestate.sst), and its first
+batch then reads one data block per key it touches. So by default (``lazy``) each linked file
+is filled in two parts: first, all at once over the files, what an open reads (a table's
+tail; the whole of any other file, such as a snapshot's zip or a changelog the load replays);
+then, in the order the files came, the data blocks, in low-priority threads, and only while
+no read of this node waits for the bucket (``BlockStore.readers_quiet``; one block may go on
+beside such reads). ``tails`` stops after the first part; ``whole`` fills each file from its
+start, a few files at a time, as soon as it is linked.
+
 The kernel copies what it is given over the pages it has, dirty ones included, so a fill
 must never meet other content: a file open here, or (on a shared volume) cached here
 before, is not filled; and before an open for writing, a truncate, or an open that finds
@@ -41,6 +51,9 @@ from typing import Callable, Optional
 
 import trio
 
+from fusestate import sst
+from fusestate.blocks.background import BackgroundThreads
+from fusestate.blocks.keys import BlockData
 from fusestate.blocks.store import BlockReadError
 from fusestate.meta.engine import Inode
 from fusestate.vfs import FileSystem
@@ -55,6 +68,11 @@ CONCURRENCY = 8
 # left connections idle at each file's last blocks; the blocks of these files share the
 # CONCURRENCY slots in the order they were queued, so the first file still comes first.
 FILES_AT_ONCE = 4
+# Files whose first part (a table's tail) is fetched at once: each is two or three small range
+# reads one after the other, so many files in flight hide the bucket's time to first byte.
+TAILS_AT_ONCE = 16
+PAGE = 4096
+FILL_MODES = ("lazy", "tails", "whole")
 BUDGET_SHARE = 4         # files queued or being filled: at most this share of the memory
 REQUEST_SHARE = 2        # a request's files queued, being filled or waiting: at most this many budgets
 FILLED_MEMORY = 100_000  # files remembered as filled, so a later link of one does not fill it again
@@ -79,6 +97,10 @@ class PageFillStats:
     failures: int = 0     # a block could not be fetched, or the kernel refused it
     requested: int = 0    # files asked for by name before any link (a restart's latest snapshot)
     requested_bytes: int = 0
+    tables: int = 0       # RocksDB tables whose tail (index, filters, footer) was filled first
+    tail_bytes: int = 0   # bytes of those tails
+    first_bytes: int = 0  # bytes filled in the first part: tails, and the other files whole
+    body_bytes: int = 0   # tables' data blocks, filled in the background
 
 
 @dataclass(eq=False)  # one per queued file: compared and hashed as itself
@@ -92,7 +114,10 @@ class _Fill:
 
 class PageFill:
     def __init__(self, fs: FileSystem, store: Callable[[int, int, memoryview], None], *,
-                 budget: Optional[int] = None, concurrency: int = CONCURRENCY) -> None:
+                 budget: Optional[int] = None, concurrency: int = CONCURRENCY, mode: str = "lazy") -> None:
+        if mode not in FILL_MODES:
+            raise ValueError(f"page fill mode {mode!r}")
+        self.mode = mode
         self.fs = fs
         self.blocks = fs.blocks
         self._store = store
@@ -105,6 +130,10 @@ class PageFill:
         self._send, self._receive = trio.open_memory_channel[_Fill](math.inf)
         self._disabled = False
         self._slots = trio.CapacityLimiter(concurrency)  # blocks in flight, over all files
+        self._tail_slots = trio.CapacityLimiter(TAILS_AT_ONCE)
+        self._body_slots = trio.CapacityLimiter(concurrency)  # background blocks in flight
+        self._body_threads = BackgroundThreads(concurrency, "fill")
+        self._beside_readers = False  # a background block is being fetched while readers wait
         # Files filled to the end, with the content filled: a link of one later fetches nothing.
         self._filled: OrderedDict[int, int] = OrderedDict()
 
@@ -202,18 +231,28 @@ class PageFill:
         return ino in self._fills
 
     async def run(self) -> None:
-        """Fill the queued files in the order they were linked, a few at a time."""
+        """Fill the queued files in the order they were linked: a few at a time from their
+        start (``whole``), or each one's first part at once and the rest in that order."""
         files = trio.CapacityLimiter(FILES_AT_ONCE)
-        async with trio.open_nursery() as nursery:
-            async for fill in self._receive:
-                await files.acquire_on_behalf_of(fill)
-                nursery.start_soon(self._run_one, fill, files)
+        try:
+            async with trio.open_nursery() as nursery:
+                async for fill in self._receive:
+                    if self.mode == "whole":
+                        await files.acquire_on_behalf_of(fill)
+                        nursery.start_soon(self._run_one, fill, files)
+                    else:
+                        nursery.start_soon(self._run_one, fill, None)
+        finally:
+            self._body_threads.close()
 
-    async def _run_one(self, fill: _Fill, files: trio.CapacityLimiter) -> None:
+    async def _run_one(self, fill: _Fill, files: Optional[trio.CapacityLimiter]) -> None:
         try:
             try:
                 with fill.scope:
-                    await self._fill(fill)
+                    if self.mode == "whole":
+                        await self._fill(fill, sorted(fill.keys.items()))
+                    else:
+                        await self._fill_in_two(fill)
                 if fill.scope.cancelled_caught:
                     self.stats.stopped += 1
             except Exception as exc:  # noqa: BLE001 - a fill is an optimisation: never end the mount
@@ -224,19 +263,99 @@ class PageFill:
                 self._end(fill)
                 self._queue_waiting()
         finally:
-            files.release_on_behalf_of(fill)
+            if files is not None:
+                files.release_on_behalf_of(fill)
 
-    async def _fill(self, fill: _Fill) -> None:
+    async def _fill_in_two(self, fill: _Fill) -> None:
+        """A table's tail now, its data blocks in the background (``lazy``) or never (``tails``);
+        any other file whole, now."""
+        async with self._tail_slots:
+            data_end = await self._data_end(fill)
+            if data_end is None:
+                await self._fill(fill, sorted(fill.keys.items()), first=True)
+                return
+            tail_start = data_end // PAGE * PAGE
+            tail = await self._read(fill, tail_start, fill.node.size)
+            await self._store_chunk(fill.node.id, tail_start, memoryview(tail))
+            fill.stored += len(tail)
+            self.stats.bytes += len(tail)
+            self.stats.tables += 1
+            self.stats.tail_bytes += len(tail)
+            self.stats.first_bytes += len(tail)
+        if self.mode == "lazy":
+            bs = self.fs.block_size
+            body = [(i, k) for i, k in sorted(fill.keys.items()) if i * bs < tail_start]
+            await self._fill(fill, body, background=True)
+
+    async def _data_end(self, fill: _Fill) -> Optional[int]:
+        """Where the file's data blocks end, if it is a RocksDB table (None: it is not)."""
+        steps = sst.data_end_steps(fill.node.size)
+        try:
+            want = next(steps)
+            while True:
+                want = steps.send(await self._read(fill, *want))
+        except StopIteration as done:
+            return done.value
+
+    async def _read(self, fill: _Fill, offset: int, length: int) -> bytes:
+        """Bytes of the file as linked (its block map then), through the block store's read
+        path: a range read per block for a small part."""
+        bs, end = self.fs.block_size, min(offset + length, fill.node.size)
+        parts = []
+        while offset < end:
+            index, within = divmod(offset, bs)
+            take = min(end - offset, bs - within)
+            key = fill.keys.get(index)
+            part = await self.blocks.read(key, within, within + take) if key else b""
+            parts.append(part.ljust(take, b"\0"))  # a hole, or a block shorter than the file says
+            offset += take
+        return b"".join(parts)
+
+    async def _store_chunk(self, ino: int, start: int, chunk: memoryview) -> None:
+        # In a thread: the kernel may wait for a page that a read in flight has locked, and
+        # that read is answered on this loop.
+        try:
+            await trio.to_thread.run_sync(self._store, ino, start, chunk)
+        except OSError as exc:
+            if exc.errno == errno.ENOSYS:
+                self._disabled = True
+                log.warning("the kernel cannot take data into its page cache; linked files are not filled")
+            raise
+
+    async def _background_turn(self) -> bool:
+        """Before a background block: wait while readers wait for the bucket, unless no other
+        background block is going beside them. True: this block goes beside them."""
+        while self.blocks.readers_busy():
+            if not self._beside_readers:
+                self._beside_readers = True
+                return True
+            await self.blocks.readers_quiet()
+        return False
+
+    async def _fill(self, fill: _Fill, blocks: list[tuple[int, str]], *,
+                    background: bool = False, first: bool = False) -> None:
+        """Fill these whole blocks of the file; ``background``: in low-priority threads,
+        yielding to readers; ``first``: counted as a first part."""
         ino, size, bs = fill.node.id, fill.node.size, self.fs.block_size
         failed = False
 
+        async def fetch(key: str) -> BlockData:
+            if not background:
+                return await self.blocks.fetch_for_fill(key)
+            beside = await self._background_turn()
+            try:
+                return await self.blocks.fetch_for_fill(key, self._body_threads.run)
+            finally:
+                if beside:
+                    self._beside_readers = False
+
         async def one(index: int, key: str) -> None:
             nonlocal failed
-            async with self._slots:
+            async with self._body_slots if background else self._slots:
                 if failed:
                     return
                 try:
-                    data = await self.blocks.fetch_for_fill(key)
+                    data = await fetch(key)
                 except BlockReadError as exc:  # removed meanwhile, most likely: nothing to fill
                     log.debug("filling inode %d: block %d: %s", ino, index, exc)
                     failed = True
@@ -247,22 +366,21 @@ class PageFill:
                 if not chunk:
                     return
                 try:
-                    # In a thread: the kernel may wait for a page that a read in flight has
-                    # locked, and that read is answered on this loop.
-                    await trio.to_thread.run_sync(self._store, ino, start, chunk)
+                    await self._store_chunk(ino, start, chunk)
                 except OSError as exc:
                     failed = True
-                    if exc.errno == errno.ENOSYS:
-                        self._disabled = True
-                        log.warning("the kernel cannot take data into its page cache; linked files are not filled")
-                    elif exc.errno != errno.ENOENT:  # ENOENT: the kernel forgot the inode
+                    if exc.errno not in (errno.ENOSYS, errno.ENOENT):  # ENOENT: the kernel forgot the inode
                         log.warning("filling inode %d: %s", ino, exc)
                     return
                 fill.stored += len(chunk)
                 self.stats.bytes += len(chunk)
+                if background:
+                    self.stats.body_bytes += len(chunk)
+                elif first:
+                    self.stats.first_bytes += len(chunk)
 
         async with trio.open_nursery() as nursery:
-            for index, key in sorted(fill.keys.items()):
+            for index, key in blocks:
                 nursery.start_soon(one, index, key)
         if failed:
             self.stats.failures += 1
