@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import shlex
 import shutil
 import signal
@@ -55,6 +56,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--db-keys", type=int, default=None, metavar="N",
                    help="rocksdb: db_bench with this many keys instead of the size's own (with --quick's "
                         "8 MiB memtables, --db-keys 600000 is a 250 MB database); other scenarios ignore it")
+    p.add_argument("--key-skew", type=key_skew, default=0.0, metavar="S",
+                   help="spark-restart and spark-cluster: once every key has state, the pipeline's events pick "
+                        "keys from a Zipf distribution of exponent S, e.g. 1.1 (a few hot keys take most updates; "
+                        "default 0: every key in turn); other scenarios ignore it")
     shape = Shape()
     p.add_argument("--shape-latency-ms", type=float, default=shape.latency_ms, metavar="MS",
                    help="fusestate-s3-shaped: time to first byte of every request (default %(default)s)")
@@ -93,6 +98,17 @@ def gb_list(text: str) -> list[float]:
     if not sizes or any(size <= 0 for size in sizes):
         raise argparse.ArgumentTypeError(f"expected positive GB sizes such as 1,4,8, got {text!r}")
     return sizes
+
+
+def key_skew(text: str) -> float:
+    """--key-skew 1.1: a Zipf exponent, 0 for uniform keys."""
+    try:
+        skew = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 such as 1.1, got {text!r}") from None
+    if not math.isfinite(skew) or skew < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 such as 1.1, got {text!r}")
+    return skew
 
 
 def list_scenarios(size: str = "full", columns: int = 110) -> None:
@@ -167,6 +183,7 @@ def run_scenarios(args: argparse.Namespace) -> list[Path]:
             work = base / name
             ctx = Context(work=work, size=args.size, repeats=repeats, systems=systems, budget_seconds=budget,
                           mount_options=args.mount_options, state_gb=args.state_gb, db_keys=args.db_keys,
+                          key_skew=args.key_skew,
                           shape=Shape(args.shape_latency_ms, args.shape_connection_mbps, args.shape_node_mbps))
             started = dt.datetime.now()
             log(f"== {name}: {mod.SUMMARY}")

@@ -109,6 +109,7 @@ class Context:
     shape: Shape = field(default_factory=Shape)              # the shaped S3 endpoint's latency and bandwidth
     state_gb: Optional[list[float]] = None                   # the Spark scenarios' state sizes, instead of the size's
     db_keys: Optional[int] = None                            # the rocksdb scenario's keys, instead of the size's
+    key_skew: float = 0.0                                    # the Spark scenarios' Zipf exponent of keys (0: uniform)
     started: float = field(default_factory=time.monotonic)
     done_repeats: int = 0
     load_start: tuple[float, float, float] = field(default_factory=os.getloadavg)

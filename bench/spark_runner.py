@@ -337,6 +337,8 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--keys", type=int, default=200_000)
+    p.add_argument("--key-skew", type=float, default=0.0, metavar="S",
+                   help="the pipeline's --key-skew: once every key has state, Zipf(S) keys (default 0: uniform)")
     p.add_argument("--payload-bytes", type=int, default=1024)
     p.add_argument("--batches", type=int, default=6)
     p.add_argument("--events-per-batch", type=int, default=None)
@@ -386,6 +388,8 @@ def main() -> int:
               "--driver-memory", args.driver_memory]
     if args.events_per_batch:
         common += ["--events-per-batch", str(args.events_per_batch)]
+    if args.key_skew:
+        common += ["--key-skew", str(args.key_skew)]
     if args.state_compression:
         common += ["--state-compression", args.state_compression]
     if args.min_deltas_for_snapshot:

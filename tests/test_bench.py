@@ -412,6 +412,60 @@ def test_spark_restart_fits_and_extrapolates() -> None:
     assert goal["measured"] == "3.00× (20.0 s against 60.0 s; at most 5.0× over a 12.0 s floor)"
 
 
+def test_key_skew_reaches_the_spark_scenarios_and_their_results(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/run --key-skew: the pipeline runs of spark-restart and spark-cluster get it, their
+    results record it and say so, and a skewed result's sizes are not a uniform one's."""
+    from bench.__main__ import parse_args
+    from bench.common import Context
+    from bench.scenarios import sparkcluster as sc
+    from bench.scenarios import sparkrestart as sr
+
+    assert parse_args([]).key_skew == 0 and parse_args(["--key-skew", "1.1"]).key_skew == 1.1
+    for bad in ("-1", "nan", "hot"):
+        with pytest.raises(SystemExit):
+            parse_args(["--key-skew", bad])
+    assert sr.variant_of(500_000, 4096, 0.0) == sr.variant_of(500_000, 4096) == "2.05 GB"
+    assert sr.variant_of(500_000, 4096, 1.1) == "2.05 GB (Zipf 1.1)" and sr.gigabytes("2.05 GB (Zipf 1.1)") == 2.05
+    assert sc.variant_of(250_000, 4096, 1.1) == "1.02 GB (Zipf 1.1)" != sc.variant_of(250_000, 4096)
+
+    calls: list[dict] = []
+
+    def runner_records(ctx, call, setups, env, *, repeat, variant, label, metrics_of, runner_args=()):
+        calls.append(call)
+        return [record(s, repeat, variant, {"restart_s": 10.0 + len(calls)}) for s in setups]
+
+    monkeypatch.setattr(sr, "runner_records", runner_records)
+    docs = {}
+    for skew in (0.0, 1.1):
+        calls.clear()
+        ctx = Context(work=tmp_path / f"restart-{skew}", size="tiny", repeats=1, systems=["local"], key_skew=skew)
+        docs[skew] = {**sr.run(ctx), "repeats": 1}
+        extras = [c["extra"] for c in calls]
+        assert len(extras) == 3  # the floor and two sizes
+        assert all(e[e.index("--key-skew") + 1] == "1.1" for e in extras) if skew else \
+            not any("--key-skew" in e for e in extras)
+        assert docs[skew]["params"]["key_skew"] == skew
+    assert {r["variant"] for r in docs[1.1]["summary"]} == {"0.000512 GB (Zipf 1.1)", "0.00154 GB (Zipf 1.1)"}
+    assert not {r["variant"] for r in docs[1.1]["summary"]} & {r["variant"] for r in docs[0.0]["summary"]}
+    assert "256 B (uniform keys), in batches" in sr.render(docs[0.0], tmp_path, "img")
+    assert "256 B (Zipf keys, s = 1.1, once every key has state), in batches" in sr.render(docs[1.1], tmp_path, "img")
+
+    seen: list[dict] = []
+    monkeypatch.setattr(sc, "one_run", lambda ctx, setup, keys, p, work, endpoint=None:
+                        seen.append(p) or {"records_per_s": 100.0, "recovery_s": 5.0})
+    ctx = Context(work=tmp_path / "cluster", size="tiny", repeats=1, systems=["local"], key_skew=1.1)
+    doc = {**sc.run(ctx), "repeats": 1}
+    assert seen and all(p["key_skew"] == 1.1 for p in seen) and doc["params"]["key_skew"] == 1.1
+    assert {r["variant"] for r in doc["summary"]} == {"0.00102 GB (Zipf 1.1)"}
+    assert "256 B (Zipf keys, s = 1.1, once every key has state), batches of" in sc.render(doc, tmp_path, "img")
+    old = {**doc, "params": {k: v for k, v in doc["params"].items() if k != "key_skew"}}
+    assert "256 B (uniform keys), batches of" in sc.render(old, tmp_path, "img")  # a result from before
+    from bench.scenarios.spark import skew_arguments
+
+    assert skew_arguments(0.0) == [] and skew_arguments(1.1) == ["--key-skew", "1.1"]
+
+
 def test_spark_restart_renders_the_part_above_the_floor() -> None:
     """Each setup's restart minus the floor (Spark's own part of a restart), per size and per GB,
     and on the shaped endpoint the goal of fusestate+shim@s3 against local+download."""

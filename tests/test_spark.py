@@ -603,6 +603,79 @@ def test_input_stream_is_generated_once_and_follows_the_batch_count(tmp_path: Pa
     assert len({key_of_event[g] for g in range(1000)}) == 1000 and key_of_event[1] != "k000000001"
 
 
+def test_skewed_keys_give_every_key_state_then_concentrate_on_hot_keys() -> None:
+    """--key-skew: the first ``keys`` events are the uniform stream's (every key gets its state
+    once, in the same order); after them a few hot keys take most updates, the same ones in
+    every run; skew 0 is the uniform stream exactly."""
+    from collections import Counter
+
+    from fusestate.spark.pipeline import KEY_STRIDE, events_for_batch, key_of
+
+    keys = 100_000
+    old = [f"k{(g * KEY_STRIDE) % keys:09d}" for g in range(2 * keys)]  # the stream before --key-skew
+    assert [key_of(g, keys) for g in range(2 * keys)] == old
+    assert [key_of(g, keys, 0.0) for g in range(2 * keys)] == old
+    assert events_for_batch(3, 1000, 300, key_skew=0) == events_for_batch(3, 1000, 300)
+    for skew in (1.1, 1.0, 0.5):
+        assert [key_of(g, keys, skew) for g in range(keys)] == old[:keys]
+    after = range(keys, keys + 5_000)
+    uniform = Counter(key_of(g, keys) for g in after)
+    skewed = Counter(key_of(g, keys, 1.1) for g in after)
+    assert len(uniform) == 5_000 and len(skewed) < 2_500
+    top = sum(n for _, n in skewed.most_common(keys // 100))  # the hottest 1% of the keys
+    assert top > 0.6 * 5_000 and sum(n for _, n in uniform.most_common(keys // 100)) == 1_000
+    # The hottest key is rank 0's, the key event 0 wrote; rank 1's is event 1's, far from it.
+    assert [k for k, _ in skewed.most_common(2)] == [old[0], old[1]]
+    assert [key_of(g, keys, 1.1) for g in after] == [key_of(g, keys, 1.1) for g in after]  # no hidden state
+    # Exactly 1 (the logarithmic form) sits between its neighbours, and every key stays in range.
+    hot = {skew: Counter(key_of(g, keys, skew) for g in after).most_common(1)[0][1] for skew in (0.99, 1.0, 1.01)}
+    assert hot[0.99] <= hot[1.0] <= hot[1.01] and hot[1.0] > 100
+    assert all(key_of(g, 7, s) < "k000000007" for s in (1.0, 1.1, 3.0, 40.0) for g in range(7, 2_000))
+    # A file of the skewed stream: the uniform one's events (ids, times, values), other keys after ``keys``.
+    rows, uniform_rows = events_for_batch(9, 1000, 300, key_skew=1.1), events_for_batch(9, 1000, 300)
+    assert [(r[0], *r[2:]) for r in rows] == [(r[0], *r[2:]) for r in uniform_rows] and rows != uniform_rows
+
+
+def test_key_skew_is_part_of_the_input_it_made_and_is_checked(tmp_path: Path) -> None:
+    """Input made at one skew is not taken for another's (it is made again), input from before
+    --key-skew counts as uniform, and a skew below 0 is one line before anything starts."""
+    from fusestate.errors import UserError
+    from fusestate.spark.pipeline import check_key_skew, events_for_batch, generate_input
+
+    d = tmp_path / "input"
+    generate_input(d, 4, 1000, 300)
+    last = d / "events-000003.csv"
+    uniform = last.read_text()
+    generate_input(d, 4, 1000, 300, key_skew=1.1)
+    skewed = last.read_text()
+    assert skewed != uniform and json.loads((d / "_params.json").read_text())["key_skew"] == 1.1
+    assert skewed.splitlines()[0].split(",")[1] == events_for_batch(3, 1000, 300, key_skew=1.1)[0][1]
+    ino = last.stat().st_ino
+    generate_input(d, 4, 1000, 300, key_skew=1.1)
+    assert last.stat().st_ino == ino  # the same skew: kept
+    generate_input(d, 4, 1000, 300)
+    assert last.read_text() == uniform
+    manifest = json.loads((d / "_params.json").read_text())
+    del manifest["key_skew"]  # as written before --key-skew existed: uniform keys, still valid
+    (d / "_params.json").write_text(json.dumps(manifest))
+    ino = last.stat().st_ino
+    generate_input(d, 4, 1000, 300)
+    assert last.stat().st_ino == ino
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(UserError, match="--key-skew"):
+            check_key_skew(bad)
+        with pytest.raises(UserError):
+            generate_input(tmp_path / "other", 2, 1000, 300, key_skew=bad)
+    assert not (tmp_path / "other").exists()
+    assert check_key_skew(0) == 0.0 and check_key_skew(1) == 1.0
+    line = refused_pipeline(tmp_path / "state", tmp_path / "out", "--local", "--key-skew", "-1")
+    assert "--key-skew -1" in line and ">= 0" in line
+    proc = subprocess.run([str(BIN / "fusestate"), "spark-cluster", "--root", str(tmp_path / "cluster"),
+                           "--key-skew", "-1"], capture_output=True, text=True, timeout=60)
+    assert "--key-skew -1" in assert_one_line_error(proc)
+    assert not (tmp_path / "cluster").exists()  # refused before any node, server or dir
+
+
 def test_status_is_none_where_no_daemon_answers(tmp_path: Path) -> None:
     """The pipeline asks the daemon in-process; without a mount it reports no numbers rather
     than failing (the live case is the mounted runs above: fusestate_before/after)."""

@@ -62,6 +62,23 @@ METRICS = [
     Metric("restart_s", "s", higher_is_better=False, label="restart to first batch done"),
     Metric("restart_fetched_bytes", "B", higher_is_better=False, label="bytes fetched by the restart"),
 ]
+
+
+def keys_text(key_skew: float) -> str:
+    """How a result's pipeline picked its keys (``--key-skew``), for the text beside its table."""
+    return f"Zipf keys, s = {key_skew:g}, once every key has state" if key_skew else "uniform keys"
+
+
+def skew_suffix(key_skew: float) -> str:
+    """A variant's mark of skewed keys (none for uniform keys): results at two skews never share a label."""
+    return f" (Zipf {key_skew:g})" if key_skew else ""
+
+
+def skew_arguments(key_skew: float) -> list[str]:
+    """The pipeline's (and the runner's) ``--key-skew``, left out for uniform keys."""
+    return ["--key-skew", str(key_skew)] if key_skew else []
+
+
 def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
     first, restart = setup.get("first_run", {}), setup.get("restart", {})
     out = {"records_per_s": first.get("records_per_second"), "batch_ms_median": first.get("batch_ms_median"),

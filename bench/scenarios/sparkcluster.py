@@ -54,7 +54,7 @@ from bench.common import Choices, Context, Metric, RunError, error_text, juicefs
 from bench.endpoints import ShapedMoto
 from bench.render import goal_row, grouped_bars, medians_note, ratio_table
 from bench.s3a import jars_argument
-from bench.scenarios.spark import S3A, fetch_connector
+from bench.scenarios.spark import S3A, fetch_connector, keys_text, skew_arguments, skew_suffix
 
 NAME = "spark-cluster"
 TITLE = "Spark cluster on one shared volume"
@@ -97,8 +97,9 @@ DISK_PER_STATE_BYTE = {"local": 4, "fusestate": 12, S3A: 6, FUSESTATE_S3: 12, JU
 STEADY_BATCHES = 4   # batches that every key has been written before, before the loss
 
 
-def variant_of(keys: int, payload: int) -> str:
-    return f"{keys * payload / 1e9:.3g} GB"
+def variant_of(keys: int, payload: int, key_skew: float = 0.0) -> str:
+    """The state size, and skewed keys when they were (a result apart from the uniform one)."""
+    return f"{keys * payload / 1e9:.3g} GB{skew_suffix(key_skew)}"
 
 
 def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
@@ -166,7 +167,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             args = ["--output", str(out), "--report", str(report), "--checkpoint", cluster.checkpoint("q"),
                     "--batches", str(batches), "--keys", str(keys), "--payload-bytes", str(p["payload_bytes"]),
                     "--events-per-batch", str(p["events_per_batch"]), "--partitions", "4", "--driver-memory", "2g",
-                    "--min-deltas-for-snapshot", "2", *connector]
+                    "--min-deltas-for-snapshot", "2", *skew_arguments(p.get("key_skew", 0)), *connector]
             for c in CONF:
                 args += ["--conf", c]
             driver = cluster.start_driver(args)
@@ -312,8 +313,9 @@ def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
     p["keys"] = ctx.state_keys(p["keys"], p["payload_bytes"])  # --state-gb
+    p["key_skew"] = ctx.key_skew
     setups, no_s3a = fetch_connector(ctx.chosen(choices(ctx.size)))
-    variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
+    variants = [variant_of(k, p["payload_bytes"], ctx.key_skew) for k in p["keys"]]
     runs: list[dict[str, Any]] = [record(S3A, 0, v, error=no_s3a) for v in variants] if no_s3a else []
     if ctx.mount_options:
         log(f"  {NAME}: --mount-options does not apply (the cluster harness mounts its nodes itself)")
@@ -359,7 +361,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p = doc["params"]
     sizes = ", ".join(f"{k:,}" for k in p["keys"])
     text = (f"`fusestate.spark.cluster`: a Spark standalone master, two single-core worker nodes and a driver node, "
-            f"each node in its own mount and PID namespace; {sizes} keys × {p['payload_bytes']:,} B, batches of "
+            f"each node in its own mount and PID namespace; {sizes} keys × {p['payload_bytes']:,} B "
+            f"({keys_text(p.get('key_skew', 0))}), batches of "
             f"{p['events_per_batch']:,} events, 4 state partitions, `spark.locality.wait=0s`, a snapshot every "
             f"second version (maintenance every second); records/s and the machine's CPU time per record over the "
             f"batches before the loss, the first {WARMUP_BATCHES} left out (the JVMs warm up). *local*: every node's "

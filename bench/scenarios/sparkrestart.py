@@ -31,8 +31,8 @@ from typing import Any, Optional
 from bench.common import Choices, Context, Metric, record, summarize
 from bench.endpoints import ShapedMoto
 from bench.render import goal_row, md_table, medians_note, points_plot, variant_table
-from bench.scenarios.spark import (GROUPS, S3A, S3A_TEXT, SHAPED_SETUPS, chosen_setups, fetch_connector,
-                                   runner_records, shaped_setups, spark_env)
+from bench.scenarios.spark import (GROUPS, S3A, S3A_TEXT, SHAPED_SETUPS, chosen_setups, fetch_connector, keys_text,
+                                   runner_records, shaped_setups, skew_arguments, skew_suffix, spark_env)
 
 NAME = "spark-restart"
 FLOOR = "floor"
@@ -73,9 +73,10 @@ METRICS = [
 ]
 
 
-def variant_of(keys: int, payload: int) -> str:
-    """The state size as a label that keeps small sizes apart: '0.512 GB', '4.1 GB'."""
-    return f"{keys * payload / 1e9:.3g} GB"
+def variant_of(keys: int, payload: int, key_skew: float = 0.0) -> str:
+    """The state size as a label that keeps small sizes apart: '0.512 GB', '4.1 GB'; with
+    skewed keys '4.1 GB (Zipf 1.1)', a different result from the uniform one."""
+    return f"{keys * payload / 1e9:.3g} GB{skew_suffix(key_skew)}"
 
 
 def gigabytes(variant: str) -> float:
@@ -118,9 +119,10 @@ def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
 def run(ctx: Context) -> dict[str, Any]:
     p = dict(ctx.pick(SIZES))
     p["keys"] = ctx.state_keys(p["keys"], p["payload_bytes"])  # --state-gb
+    p["key_skew"] = ctx.key_skew
     setups = chosen_setups(ctx, SETUPS)
     on_s3, no_s3a = fetch_connector(shaped_setups(ctx))
-    variants = [variant_of(k, p["payload_bytes"]) for k in p["keys"]]
+    variants = [variant_of(k, p["payload_bytes"], ctx.key_skew) for k in p["keys"]]
     env = spark_env(ctx)
     runs: list[dict[str, Any]] = [record(S3A, 0, v, error=no_s3a) for v in variants] if no_s3a else []
     floor_runs: list[dict[str, Any]] = []
@@ -133,7 +135,8 @@ def run(ctx: Context) -> dict[str, Any]:
                 call = {"keys": keys, "payload_bytes": p["payload_bytes"], "timeout": p["timeout"],
                         "batches": batches_for(keys, p["events_per_batch"]),
                         "extra": ["--events-per-batch", str(p["events_per_batch"]),
-                                  "--restart-events", str(p["restart_events"]), *EXTRA]}
+                                  "--restart-events", str(p["restart_events"]), *EXTRA,
+                                  *skew_arguments(ctx.key_skew)]}
                 label = f"{NAME} r{repeat + 1} {variant}"
                 out = floor_runs if variant == FLOOR else runs
                 if setups:
@@ -308,7 +311,8 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p = doc["params"]
     names = doc["systems"]
     sizes = ", ".join(f"{k:,}" for k in p["keys"])
-    parts = [f"The pipeline of the `spark` scenario for {sizes} keys × {p['payload_bytes']:,} B, in batches of "
+    parts = [f"The pipeline of the `spark` scenario for {sizes} keys × {p['payload_bytes']:,} B "
+             f"({keys_text(p.get('key_skew', 0))}), in batches of "
              f"{p['events_per_batch']:,} events (as many as it takes to write every key, plus one); then the job stops "
              f"and restarts from its checkpoint into a {p['restart_events']:,}-event batch. " + describe_setups(doc)
              + f"The page cache is dropped before every restart. Each cell: {' / '.join(names)}. " + medians_note(doc),

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_MOUNTPOINT = "/mnt/state"
+KEY_SKEW_HELP = ("once every key has state, events pick keys from a Zipf distribution of this exponent, "
+                 "e.g. 1.1: a few hot keys take most updates, as in real streams (default %(default)s: every key "
+                 "updated in turn)")
 
 
 def pipeline_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +25,7 @@ def pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", default=None, help="input files (default <output>.input); generated when missing")
     p.add_argument("--batches", type=int, default=8, help="input files, one per micro-batch (default %(default)s)")
     p.add_argument("--keys", type=int, default=10_000, help="distinct keys in the aggregation state (default %(default)s)")
+    p.add_argument("--key-skew", type=float, default=0.0, metavar="S", help=KEY_SKEW_HELP)
     p.add_argument("--payload-bytes", type=int, default=256, help="payload kept in state per key (default %(default)s)")
     p.add_argument("--events-per-batch", type=int, default=None, help="events per file (default: keys/2, at least 1000)")
     p.add_argument("--last-batch-events", type=int, default=None,
@@ -82,6 +86,7 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "--root or --keep is given, else a new directory that stays after the run)")
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--keys", type=int, default=20_000)
+    p.add_argument("--key-skew", type=float, default=0.0, metavar="S", help=KEY_SKEW_HELP)
     p.add_argument("--partitions", type=int, default=4, help="state stores per operator (default %(default)s)")
     p.add_argument("--changelog", action="store_true",
                    help="RocksDB changelog checkpointing on, a snapshot every 10 versions (default: off, Spark's "

@@ -51,8 +51,8 @@ from typing import Any, Callable, Optional, Sequence
 from fusestate.errors import UserError
 from fusestate.spark.arguments import DEFAULT_MOUNTPOINT
 from fusestate.spark.config import scratch_options
-from fusestate.spark.pipeline import (REPORT_NAME, BatchLines, aligned, changelog_note, file_rows, run_rows,
-                                      write_report)
+from fusestate.spark.pipeline import (REPORT_NAME, BatchLines, aligned, changelog_note, check_key_skew, file_rows,
+                                      run_rows, write_report)
 
 MASTER_HOST = "127.0.0.1"
 DRIVER_HOST = "127.0.0.1"
@@ -480,6 +480,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start a cluster, run the pipeline on it (optionally losing a worker, or killing a node's
     daemon alone), show its batches as they complete and a summary; the report goes to a file,
     and to stdout with ``--json``."""
+    check_key_skew(args.key_skew)  # here, not in the driver once the nodes have started
     faults = planned_faults(args)
     root = Path(args.root or tempfile.mkdtemp(prefix="fusestate-cluster-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -517,7 +518,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cluster.start(args.workers)
             pipeline = ["--output", str(output), "--report", str(report_path), "--json",
                         "--checkpoint", cluster.checkpoint(query),
-                        "--batches", str(args.batches), "--keys", str(args.keys),
+                        "--batches", str(args.batches), "--keys", str(args.keys), "--key-skew", str(args.key_skew),
                         "--partitions", str(args.partitions), "--wait-for-remount", str(REMOUNT_WAIT),
                         *([] if args.changelog else ["--no-changelog"]),
                         *[a for c in CLUSTER_CONF for a in ("--conf", c)]]

@@ -63,56 +63,103 @@ class PipelineError(UserError):
 KEY_STRIDE = 2_654_435_761             # a prime: event g updates key (g * KEY_STRIDE) % keys
 
 
-def key_of(g: int, keys: int) -> str:
+def key_of(g: int, keys: int, key_skew: float = 0.0) -> str:
     """The key of global event ``g``: a permutation of the key space, so that consecutive
-    events (and a small batch) hit keys scattered over the whole state, as real traffic does."""
+    events (and a small batch) hit keys scattered over the whole state, as real traffic does.
+
+    With ``key_skew`` S > 0 the events after the first ``keys`` (which give every key its
+    state, in the same order as without) pick a key by rank from Zipf(S): real streams
+    concentrate on a few hot keys. Rank r is the key event r wrote first, so the hot keys
+    are scattered over the key space, as they are over a hash-partitioned state.
+    """
+    if key_skew and g >= keys:
+        return f"k{(zipf_rank(_unit(g), keys, key_skew) * KEY_STRIDE) % keys:09d}"
     return f"k{(g * KEY_STRIDE) % keys:09d}"
 
 
+def _unit(g: int) -> float:
+    """A uniform number in (0, 1) drawn from ``g`` alone (SplitMix64's finalizer): the same
+    for an event in every run and process, with no random generator state to keep in step."""
+    z = (g + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return ((z >> 11) + 0.5) / 2**53
+
+
+def zipf_rank(u: float, keys: int, skew: float) -> int:
+    """The rank (0 = hottest) where the cumulative distribution reaches ``u``: a bounded
+    Zipf(``skew``) over ``keys`` ranks, taken in its continuous form (density x^-skew on
+    [1, keys + 1)), whose CDF inverts in closed form, so a key costs no table of ``keys`` weights.
+
+    expm1 and log1p keep the inverse accurate for a skew near 1, where (keys + 1)^(1 - skew) - 1
+    vanishes; at exactly 1 the CDF is logarithmic.
+    """
+    span = math.log(keys + 1)
+    if skew == 1:
+        x = math.exp(u * span)
+    else:
+        a = 1.0 - skew
+        x = math.exp(math.log1p(u * math.expm1(a * span)) / a)
+    return min(keys - 1, max(0, int(x) - 1))
+
+
+def check_key_skew(key_skew: float) -> float:
+    """--key-skew as a float, refused in one line unless it is a finite number >= 0."""
+    if not math.isfinite(key_skew) or key_skew < 0:
+        raise UserError(f"--key-skew {key_skew}: expected a number >= 0 (0: uniform keys; 1.1: a Zipf skew "
+                        f"where a few keys take most updates)")
+    return float(key_skew)
+
+
 def events_for_batch(b: int, keys: int, events_per_batch: int,
-                     count: Optional[int] = None) -> list[tuple[int, str, int, int]]:
+                     count: Optional[int] = None, *, key_skew: float = 0.0) -> list[tuple[int, str, int, int]]:
     """The events of input file ``b``: a pure function of its arguments.
 
     File ``b`` holds events ``b * events_per_batch`` onwards (``count`` of them, default
-    ``events_per_batch``). Every key is visited once per ``keys`` events, so after
-    ``keys / events_per_batch`` files every key has state. Every tenth event is sent twice;
-    the first event of a file repeats the last one of the previous file (both dropped by
-    deduplication), and one event per file is late by five minutes of event time (dropped by
-    the watermark).
+    ``events_per_batch``). Every key is visited once in the first ``keys`` events, so after
+    ``keys / events_per_batch`` files every key has state; after that once per ``keys``
+    events again, or with ``key_skew`` mostly a few hot keys (``key_of``). Every tenth event
+    is sent twice; the first event of a file repeats the last one of the previous file (both
+    dropped by deduplication), and one event per file is late by five minutes of event time
+    (dropped by the watermark).
     """
     count = events_per_batch if count is None else count
     rows: list[tuple[int, str, int, int]] = []
     base = EPOCH_MS + b * BATCH_SPAN_MS
     if b > 0:
         g = b * events_per_batch - 1
-        rows.append((g, key_of(g, keys), base - BATCH_SPAN_MS + (events_per_batch - 1) * BATCH_SPAN_MS // events_per_batch,
+        rows.append((g, key_of(g, keys, key_skew),
+                     base - BATCH_SPAN_MS + (events_per_batch - 1) * BATCH_SPAN_MS // events_per_batch,
                      (g * 31 + 7) % 1000))
     for j in range(count):
         g = b * events_per_batch + j
-        row = (g, key_of(g, keys), base + j * BATCH_SPAN_MS // count, (g * 31 + 7) % 1000)
+        row = (g, key_of(g, keys, key_skew), base + j * BATCH_SPAN_MS // count, (g * 31 + 7) % 1000)
         rows.append(row)
         if j % 10 == 9:
             rows.append(row)
     if b > 0:
         g = 10**12 + b
-        rows.append((g, key_of(g, keys), base - LATE_MS, 1))
+        rows.append((g, key_of(g, keys, key_skew), base - LATE_MS, 1))
     return rows
 
 
 def generate_input(input_dir: Path, batches: int, keys: int, events_per_batch: int,
-                   last_batch_events: Optional[int] = None) -> int:
+                   last_batch_events: Optional[int] = None, *, key_skew: float = 0.0) -> int:
     """Write the input files that are missing or were made with other parameters; rows in all.
 
     ``last_batch_events`` makes the last file smaller (a restart after a big state was built).
     Files already there for the same parameters are kept, so a restarted run does not pay
     for the generation again.
     """
+    key_skew = check_key_skew(key_skew)
     input_dir.mkdir(parents=True, exist_ok=True)
     manifest = input_dir / "_params.json"
-    shape = {"keys": keys, "events_per_batch": events_per_batch, "format": 2}
+    shape = {"keys": keys, "events_per_batch": events_per_batch, "key_skew": key_skew, "format": 2}
     known: dict[str, int] = {}
     if manifest.exists():
-        old = json.loads(manifest.read_text())
+        # A manifest from before --key-skew describes uniform keys, which are still made the same.
+        old = {"key_skew": 0.0, **json.loads(manifest.read_text())}
         if {k: old.get(k) for k in shape} == shape:
             known = old.get("files", {})
     total = 0
@@ -123,7 +170,7 @@ def generate_input(input_dir: Path, batches: int, keys: int, events_per_batch: i
         path = input_dir / name
         if known.get(name) == count and path.exists():
             continue
-        rows = events_for_batch(b, keys, events_per_batch, count)
+        rows = events_for_batch(b, keys, events_per_batch, count, key_skew=key_skew)
         tmp = input_dir / f".tmp-{name}"
         with open(tmp, "w", newline="") as f:
             csv.writer(f).writerows(rows)
@@ -561,6 +608,7 @@ def watch(query, show: Callable[[dict], None], t0: float) -> list[dict]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.time()
+    key_skew = check_key_skew(args.key_skew)
     state_dir = Path(args.state_dir).resolve()
     # Every setting is checked (mount alive, shim jar, checkpoint scheme) before anything is
     # created or the JVM starts: a wrong one fails here in one line, not inside the query.
@@ -585,7 +633,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spark_log = output / SPARK_LOG_NAME
     input_dir = Path(args.input).resolve() if args.input else output.with_name(output.name + ".input")
     events_per_batch = args.events_per_batch or max(1000, args.keys // 2)
-    rows = generate_input(input_dir, args.batches, args.keys, events_per_batch, args.last_batch_events)
+    rows = generate_input(input_dir, args.batches, args.keys, events_per_batch, args.last_batch_events,
+                          key_skew=key_skew)
     output.mkdir(parents=True, exist_ok=True)
     t_setup = time.time()
     stale = layout.remove_stale_local_dirs()  # a killed run's working dirs and shuffle files
@@ -639,7 +688,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     status_after = fusestate_status(mount)
     report = {
         "event": "report", "state_dir": str(state_dir), "mount": mount, "use_shim": args.use_shim,
-        "checkpoint": layout.checkpoint_uri, "keys": args.keys, "payload_bytes": args.payload_bytes,
+        "checkpoint": layout.checkpoint_uri, "keys": args.keys, "key_skew": key_skew,
+        "payload_bytes": args.payload_bytes,
         "state_store_conf": {k: v for k, v in layout.conf.items() if k.startswith("spark.sql.streaming.stateStore.")},
         "batches_in_input": args.batches, "input_rows": rows,
         "stale_local_dirs_removed": len(stale),
