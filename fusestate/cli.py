@@ -194,6 +194,9 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--attr-timeout", type=float, default=unset,
                    help="seconds the kernel caches names and attributes (default 10, or 1 with --meta: "
                         "how long another node's rename or unlink may go unseen)")
+    m.add_argument("--read-trace", default=unset, metavar="FILE",
+                   help="diagnostics: append a JSON line to FILE for every read the daemon answers, every "
+                        "read from the bucket and every page fill (docs/operations.md); off by default")
     m.add_argument("--debug", action="store_true", default=unset, help="verbose logging")
     m.add_argument("-o", dest="fuse_options", action="append", default=unset, help="extra FUSE mount option")
     m.add_argument("--frontend", choices=FRONTENDS, default=unset,

@@ -113,6 +113,7 @@ class MountConfig:
     prefetch_links: str = "lazy"             # lazy | tails | whole | off: files linked here go to the page cache
     page_fill_budget: Optional[int] = None   # bytes queued for the page cache at once; None: a quarter of memory, <= 8 GiB
     whole_blocks: str = "auto"               # auto | always | never: cold reads bring whole blocks to the node
+    read_trace: Optional[str] = None         # diagnostics: a JSON line per read, bucket read and page fill
     scratch_dirs: list[str] = field(default_factory=list)  # name globs of node-local directories (--scratch)
     meta_url: Optional[str] = None           # a shared metadata engine (postgresql://...); None: embedded SQLite
     session_timeout: float = 30.0            # shared engine: seconds without a heartbeat before others clean up
@@ -146,6 +147,8 @@ class MountConfig:
                 raise UserError("--takeover is for the embedded engine's single writer; with --meta every node "
                                 "mounts read-write at once")
         self.cache_dir = os.path.abspath(self.cache_dir)
+        if self.read_trace:
+            self.read_trace = os.path.abspath(self.read_trace)  # the daemon runs from /
         if self.durability not in ("remote", "local"):
             raise UserError(f"bad --durability {self.durability!r}: expected remote or local")
         if self.prefetch not in PREFETCH_MODES:

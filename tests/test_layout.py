@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom-up. A unit imports only units of lower layers.
 LAYERS: list[set[str]] = [
-    {"fusestate", "fusestate.errors", "fusestate.localio", "fusestate.namespaces"},
+    {"fusestate", "fusestate.errors", "fusestate.localio", "fusestate.namespaces", "fusestate.read_trace",
+     "fusestate.sst"},
     {"fusestate.remote", "fusestate.harness"},
     {"fusestate.config"},
     {"fusestate.blocks"},

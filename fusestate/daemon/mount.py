@@ -33,6 +33,7 @@ from fusestate.fuse import kernel
 from fusestate.fuse import frontend
 from fusestate.fuse.adapter import FuseOperations
 from fusestate.fuse.page_fill import PageFill
+from fusestate.read_trace import open_trace
 from fusestate.blocks.keys import is_inline, object_name
 from fusestate.meta.embedded.restore import restore_metadata
 from fusestate.meta.embedded.shipper import JournalShipper
@@ -124,6 +125,10 @@ class Daemon:
                 self.fs.ship_metadata = self.shipper.wait_shipped
                 self.shipper.fence = self.lease
         self.blocks.read_observer = Histograms.observer(histograms.block_read)
+        self.trace = open_trace(cfg.read_trace)
+        self.remote.trace = self.ops.trace = self.trace
+        if self.ops.page_fill is not None:
+            self.ops.page_fill.trace = self.trace
         self.ops.op_observer = Histograms.observer(histograms.fuse)
         self.last_locality: Optional[Locality] = None  # refreshed for the metrics
 
@@ -551,6 +556,8 @@ class Daemon:
                 self.meta.close()
         if hasattr(self, "remote"):
             self.remote.close()
+        if getattr(self, "trace", None) is not None:
+            self.trace.close()
 
 
 CACHE_DISK_RESERVE_MIN = 16 << 20   # kept free on the cache dir's disk: 5% of it, within these bounds

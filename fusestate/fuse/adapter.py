@@ -19,6 +19,7 @@ import pyfuse3
 
 from fusestate.fuse.kernel_names import MAX_INODES, KernelNames
 from fusestate.fuse.page_fill import PageFill
+from fusestate.read_trace import ReadTrace
 from fusestate.meta.engine import Inode
 from fusestate.vfs import FileSystem, FsError, RequestContext
 
@@ -85,6 +86,7 @@ class FuseOperations(pyfuse3.Operations):
         self.op_observer: Optional[Callable[[str, float], None]] = None
         # Fills the page cache with files linked here (--prefetch-links); None: off.
         self.page_fill: Optional[PageFill] = None
+        self.trace: Optional[ReadTrace] = None  # --read-trace
         # How to have the kernel drop an entry: the front end serving this mount says.
         self.invalidate_entry: Callable[[int, bytes], None] = _invalidate_entry
         # The kernel's names of each inode, dropped when another node changes the file.
@@ -231,6 +233,8 @@ class FuseOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes:
         data = await self.fs.read(fh, off, size)
         self.bytes_read += len(data)
+        if self.trace is not None:
+            self.trace.event("read", ino=self.fs.inode_of(fh), off=off, n=len(data))
         return data
 
     @_translate_errors

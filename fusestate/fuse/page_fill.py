@@ -56,6 +56,7 @@ from fusestate.blocks.background import BackgroundThreads
 from fusestate.blocks.keys import BlockData
 from fusestate.blocks.store import BlockReadError
 from fusestate.meta.engine import Inode
+from fusestate.read_trace import ReadTrace
 from fusestate.vfs import FileSystem
 from fusestate.vfs.filesystem import content_version
 
@@ -134,6 +135,7 @@ class PageFill:
         self._body_slots = trio.CapacityLimiter(concurrency)  # background blocks in flight
         self._body_threads = BackgroundThreads(concurrency, "fill")
         self._beside_readers = False  # a background block is being fetched while readers wait
+        self.trace: Optional[ReadTrace] = None  # --read-trace
         # Files filled to the end, with the content filled: a link of one later fetches nothing.
         self._filled: OrderedDict[int, int] = OrderedDict()
 
@@ -285,7 +287,7 @@ class PageFill:
         if self.mode == "lazy":
             bs = self.fs.block_size
             body = [(i, k) for i, k in sorted(fill.keys.items()) if i * bs < tail_start]
-            await self._fill(fill, body, background=True)
+            await self._fill(fill, body, background=True, end=tail_start)
 
     async def _data_end(self, fill: _Fill) -> Optional[int]:
         """Where the file's data blocks end, if it is a RocksDB table (None: it is not)."""
@@ -311,11 +313,13 @@ class PageFill:
             offset += take
         return b"".join(parts)
 
-    async def _store_chunk(self, ino: int, start: int, chunk: memoryview) -> None:
+    async def _store_chunk(self, ino: int, start: int, chunk: memoryview, part: str = "first") -> None:
         # In a thread: the kernel may wait for a page that a read in flight has locked, and
         # that read is answered on this loop.
         try:
             await trio.to_thread.run_sync(self._store, ino, start, chunk)
+            if self.trace is not None:
+                self.trace.event("fill", ino=ino, off=start, n=len(chunk), part=part)
         except OSError as exc:
             if exc.errno == errno.ENOSYS:
                 self._disabled = True
@@ -332,11 +336,13 @@ class PageFill:
             await self.blocks.readers_quiet()
         return False
 
-    async def _fill(self, fill: _Fill, blocks: list[tuple[int, str]], *,
-                    background: bool = False, first: bool = False) -> None:
-        """Fill these whole blocks of the file; ``background``: in low-priority threads,
-        yielding to readers; ``first``: counted as a first part."""
+    async def _fill(self, fill: _Fill, blocks: list[tuple[int, str]], *, background: bool = False,
+                    first: bool = False, end: Optional[int] = None) -> None:
+        """Fill these blocks of the file, up to ``end`` (default: the file's end);
+        ``background``: in low-priority threads, yielding to readers; ``first``: counted as a
+        first part."""
         ino, size, bs = fill.node.id, fill.node.size, self.fs.block_size
+        end = size if end is None else min(end, size)
         failed = False
 
         async def fetch(key: str) -> BlockData:
@@ -362,11 +368,11 @@ class PageFill:
                     return
                 start = index * bs
                 # A view, not a copy: the kernel copies it into its pages anyway.
-                chunk = memoryview(data)[:max(0, min(len(data), size - start))]
+                chunk = memoryview(data)[:max(0, min(len(data), end - start))]
                 if not chunk:
                     return
                 try:
-                    await self._store_chunk(ino, start, chunk)
+                    await self._store_chunk(ino, start, chunk, "data" if background else "first")
                 except OSError as exc:
                     failed = True
                     if exc.errno not in (errno.ENOSYS, errno.ENOENT):  # ENOENT: the kernel forgot the inode

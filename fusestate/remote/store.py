@@ -21,6 +21,7 @@ import tenacity
 import trio
 
 from fusestate.localio import OpenFiles, copy_direct, drop_cached, read_file, write_all, write_file
+from fusestate.read_trace import ReadTrace
 from fusestate.remote.faults import FaultInjector
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class RemoteStore:
             reraise=True,
         )
         self.on_call: Optional[Callable[[str, str], None]] = FaultInjector.from_env()  # tests only
+        self.trace: Optional[ReadTrace] = None  # --read-trace: each block read from the bucket
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -132,6 +134,8 @@ class RemoteStore:
         data = self._call("get", key, (lambda: read_file(path)) if self._is_local
                           else lambda: self.fs.cat_file(path, **self._whole_get))
         self.stats.bytes_in += len(data)
+        if self.trace is not None:
+            self.trace.event("get", n=len(data))
         return data
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
@@ -141,6 +145,8 @@ class RemoteStore:
         else:
             data = self._call("get_range", key, lambda: self.fs.cat_file(self.path(key), start=start, end=end))
         self.stats.bytes_in += len(data)
+        if self.trace is not None:
+            self.trace.event("get_range", n=len(data))
         return data
 
     def get_range_now(self, key: str, start: int, end: int) -> Optional[bytes]:
@@ -158,6 +164,8 @@ class RemoteStore:
             return None
         self.stats.record("get_range", time.monotonic() - started, True)
         self.stats.bytes_in += len(data)
+        if self.trace is not None:
+            self.trace.event("get_range", n=len(data))
         return data
 
     def put(self, key: str, data: bytes | bytearray | memoryview, direct: bool = False) -> None:

@@ -669,6 +669,9 @@ class FileSystem(PassthroughFiles):
             raise FsError(errno.EBADF)
         return h
 
+    def inode_of(self, fh: int) -> int:
+        return self._handle(fh).file.inode
+
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         h = self._handle(fh)
         f = h.file
