@@ -40,8 +40,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 from bench.common import FUSESTATE, RESULTS_DIR
+from bench.read_breakdown import breakdown, state_files
 from bench.systems import drop_all_caches
 from fusestate.spark.config import scratch_options
 from fusestate.spark.pipeline import SPARK_LOG_NAME, root_cause
@@ -101,21 +103,31 @@ def fetch_parts(st: dict) -> dict:
             "fuse_reads": ops.get("read", 0), "fuse_links": ops.get("link", 0)}
 
 
+SAMPLE_SECONDS = 0.5
+
+
+def fetched_by(timeline: list[dict], t: float) -> Optional[int]:
+    """Bytes fetched from the bucket by ``t`` seconds into a timeline (the last sample at or
+    before it: at most ``SAMPLE_SECONDS`` early)."""
+    before = [s["bucket_bytes"] for s in timeline if s["t"] <= t]
+    return before[-1] if before else None
+
+
 class FetchSampler:
-    """The mount's fetch counters once a second, from its start to its end, in a thread."""
+    """The mount's fetch counters twice a second, from its start to its end, in a thread."""
 
     def __init__(self, mnt: Path) -> None:
         import threading
 
         self.mnt, self.samples, self._stop = mnt, [], threading.Event()
-        self._t0 = time.time()
+        self.t0 = time.time()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(SAMPLE_SECONDS):
             try:
-                self.samples.append({"t": round(time.time() - self._t0, 1), **fetch_parts(status(self.mnt))})
+                self.samples.append({"t": round(time.time() - self.t0, 2), **fetch_parts(status(self.mnt))})
             except Exception:  # noqa: BLE001 - a missed sample is no failure
                 pass
 
@@ -231,13 +243,23 @@ def unmount(mnt: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
 
-VARIANTS = {"": [], "no-snapshot-fill": ["--snapshot-fill", "off"]}
+# A setup's variants (``fusestate+shim@s3:whole``): the pipeline's own options, and the restart's
+# mount options. ``trace`` restarts with no page fill at all and records every read
+# (bench/read_breakdown.py): what the restart reads, by purpose.
+VARIANTS: dict[str, tuple[list[str], list[str]]] = {
+    "": ([], []),
+    "no-snapshot-fill": (["--snapshot-fill", "off"], []),
+    "whole": ([], ["--prefetch-links", "whole"]),
+    "tails": ([], ["--prefetch-links", "tails"]),
+    "trace": (["--snapshot-fill", "off"], ["--prefetch-links", "off"]),
+}
+TRACE = "trace"
 
 
 def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) -> dict:
-    """``label`` is a setup's name, optionally with a variant after a colon:
-    ``fusestate+shim@s3:no-snapshot-fill`` restarts without asking for the latest snapshot's
-    page fill while the JVM starts (``--snapshot-fill off``), to compare within one call."""
+    """``label`` is a setup's name, optionally with a variant after a colon (``VARIANTS``):
+    ``fusestate+shim@s3:whole`` restarts with today's whole-file page fill, to compare within
+    one call."""
     name, _, variant = label.partition(":")
     if variant not in VARIANTS:
         raise SystemExit(f"unknown setup variant {variant!r} (known: {', '.join(v for v in VARIANTS if v)})")
@@ -255,7 +277,10 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
                   "--s3a-jars", jars_argument(connector_jars())]
     if name.startswith("fusestate+shim"):
         extra.append("--use-shim")
-    extra += VARIANTS[variant]
+    extra += VARIANTS[variant][0]
+    restart_mount = list(VARIANTS[variant][1])
+    if variant == TRACE:
+        restart_mount += ["--read-trace", str(d / "trace.jsonl")]
     if args.no_changelog and not local_state:
         extra.append("--no-changelog")
     mnt = cache = None
@@ -283,7 +308,7 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
             # Lose the node: kill the daemon, wipe its cache, take the volume over on a "fresh node".
             lose_node(mnt, cache, kill=not args.clean_umount)
             t = time.time()
-            mount(url, mnt, cache, args, "--takeover", shim="+shim" in name)
+            mount(url, mnt, cache, args, "--takeover", *restart_mount, shim="+shim" in name)
             result["fresh_mount_s"] = round(time.time() - t, 2)
         download_s = 0.0
         if name == S3A:
@@ -326,6 +351,13 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
             result["restart"]["fetch_parts"] = fetch_parts(st)
             result["restart"]["fetched_bytes"] = st["remote"]["bytes_in"]
             result["restart"]["restored_metadata_bytes"] = st["metadata"]["restored_bytes"]
+            if again["first_batch_done_s"]:
+                done = again["started_at"] + again["first_batch_done_s"]
+                began = done - (b.get("duration_ms") or 0) / 1000
+                result["restart"]["fetched_before_first_batch_done"] = fetched_by(
+                    result["restart"]["fetch_timeline"], done - sampler.t0)
+                if variant == TRACE:
+                    result["restart"]["breakdown"] = breakdown(d / "trace.jsonl", state_files(state), began, done)
         return result
     finally:
         if mnt:
@@ -349,7 +381,9 @@ def main() -> int:
                    help="comma-separated: local, fusestate, fusestate+shim; with --s3-endpoint also "
                         "fusestate+shim@s3 and the object-store baselines s3a (the checkpoint through Hadoop's "
                         "S3A connector), local+download and local+download-parallel; a fusestate setup may "
-                        "name a variant after a colon: :no-snapshot-fill (restart with --snapshot-fill off)")
+                        "name a variant after a colon: :no-snapshot-fill (restart with --snapshot-fill off), "
+                        ":whole or :tails (restart with --prefetch-links whole or tails), :trace (no page fill, "
+                        "every read recorded: the restart's breakdown by purpose)")
     p.add_argument("--s3-endpoint", default=None, metavar="URL",
                    help="an S3 endpoint (the shaped one) for the @s3 and +download setups")
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")

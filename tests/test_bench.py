@@ -847,3 +847,43 @@ def test_failover_scenario_tiny(tmp_path: Path) -> None:
     for row in doc["summary"]:
         assert all(row["systems"][s]["median"] > 0 for s in fo.SETUPS), row
     assert not any(is_mounted(p) for p in work.rglob("mnt"))
+
+
+def test_a_traced_restart_is_broken_down_by_what_rocksdb_read(tmp_path: Path, rocksdb_tables: list[Path]) -> None:
+    """bench/read_breakdown.py: reads of a real table told apart by where they fall, against
+    the bytes fetched, before the first batch and while it ran; later events left out."""
+    from bench.read_breakdown import breakdown, state_files
+    from fusestate import sst
+
+    state = tmp_path / "state"
+    (state / "SSTs").mkdir(parents=True)
+    table = state / "SSTs" / "000001.sst"
+    shutil.copyfile(rocksdb_tables[0], table)
+    (state / "1.changelog").write_bytes(b"c" * 5000)
+    os.link(table, state / "work.sst")  # a load's link: the same file, counted once
+    files = state_files(state)
+    ino = table.stat().st_ino
+    assert len(files) == 2 and files[ino]["data_end"] == sst.data_end_of_file(str(table))
+    end = files[ino]["data_end"]
+    log = tmp_path / "trace.jsonl"
+    events = [
+        {"t": 1.0, "e": "read", "ino": ino, "off": end // 4096 * 4096, "n": 8192},   # the open
+        {"t": 1.1, "e": "get_range", "n": 8192},
+        {"t": 1.2, "e": "read", "ino": (state / "1.changelog").stat().st_ino, "off": 0, "n": 5000},
+        {"t": 2.5, "e": "read", "ino": ino, "off": 4096, "n": 4096},                 # a point lookup
+        {"t": 2.6, "e": "read", "ino": ino, "off": 4096, "n": 4096},                 # the same page again
+        {"t": 2.7, "e": "read", "ino": ino, "off": 131072, "n": 131072},             # a scan
+        {"t": 2.8, "e": "get", "n": 4 << 20},
+        {"t": 9.0, "e": "read", "ino": ino, "off": 0, "n": 4096},                    # after the batch
+    ]
+    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    b = breakdown(log, files, batch_start=2.0, batch_done=3.0)
+    assert b["reads"]["open"]["before_batch"] == {"bytes": 8192, "reads": 1}
+    assert b["reads"]["changelog"]["before_batch"]["bytes"] == 5000
+    assert b["reads"]["point"]["batch"] == {"bytes": 8192, "reads": 2}
+    assert b["distinct_bytes"]["point"] == 4096
+    assert b["reads"]["scan"]["batch"]["bytes"] == 131072
+    assert b["fetched"] == {"before_batch": {"whole_blocks": 0, "ranges": 8192},
+                            "batch": {"whole_blocks": 4 << 20, "ranges": 0}}
+    assert b["tables_read"] == 1 and b["tables_data_bytes"] == end
+    assert b["tables_tail_bytes"] == table.stat().st_size - end

@@ -30,8 +30,10 @@ from typing import Any, Optional
 
 from bench.common import Choices, Context, Metric, record, summarize
 from bench.endpoints import ShapedMoto
+from bench.read_breakdown import PURPOSES
 from bench.render import goal_row, md_table, medians_note, points_plot, variant_table
-from bench.scenarios.spark import (GROUPS, S3A, S3A_TEXT, SHAPED_SETUPS, chosen_setups, fetch_connector, keys_text,
+from bench.scenarios.spark import (GROUPS, S3A, S3A_TEXT, SHAPED_SETUPS, SHAPED_VARIANTS, chosen_setups,
+                                   fetch_connector, keys_text,
                                    runner_records, shaped_setups, skew_arguments, skew_suffix, spark_env)
 
 NAME = "spark-restart"
@@ -69,6 +71,8 @@ METRICS = [
     Metric("download_s", "s", higher_is_better=False, label="checkpoint download (part of the restart)"),
     Metric("load_s", "s", higher_is_better=False, label="state store load (sum over stores)"),
     Metric("fetched_bytes", "B", higher_is_better=False, label="bytes fetched by the restart"),
+    Metric("fetched_first_batch_bytes", "B", higher_is_better=False,
+           label="bytes fetched before the first batch was done"),
     Metric("records_per_s", "records/s", label="records/s while building the state"),
 ]
 
@@ -101,6 +105,7 @@ def metrics_of(setup: dict[str, Any]) -> dict[str, float]:
     out = {"restart_s": restart.get("to_first_batch_done_s"), "jvm_s": restart.get("jvm_and_session_s"),
            "first_batch_s": seconds(restart.get("first_batch_ms")), "load_s": seconds(restart.get("rocksdb_load_ms")),
            "download_s": setup.get("download_s"), "records_per_s": first.get("records_per_second"),
+           "fetched_first_batch_bytes": restart.get("fetched_before_first_batch_done"),
            # local+download fetches the whole checkpoint before the restart; a mount counts its own
            "fetched_bytes": restart.get("fetched_bytes", setup.get("checkpoint_bytes") if "download_s" in setup
                                         else None)}
@@ -113,7 +118,7 @@ def seconds(ms: Optional[float]) -> Optional[float]:
 
 def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
     """The setups ``--systems`` may name here, and those run without it."""
-    return Choices(SETUPS + SHAPED_SETUPS, SETUPS + SHAPED_SETUPS, GROUPS)
+    return Choices(SETUPS + SHAPED_SETUPS + SHAPED_VARIANTS, SETUPS + SHAPED_SETUPS, GROUPS)
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -322,6 +327,9 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
                                                              ceiling_sentence(doc)) if s)):
         if text:
             parts.append(text)
+    table = breakdown_table(doc)
+    if table:
+        parts.append(table)
     series = {**{system: restart_points(doc, system) for system in names},
               **{f"{system} load": restart_points(doc, system, "load_s") for system in names if system in SETUPS}}
     plot = points_plot(img_dir / "spark-restart-size.png", series, img_rel, "spark restart against state size",
@@ -330,6 +338,38 @@ def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     if plot:
         parts.append(plot)
     return "\n\n".join(parts)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+def breakdown_table(doc: dict[str, Any]) -> str:
+    """What the restarted query read, by purpose, and what the node fetched (the ``:trace``
+    setup's first repetition at each size; bench/read_breakdown.py), in MB: before its first
+    batch began / while the batch ran, and the distinct bytes read."""
+    found = {r["variant"]: r["raw"]["restart"]["breakdown"] for r in doc.get("runs", [])
+             if r["system"].endswith(":trace") and r.get("raw") and r["repeat"] == 0
+             and r["raw"].get("restart", {}).get("breakdown")}
+    if not found:
+        return ""
+    sizes = list(found)
+    rows = []
+    for key, label in PURPOSES.items():
+        rows.append([label] + [f"{_mb(b['reads'][key]['before_batch']['bytes'])} / "
+                               f"{_mb(b['reads'][key]['batch']['bytes'])} ({_mb(b['distinct_bytes'][key])} distinct)"
+                               for b in found.values()])
+    for part, label in (("whole_blocks", "fetched: whole blocks"), ("ranges", "fetched: range reads")):
+        rows.append([label] + [f"{_mb(b['fetched']['before_batch'][part])} / {_mb(b['fetched']['batch'][part])}"
+                               for b in found.values()])
+    rows.append(["tables read: count, data blocks / tails (MB)"]
+                + [f"{b['tables_read']:,}: {_mb(b['tables_data_bytes'])} / {_mb(b['tables_tail_bytes'])}"
+                   for b in found.values()])
+    rows.append(["first batch (s)"] + [f"{b['batch_s']:.1f}" for b in found.values()])
+    return ("What the restarted query read, by purpose (`fusestate+shim@s3:trace`: no page fill, every read "
+            "that reached the daemon recorded; a page is read once, as the page cache keeps it), in MB: before "
+            "its first batch began / while it ran (distinct bytes), and what the node fetched from the bucket.\n\n"
+            + md_table(["read", *sizes], rows))
 
 
 def goals(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -687,7 +687,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_end = time.time()
     status_after = fusestate_status(mount)
     report = {
-        "event": "report", "state_dir": str(state_dir), "mount": mount, "use_shim": args.use_shim,
+        "event": "report", "started_at": round(t0, 3), "state_dir": str(state_dir), "mount": mount,
+        "use_shim": args.use_shim,
         "checkpoint": layout.checkpoint_uri, "keys": args.keys, "key_skew": key_skew,
         "payload_bytes": args.payload_bytes,
         "state_store_conf": {k: v for k, v in layout.conf.items() if k.startswith("spark.sql.streaming.stateStore.")},
