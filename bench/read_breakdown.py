@@ -35,6 +35,13 @@ def kind_of(name: str) -> str:
     return {".sst": "table", ".changelog": "changelog", ".zip": "zip"}.get(os.path.splitext(name)[1], "other")
 
 
+def operator_of(path: str) -> str:
+    """The stateful operator a checkpoint file belongs to (``.../state/<operator>/...``); ""
+    for a path outside the checkpoint's state (a load's working dir links the same files)."""
+    parts = Path(path).parts
+    return parts[parts.index("state") + 1] if "state" in parts[:-1] else ""
+
+
 def state_files(root: Path) -> dict[int, dict[str, Any]]:
     """Every regular file under ``root`` by inode: kind, size and, for tables, where their data
     blocks end (read through the mount, after the restart was measured)."""
@@ -43,9 +50,12 @@ def state_files(root: Path) -> dict[int, dict[str, Any]]:
         for name in names:
             path = os.path.join(dirpath, name)
             st = os.lstat(path)
-            if st.st_ino in files or not os.path.isfile(path):
+            if st.st_ino in files:
+                files[st.st_ino]["operator"] = files[st.st_ino]["operator"] or operator_of(path)
                 continue
-            info: dict[str, Any] = {"kind": kind_of(name), "size": st.st_size}
+            if not os.path.isfile(path):
+                continue
+            info: dict[str, Any] = {"kind": kind_of(name), "size": st.st_size, "operator": operator_of(path)}
             if info["kind"] == "table":
                 info["data_end"] = sst.data_end_of_file(path)
             files[st.st_ino] = info
@@ -86,10 +96,15 @@ def breakdown(trace: Path, files: dict[int, dict[str, Any]], batch_start: float,
         elif e["e"] in ("get", "get_range"):
             fetched[phase]["whole_blocks" if e["e"] == "get" else "ranges"] += e["n"]
     distinct = {p: sum(len(pages) for (_, q), pages in touched.items() if q == p) * PAGE for p in PURPOSES}
+    scans: dict[str, int] = {}
+    for (ino, p), pages in touched.items():
+        if p == "scan":
+            op = files[ino]["operator"] or "?"
+            scans[op] = scans.get(op, 0) + len(pages) * PAGE
     tables_read = {ino for (ino, p) in touched if p in ("open", "point", "scan")}
     tables = [files[i] for i in tables_read]
     return {
-        "reads": reads, "distinct_bytes": distinct, "fetched": fetched,
+        "reads": reads, "distinct_bytes": distinct, "fetched": fetched, "scan_bytes_by_operator": scans,
         "tables_read": len(tables_read), "tables_bytes": sum(t["size"] for t in tables),
         "tables_data_bytes": sum(t.get("data_end") or 0 for t in tables),
         "tables_tail_bytes": sum(t["size"] - (t.get("data_end") or t["size"]) for t in tables),

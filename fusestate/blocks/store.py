@@ -55,9 +55,9 @@ DIRECT_PUT_BYTES = 256 * 1024
 # Blocks put from memory that may wait at once for the disk cache (``_keep_on_disk``): past it a
 # written block is not kept, rather than hold its bytes in memory for a cache write.
 KEEP_BEHIND_BLOCKS = 8
-# Background fetches (a page fill's data blocks) wait until no reader has waited for the bucket
-# for this long: a point lookup follows the one before it within milliseconds, so a gap this
-# long means the readers are done for now, not between two reads.
+# Background fetches (a page fill's data blocks) wait until no small read has waited for the
+# bucket for this long: a point lookup follows the one before it within milliseconds, so a gap
+# this long means the lookups are done for now, not between two of them.
 READERS_QUIET_SECONDS = 0.25
 
 
@@ -143,7 +143,7 @@ class BlockStore:
         self.deduplicated_bytes = 0
         # Latency hook (metrics): called with the source ("local", "remote", "range") and seconds.
         self.read_observer: Optional[Callable[[str, float], None]] = None
-        # Readers waiting for the bucket now, and when the last one stopped (``readers_quiet``).
+        # Small reads waiting for the bucket now, and when the last one stopped (``readers_quiet``).
         self._reader_waits = 0
         self._reader_waits_ended = -math.inf
         self._reader_waits_changed = trio.Event()
@@ -446,7 +446,9 @@ class BlockStore:
             if data is not None:
                 self._observe("local", started)
                 return bytes(data[start:end])
-        with self._reader_waiting():
+        # Only a small read counts as a reader waiting (``readers_busy``): a point lookup waits for
+        # its round trip, while a scan (a compaction) wants bytes, as the background does.
+        with self._reader_waiting() if small else contextlib.nullcontext():
             return await self._read_from_bucket(key, start, end, small, started)
 
     async def _read_from_bucket(self, key: str, start: int, end: int, small: bool, started: float) -> bytes:
@@ -492,7 +494,8 @@ class BlockStore:
         return self._reader_waits
 
     def readers_busy(self, quiet: float = READERS_QUIET_SECONDS) -> bool:
-        """Whether a read waits for the bucket now, or did less than ``quiet`` seconds ago."""
+        """Whether a small read (a point lookup) waits for the bucket now, or did less than
+        ``quiet`` seconds ago."""
         return bool(self._reader_waits) or trio.current_time() - self._reader_waits_ended < quiet
 
     async def readers_quiet(self, quiet: float = READERS_QUIET_SECONDS) -> None:

@@ -28,8 +28,9 @@ batch then reads one data block per key it touches. So by default (``lazy``) eac
 is filled in two parts: first, all at once over the files, what an open reads (a table's
 tail; the whole of any other file, such as a snapshot's zip or a changelog the load replays);
 then, in the order the files came, the data blocks, in low-priority threads, and only while
-no read of this node waits for the bucket (``BlockStore.readers_quiet``; one block may go on
-beside such reads). ``tails`` stops after the first part; ``whole`` fills each file from its
+no point lookup of this node waits for the bucket (``BlockStore.readers_quiet``; one block may
+go on beside such reads; a scan, such as a compaction, wants bytes as the fill does and is not
+waited for). ``tails`` stops after the first part; ``whole`` fills each file from its
 start, a few files at a time, as soon as it is linked.
 
 The kernel copies what it is given over the pages it has, dirty ones included, so a fill
@@ -135,6 +136,8 @@ class PageFill:
         self._body_slots = trio.CapacityLimiter(concurrency)  # background blocks in flight
         self._body_threads = BackgroundThreads(concurrency, "fill")
         self._beside_readers = False  # a background block is being fetched while readers wait
+        self._firsts_pending = 0  # files whose first part is queued or being filled
+        self._firsts_done = trio.Event()  # set (and replaced) whenever that count drops to 0
         self.trace: Optional[ReadTrace] = None  # --read-trace
         # Files filled to the end, with the content filled: a link of one later fetches nothing.
         self._filled: OrderedDict[int, int] = OrderedDict()
@@ -271,19 +274,26 @@ class PageFill:
     async def _fill_in_two(self, fill: _Fill) -> None:
         """A table's tail now, its data blocks in the background (``lazy``) or never (``tails``);
         any other file whole, now."""
-        async with self._tail_slots:
-            data_end = await self._data_end(fill)
-            if data_end is None:
-                await self._fill(fill, sorted(fill.keys.items()), first=True)
-                return
-            tail_start = data_end // PAGE * PAGE
-            tail = await self._read(fill, tail_start, fill.node.size)
-            await self._store_chunk(fill.node.id, tail_start, memoryview(tail))
-            fill.stored += len(tail)
-            self.stats.bytes += len(tail)
-            self.stats.tables += 1
-            self.stats.tail_bytes += len(tail)
-            self.stats.first_bytes += len(tail)
+        self._firsts_pending += 1
+        try:
+            async with self._tail_slots:
+                data_end = await self._data_end(fill)
+                if data_end is None:
+                    await self._fill(fill, sorted(fill.keys.items()), first=True)
+                    return
+                tail_start = data_end // PAGE * PAGE
+                tail = await self._read(fill, tail_start, fill.node.size)
+                await self._store_chunk(fill.node.id, tail_start, memoryview(tail))
+                fill.stored += len(tail)
+                self.stats.bytes += len(tail)
+                self.stats.tables += 1
+                self.stats.tail_bytes += len(tail)
+                self.stats.first_bytes += len(tail)
+        finally:
+            self._firsts_pending -= 1
+            if not self._firsts_pending:
+                self._firsts_done.set()
+                self._firsts_done = trio.Event()
         if self.mode == "lazy":
             bs = self.fs.block_size
             body = [(i, k) for i, k in sorted(fill.keys.items()) if i * bs < tail_start]
@@ -327,8 +337,11 @@ class PageFill:
             raise
 
     async def _background_turn(self) -> bool:
-        """Before a background block: wait while readers wait for the bucket, unless no other
-        background block is going beside them. True: this block goes beside them."""
+        """Before a background block: wait while any file's first part is pending, and while
+        point lookups wait for the bucket, unless no other background block is going beside
+        them. True: this block goes beside them."""
+        while self._firsts_pending:
+            await self._firsts_done.wait()
         while self.blocks.readers_busy():
             if not self._beside_readers:
                 self._beside_readers = True
