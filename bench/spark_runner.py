@@ -137,11 +137,13 @@ class FetchSampler:
         return self.samples
 
 
-def lose_node(mnt: Path, cache: Path, *, kill: bool = True) -> None:
+def lose_node(mnt: Path, cache: Path, *, kill: bool = True, wipe: bool = True) -> None:
     """What a lost node leaves: the daemon gone (SIGKILLed unless ``kill`` is off), its mount
-    detached, its cache dir wiped; the bucket holds what the daemon had shipped."""
+    detached, its cache dir wiped (unless ``wipe`` is off: the same node, back); the bucket
+    holds what the daemon had shipped."""
     stop_daemon(status(mnt)["pid"], mnt, kill=kill)
-    shutil.rmtree(cache, ignore_errors=True)
+    if wipe:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def du(path: Path) -> int:
@@ -252,8 +254,10 @@ VARIANTS: dict[str, tuple[list[str], list[str]]] = {
     "whole": ([], ["--prefetch-links", "whole"]),
     "tails": ([], ["--prefetch-links", "tails"]),
     "trace": (["--snapshot-fill", "off"], ["--prefetch-links", "off"]),
+    "same-node": ([], []),
 }
 TRACE = "trace"
+SAME_NODE = "same-node"  # the daemon killed and mounted again over its own cache dir: the node came back
 
 
 def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) -> dict:
@@ -306,7 +310,7 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
             result["first_run"]["fusestate"] = {k: st["writeback"][k] for k in ("uploaded_bytes", "uploaded_blocks")}
             result["first_run"]["fusestate"]["fuse_bytes_written"] = st["fuse"]["bytes_written"]
             # Lose the node: kill the daemon, wipe its cache, take the volume over on a "fresh node".
-            lose_node(mnt, cache, kill=not args.clean_umount)
+            lose_node(mnt, cache, kill=not args.clean_umount, wipe=variant != SAME_NODE)
             t = time.time()
             mount(url, mnt, cache, args, "--takeover", *restart_mount, shim="+shim" in name)
             result["fresh_mount_s"] = round(time.time() - t, 2)
@@ -383,7 +387,8 @@ def main() -> int:
                         "S3A connector), local+download and local+download-parallel; a fusestate setup may "
                         "name a variant after a colon: :no-snapshot-fill (restart with --snapshot-fill off), "
                         ":whole or :tails (restart with --prefetch-links whole or tails), :trace (no page fill, "
-                        "every read recorded: the restart's breakdown by purpose)")
+                        "every read recorded: the restart's breakdown by purpose), :same-node (the daemon killed "
+                        "and mounted again over its own cache dir)")
     p.add_argument("--s3-endpoint", default=None, metavar="URL",
                    help="an S3 endpoint (the shaped one) for the @s3 and +download setups")
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")

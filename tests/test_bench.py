@@ -887,3 +887,27 @@ def test_a_traced_restart_is_broken_down_by_what_rocksdb_read(tmp_path: Path, ro
                             "batch": {"whole_blocks": 4 << 20, "ranges": 0}}
     assert b["tables_read"] == 1 and b["tables_data_bytes"] == end
     assert b["tables_tail_bytes"] == table.stat().st_size - end
+
+
+def test_the_restart_goals_of_a_skewed_run_and_a_same_node_restart() -> None:
+    from bench.scenarios import sparkrestart as sr
+
+    def row(metric: str, variant: str, **medians: float) -> dict:
+        return {"metric": metric, "variant": variant, "systems": {s: {"median": v} for s, v in medians.items()}}
+
+    lazy, same = "fusestate+shim@s3", "fusestate+shim@s3:same-node"
+    doc = {"params": {"key_skew": 1.1},
+           "summary": [row("restart_s", "1 GB (Zipf 1.1)", **{"s3a": 50.0, lazy: 14.0}),
+                       row("restart_s", "4 GB (Zipf 1.1)", **{"s3a": 100.0, lazy: 25.0}),
+                       row("fetched_first_batch_bytes", "1 GB (Zipf 1.1)", **{lazy: 0.2e9}),
+                       row("fetched_first_batch_bytes", "4 GB (Zipf 1.1)", **{lazy: 1.2e9}),
+                       row("fetched_bytes", "4 GB (Zipf 1.1)", **{same: 0.01e9})],
+           "floor": [row("restart_s", "floor", **{lazy: 12.0})]}
+    texts = [(g["measured"], g["met"]) for g in sr.recovery_goals(doc)]
+    assert texts == [("0.28 at 1 GB (14.0 s against 50.0 s); 0.25 at 4 GB (25.0 s against 100.0 s)", True),
+                     ("2.08 (25.0 s against 12.0 s)", False),
+                     ("0.20 at 1 GB; 0.30 at 4 GB", False),
+                     ("0.0025 at 4 GB", True)]
+    # Uniform keys: the skewed goals are not stated, and the 0.4 goal against s3a is.
+    doc["params"]["key_skew"] = 0
+    assert [g["met"] for g in sr.goals(doc)][-1] is True

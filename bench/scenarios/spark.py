@@ -42,7 +42,8 @@ S3A = "s3a"
 SHAPED_SETUPS = [S3A, "local+download", "local+download-parallel", "fusestate+shim@s3"]
 # fusestate+shim@s3 restarted another way (bench/spark_runner.py's VARIANTS): accepted by --systems,
 # run only when named.
-SHAPED_VARIANTS = ["fusestate+shim@s3:whole", "fusestate+shim@s3:tails", "fusestate+shim@s3:trace"]
+SHAPED_VARIANTS = ["fusestate+shim@s3:whole", "fusestate+shim@s3:tails", "fusestate+shim@s3:trace",
+                   "fusestate+shim@s3:same-node"]
 # Names --systems takes for several setups at once (chosen_setups, shaped_setups).
 GROUPS = {"fusestate-file": "every fusestate setup off the endpoint", SHAPED: "every setup on the shaped endpoint"}
 SIZES: dict[str, dict[str, Any]] = {
