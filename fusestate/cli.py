@@ -447,6 +447,12 @@ def _print_status(status: dict) -> None:
     if warm and warm["mode"] != "off":
         rows.append(("warmup", f"{warm['state']} ({warm['mode']}), {format_size(warm['fetched_bytes'])} fetched "
                                f"of a {format_size(warm['budget_bytes'])} budget in {warm['seconds']} s"))
+    fill = status.get("page_fill")
+    if fill and fill.get("mode", "off") != "off" and (fill["bytes"] or fill["pending_bytes"]):
+        rows.append(("page fill", f"{fill['mode']}: {format_size(fill['bytes'])} filled, "
+                                  f"{format_size(fill['first_bytes'])} first ({fill['tables']} tables' tails, "
+                                  f"other files whole), {format_size(fill['body_bytes'])} data blocks; "
+                                  f"{format_size(fill['pending_bytes'])} pending"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import mostly_resident, new_bucket, resident_bytes, wait_for
+from conftest import fusestate, mostly_resident, new_bucket, resident_bytes, wait_for
 
 from fusestate import sst
 
@@ -65,6 +65,8 @@ def test_tails_first_then_every_byte(make_mount, tmp_path: Path, request, rocksd
     assert fill["tail_bytes"] == sum(sizes[n] - tails[n] for n in tails)
     assert fill["first_bytes"] == fill["tail_bytes"] + len(other)
     assert fill["body_bytes"] == sum(tails.values())  # the data blocks, up to each tail: nothing stored twice
+    row = next(line for line in fusestate("status", str(m.path)).stdout.splitlines() if line.startswith("page fill"))
+    assert row.split(None, 2)[2].startswith("lazy: ") and "2 tables' tails" in row and row.endswith("0 bytes pending"), row
     total = sum(-(-f.stat().st_size // PAGE) * PAGE for f in linked)  # whole pages
     assert mostly_resident(linked, total), (resident_bytes(linked), total)
     for path, table in zip(linked, rocksdb_tables[:2]):

@@ -546,6 +546,7 @@ class Daemon:
                                    "outage_budget_seconds": self.cfg.meta_outage_budget})
         doc["remote"]["small_read_ms"] = self.blocks.read_costs.summary()
         doc["warmup"].update({"mode": self.cfg.prefetch, "state": self.warmer.stats.state})
+        doc["page_fill"]["mode"] = self.cfg.prefetch_links if self.ops.page_fill is not None else "off"
         return doc
 
     def close(self) -> None:
