@@ -8,7 +8,7 @@ happens (the file is read while the mount runs):
 | ``read`` | ``ino``, ``off``, ``n`` | a read the daemon answered (the page cache did not have it) |
 | ``get`` | ``n`` | a whole block fetched from the bucket |
 | ``get_range`` | ``n`` | a range read from the bucket |
-| ``fill`` | ``ino``, ``off``, ``n``, ``part`` | bytes handed to the page cache (``first`` or ``data``) |
+| ``fill`` | ``ino``, ``off``, ``n``, ``part`` | bytes handed to the page cache: ``first`` or ``data`` (lazy), ``whole`` |
 
 Every line has ``t``, the wall-clock time in seconds. ``bench/run --scenario spark-restart``
 turns it into the restart's breakdown (bench/read_breakdown.py). Off by default: it costs a

@@ -15,11 +15,17 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import fusestate, mostly_resident, new_bucket, resident_bytes, wait_for
+from conftest import ENGINES, engine_args, fusestate, mostly_resident, new_bucket, resident_bytes, wait_for
 
 from fusestate import sst
 
 PAGE = 4096
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request) -> list[str]:
+    """The mount options of each metadata engine: the fill works on either."""
+    return engine_args(request.param, request)
 
 
 def put_files(m, tables: list[Path], other: bytes) -> list[Path]:
@@ -50,9 +56,11 @@ def trace_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_tails_first_then_every_byte(make_mount, tmp_path: Path, request, rocksdb_tables: list[Path]) -> None:
+def test_tails_first_then_every_byte(make_mount, tmp_path: Path, request, rocksdb_tables: list[Path],
+                                     engine: list[str]) -> None:
     trace = tmp_path / "trace.jsonl"
-    m = make_mount(new_bucket("s3", tmp_path, request), extra=["--block-size", "256K", "--read-trace", str(trace)])
+    m = make_mount(new_bucket("s3", tmp_path, request),
+                   extra=[*engine, "--block-size", "256K", "--read-trace", str(trace)])
     other = os.urandom(300_000)
     files = put_files(m, rocksdb_tables[:2], other)
     inos = {f.stat().st_ino: f for f in files}
@@ -86,11 +94,11 @@ def test_tails_first_then_every_byte(make_mount, tmp_path: Path, request, rocksd
 
 
 def test_a_read_is_not_queued_behind_the_background(make_mount, tmp_path: Path, request,
-                                                    rocksdb_tables: list[Path]) -> None:
+                                                    rocksdb_tables: list[Path], engine: list[str]) -> None:
     """Whole-block fetches from the bucket take 4 s each here (injected); range reads do not.
     A table's tail arrives by range reads; its data block is then fetched in the background,
     and a point read of that block meanwhile is answered at once by a range read of its own."""
-    m = make_mount(new_bucket("s3", tmp_path, request))
+    m = make_mount(new_bucket("s3", tmp_path, request), extra=engine)
     table = rocksdb_tables[0]
     files = put_files(m, [table], b"x")
     m.umount()

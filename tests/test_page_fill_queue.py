@@ -9,6 +9,7 @@ the page cache) is in test_snapshot_fill.py.
 
 from __future__ import annotations
 
+import collections
 import os
 import stat
 from pathlib import Path
@@ -87,12 +88,6 @@ class FileSystem:
         pass
 
 
-@pytest.fixture(params=["whole", "lazy"])
-def mode(request) -> str:
-    """Both orders queue alike: a file that is no RocksDB table is filled whole either way."""
-    return request.param
-
-
 def run(body, mode: str = "whole") -> None:
     async def main() -> None:
         fs = FileSystem()
@@ -121,7 +116,7 @@ async def until(condition: Callable[[], bool]) -> None:
     await trio.testing.wait_all_tasks_blocked()
 
 
-def test_a_request_over_the_budget_waits_and_is_filled_in_order(mode: str) -> None:
+def test_a_request_over_the_budget_waits_and_is_filled_in_order() -> None:
     async def body(fill: PageFill, fs: FileSystem, stored: list[int]) -> None:
         queued, queued_bytes = await fill.requested_all([node(i) for i in range(1, 6)])
         # Two fit the budget, two more wait (twice the budget in all), the fifth is skipped.
@@ -144,10 +139,10 @@ def test_a_request_over_the_budget_waits_and_is_filled_in_order(mode: str) -> No
         await settle(fill)
         assert sorted(stored) == [1, 2, 3, 4] and fill.stats.files == 4
 
-    run(body, mode)
+    run(body)
 
 
-def test_a_waiting_fill_stops_at_once_before_other_content(mode: str) -> None:
+def test_a_waiting_fill_stops_at_once_before_other_content() -> None:
     """An open for writing stops the fill of its file: one that waits never runs, and the
     stop does not wait for the fills before it."""
     async def body(fill: PageFill, fs: FileSystem, stored: list[int]) -> None:
@@ -165,7 +160,7 @@ def test_a_waiting_fill_stops_at_once_before_other_content(mode: str) -> None:
         await settle(fill)
         assert stored[-1] == 3
 
-    run(body, mode)
+    run(body)
 
 
 class TableBlocks:
@@ -180,6 +175,8 @@ class TableBlocks:
         self.quiet = trio.Event()
         self.in_flight = 0  # background fetches
         self.most_in_flight = {True: 0, False: 0}  # the most at once, while readers were busy and not
+        self.files_in_flight: collections.Counter[str] = collections.Counter()  # background fetches by file
+        self.most_files_in_flight = 0
 
     def holds(self, key: str) -> bool:
         return False
@@ -202,12 +199,16 @@ class TableBlocks:
 
     async def fetch_for_fill(self, key: str, run=None) -> bytes:
         self.events.append(("background" if run is not None else "fetch", key))
+        ino = key.split("-")[0]
         if run is not None:
             self.in_flight += 1
             self.most_in_flight[self.busy] = max(self.most_in_flight[self.busy], self.in_flight)
+            self.files_in_flight[ino] += 1
+            self.most_files_in_flight = max(self.most_files_in_flight, len(+self.files_in_flight))
         await trio.sleep(0.02)
         if run is not None:
             self.in_flight -= 1
+            self.files_in_flight[ino] -= 1
         return self.data[key]
 
 
@@ -293,5 +294,40 @@ def test_tails_fills_only_what_an_open_reads(rocksdb_tables: list[Path]) -> None
         assert stored == [(tail, len(content) - tail)]
         assert not any(kind in ("fetch", "background") for kind, _ in blocks.events)
         assert fill.stats.files == 0 and fill.stats.tables == 1
+
+    trio.run(main)
+
+
+def test_lazy_starts_every_first_part_at_once_and_bounds_the_data_blocks_by_the_budget(
+        rocksdb_tables: list[Path]) -> None:
+    """Three tables requested with a budget of 1.6 of them (a request may queue twice the
+    budget): all three tails at once, then one table's data blocks at a time, as two would be
+    more than the budget."""
+    bs = 256 * 1024
+    tables = rocksdb_tables[:3]
+    files = {ino: t.read_bytes() for ino, t in enumerate(tables, start=1)}
+
+    async def main() -> None:
+        fs = FileSystem()
+        fs.block_size = bs
+        blocks = fs.blocks = TableBlocks(files, bs)  # type: ignore[assignment]
+
+        class Meta:
+            async def block_map(self, ino: int) -> dict[int, str]:
+                return {i: f"{ino}-{i}" for i in range((len(files[ino]) + bs - 1) // bs)}
+
+        fs.meta = Meta()  # type: ignore[assignment]
+        budget = int(1.6 * max(len(c) for c in files.values()))
+        fill = PageFill(fs, lambda ino, offset, data: None, budget=budget, mode="lazy")  # type: ignore[arg-type]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fill.run)
+            queued, _ = await fill.requested_all([node(ino, len(c)) for ino, c in files.items()])
+            assert queued == 3 and fill.pending_bytes == sum(len(c) for c in files.values())
+            await settle(fill)
+            nursery.cancel_scope.cancel()
+        assert fill.stats.files == 3 and fill.stats.tables == 3 and fill.stats.failures == 0
+        assert blocks.most_files_in_flight == 1
+        kinds = [kind for kind, _ in blocks.events]
+        assert max(i for i, k in enumerate(kinds) if k == "read") < kinds.index("background")  # tails first
 
     trio.run(main)

@@ -20,7 +20,8 @@ The job looks them up through the mount, so the kernel has their inodes, and ask
 the control socket or the fill attribute (``requested``); they are filled the same way while the
 JVM starts, and the links that come later find them filled. A request larger than the budget
 is not cut short: what does not fit waits, in order, and is queued as earlier fills finish
-(up to twice the budget in all; the kernel holds filled pages, not this process).
+(up to twice the budget in all; the kernel holds filled pages, not this process). In the lazy
+order the budget bounds the data blocks being filled: every file's first part goes at once.
 
 What comes first (``--prefetch-links``). A restarting state store opens every table it
 loads, which reads each table's tail (index, filters, footer: fusestate.sst), and its first
@@ -138,6 +139,8 @@ class PageFill:
         self._beside_readers = False  # a background block is being fetched while readers wait
         self._firsts_pending = 0  # files whose first part is queued or being filled
         self._firsts_done = trio.Event()  # set (and replaced) whenever that count drops to 0
+        self._body_bytes = 0  # data blocks of the files whose background part is going on
+        self._bodies_changed = trio.Event()  # set (and replaced) when one ends
         self.trace: Optional[ReadTrace] = None  # --read-trace
         # Files filled to the end, with the content filled: a link of one later fetches nothing.
         self._filled: OrderedDict[int, int] = OrderedDict()
@@ -189,7 +192,7 @@ class PageFill:
         self.fs.remember_page_cache(node.id, node.size, keys)
         fill = self._fills[node.id] = _Fill(node, keys)
         self.blocks.will_fill(list(keys.values()))
-        if may_wait and self.queued_bytes + node.size > self.budget:
+        if may_wait and self.mode == "whole" and self.queued_bytes + node.size > self.budget:
             self._waiting.append(fill)
             self._waiting_bytes += node.size
         else:
@@ -297,7 +300,16 @@ class PageFill:
         if self.mode == "lazy":
             bs = self.fs.block_size
             body = [(i, k) for i, k in sorted(fill.keys.items()) if i * bs < tail_start]
-            await self._fill(fill, body, background=True, end=tail_start)
+            # The budget bounds the data blocks being filled; every first part goes at once.
+            while self._body_bytes and self._body_bytes + tail_start > self.budget:
+                await self._bodies_changed.wait()
+            self._body_bytes += tail_start
+            try:
+                await self._fill(fill, body, background=True, end=tail_start)
+            finally:
+                self._body_bytes -= tail_start
+                self._bodies_changed.set()
+                self._bodies_changed = trio.Event()
 
     async def _data_end(self, fill: _Fill) -> Optional[int]:
         """Where the file's data blocks end, if it is a RocksDB table (None: it is not)."""
@@ -356,6 +368,7 @@ class PageFill:
         first part."""
         ino, size, bs = fill.node.id, fill.node.size, self.fs.block_size
         end = size if end is None else min(end, size)
+        part = "data" if background else "first" if first else "whole"
         failed = False
 
         async def fetch(key: str) -> BlockData:
@@ -385,7 +398,7 @@ class PageFill:
                 if not chunk:
                     return
                 try:
-                    await self._store_chunk(ino, start, chunk, "data" if background else "first")
+                    await self._store_chunk(ino, start, chunk, part)
                 except OSError as exc:
                     failed = True
                     if exc.errno not in (errno.ENOSYS, errno.ENOENT):  # ENOENT: the kernel forgot the inode
