@@ -79,6 +79,7 @@ def breakdown(trace: Path, files: dict[int, dict[str, Any]], batch_start: float,
     reads = {p: {ph: {"bytes": 0, "reads": 0} for ph in PHASES} for p in PURPOSES}
     fetched = {ph: {"whole_blocks": 0, "ranges": 0} for ph in PHASES}
     touched: dict[tuple[int, str], set[int]] = {}
+    sizes: dict[str, int] = {}  # the batch's table reads by size
     for line in trace.read_text().splitlines():
         e = json.loads(line)
         if e["t"] > batch_done:
@@ -89,6 +90,9 @@ def breakdown(trace: Path, files: dict[int, dict[str, Any]], batch_start: float,
             if info is None:
                 continue  # a file removed since (the job's own scratch)
             p = purpose(info, e["off"], e["n"])
+            if phase == "batch" and info["kind"] == "table":
+                size = f"<= {1 << max(12, (e['n'] - 1).bit_length())}"  # the power of two at or above, from 4 KiB
+                sizes[size] = sizes.get(size, 0) + 1
             reads[p][phase]["bytes"] += e["n"]
             reads[p][phase]["reads"] += 1
             pages = touched.setdefault((e["ino"], p), set())
@@ -96,15 +100,16 @@ def breakdown(trace: Path, files: dict[int, dict[str, Any]], batch_start: float,
         elif e["e"] in ("get", "get_range"):
             fetched[phase]["whole_blocks" if e["e"] == "get" else "ranges"] += e["n"]
     distinct = {p: sum(len(pages) for (_, q), pages in touched.items() if q == p) * PAGE for p in PURPOSES}
-    scans: dict[str, int] = {}
+    by_operator: dict[str, dict[str, int]] = {"scan": {}, "point": {}}
     for (ino, p), pages in touched.items():
-        if p == "scan":
+        if p in by_operator:
             op = files[ino]["operator"] or "?"
-            scans[op] = scans.get(op, 0) + len(pages) * PAGE
+            by_operator[p][op] = by_operator[p].get(op, 0) + len(pages) * PAGE
     tables_read = {ino for (ino, p) in touched if p in ("open", "point", "scan")}
     tables = [files[i] for i in tables_read]
     return {
-        "reads": reads, "distinct_bytes": distinct, "fetched": fetched, "scan_bytes_by_operator": scans,
+        "reads": reads, "distinct_bytes": distinct, "fetched": fetched, "scan_bytes_by_operator": by_operator["scan"],
+        "point_bytes_by_operator": by_operator["point"], "read_sizes": sizes,
         "tables_read": len(tables_read), "tables_bytes": sum(t["size"] for t in tables),
         "tables_data_bytes": sum(t.get("data_end") or 0 for t in tables),
         "tables_tail_bytes": sum(t["size"] - (t.get("data_end") or t["size"]) for t in tables),
