@@ -255,6 +255,11 @@ VARIANTS: dict[str, tuple[list[str], list[str]]] = {
     "tails": ([], ["--prefetch-links", "tails"]),
     "trace": (["--snapshot-fill", "off"], ["--prefetch-links", "off"]),
     "same-node": ([], []),
+    # The state store's own settings: every commit a snapshot (no changelog to replay at a load),
+    # and no read of each key before its write (Spark's count of the state's rows, which a
+    # replayed changelog pays one point lookup per entry for).
+    "no-changelog": (["--no-changelog"], []),
+    "untracked": (["--conf", "spark.sql.streaming.stateStore.rocksdb.trackTotalNumberOfRows=false"], []),
 }
 TRACE = "trace"
 SAME_NODE = "same-node"  # the daemon killed and mounted again over its own cache dir: the node came back
@@ -265,8 +270,10 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
     ``fusestate+shim@s3:whole`` restarts with today's whole-file page fill, to compare within
     one call."""
     name, _, variant = label.partition(":")
-    if variant not in VARIANTS:
-        raise SystemExit(f"unknown setup variant {variant!r} (known: {', '.join(v for v in VARIANTS if v)})")
+    variants = variant.split("+") if variant else []  # several at once: ``:trace+no-changelog``
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown setup variant {unknown[0]!r} (known: {', '.join(v for v in VARIANTS if v)})")
     d = work / label.replace(":", "-")
     d.mkdir()
     out = d / "out"
@@ -281,9 +288,9 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
                   "--s3a-jars", jars_argument(connector_jars())]
     if name.startswith("fusestate+shim"):
         extra.append("--use-shim")
-    extra += VARIANTS[variant][0]
-    restart_mount = list(VARIANTS[variant][1])
-    if variant == TRACE:
+    extra += [a for v in variants for a in VARIANTS[v][0]]
+    restart_mount = [a for v in variants for a in VARIANTS[v][1]]
+    if TRACE in variants:
         restart_mount += ["--read-trace", str(d / "trace.jsonl")]
     if args.no_changelog and not local_state:
         extra.append("--no-changelog")
@@ -310,7 +317,7 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
             result["first_run"]["fusestate"] = {k: st["writeback"][k] for k in ("uploaded_bytes", "uploaded_blocks")}
             result["first_run"]["fusestate"]["fuse_bytes_written"] = st["fuse"]["bytes_written"]
             # Lose the node: kill the daemon, wipe its cache, take the volume over on a "fresh node".
-            lose_node(mnt, cache, kill=not args.clean_umount, wipe=variant != SAME_NODE)
+            lose_node(mnt, cache, kill=not args.clean_umount, wipe=SAME_NODE not in variants)
             t = time.time()
             mount(url, mnt, cache, args, "--takeover", *restart_mount, shim="+shim" in name)
             result["fresh_mount_s"] = round(time.time() - t, 2)
@@ -360,7 +367,7 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
                 began = done - (b.get("duration_ms") or 0) / 1000
                 result["restart"]["fetched_before_first_batch_done"] = fetched_by(
                     result["restart"]["fetch_timeline"], done - sampler.t0)
-                if variant == TRACE:
+                if TRACE in variants:
                     result["restart"]["breakdown"] = breakdown(d / "trace.jsonl", state_files(state), began, done)
         return result
     finally:
@@ -388,7 +395,8 @@ def main() -> int:
                         "name a variant after a colon: :no-snapshot-fill (restart with --snapshot-fill off), "
                         ":whole or :tails (restart with --prefetch-links whole or tails), :trace (no page fill, "
                         "every read recorded: the restart's breakdown by purpose), :same-node (the daemon killed "
-                        "and mounted again over its own cache dir)")
+                        "and mounted again over its own cache dir), :no-changelog, :untracked (Spark's row count "
+                        "off); several joined by +, e.g. :trace+no-changelog")
     p.add_argument("--s3-endpoint", default=None, metavar="URL",
                    help="an S3 endpoint (the shaped one) for the @s3 and +download setups")
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")

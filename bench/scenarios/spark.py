@@ -40,10 +40,11 @@ SETUPS = ["local", "fusestate", "fusestate+shim"]
 # (file by file as Spark's state store copies; all at once).
 S3A = "s3a"
 SHAPED_SETUPS = [S3A, "local+download", "local+download-parallel", "fusestate+shim@s3"]
-# fusestate+shim@s3 restarted another way (bench/spark_runner.py's VARIANTS): accepted by --systems,
-# run only when named.
+# fusestate+shim@s3 restarted another way (bench/spark_runner.py's VARIANTS, several joined by +, as
+# in fusestate+shim@s3:trace+no-changelog): run only when --systems names them.
 SHAPED_VARIANTS = ["fusestate+shim@s3:whole", "fusestate+shim@s3:tails", "fusestate+shim@s3:trace",
-                   "fusestate+shim@s3:same-node"]
+                   "fusestate+shim@s3:same-node", "fusestate+shim@s3:no-changelog", "fusestate+shim@s3:untracked"]
+VARIANT_OF_SHAPED = "fusestate+shim@s3:"
 # Names --systems takes for several setups at once (chosen_setups, shaped_setups).
 GROUPS = {"fusestate-file": "every fusestate setup off the endpoint", SHAPED: "every setup on the shaped endpoint"}
 SIZES: dict[str, dict[str, Any]] = {
@@ -149,7 +150,7 @@ def runner_records(ctx: Context, p: dict[str, Any], setups: list[str], env: dict
 def shaped_setups(ctx: Context) -> list[str]:
     """The setups on the shaped S3 endpoint: all of them with no --systems or with the endpoint's
     system among them, else those --systems names."""
-    named = [s for s in SHAPED_VARIANTS if ctx.systems and s in ctx.systems]
+    named = [s for s in ctx.systems or [] if s.startswith(VARIANT_OF_SHAPED)]
     if not ctx.systems or SHAPED in ctx.systems:
         return list(SHAPED_SETUPS) + named
     return [s for s in SHAPED_SETUPS if s in ctx.systems] + named
