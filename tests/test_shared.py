@@ -385,8 +385,9 @@ def test_gc_racing_uploads_of_the_same_bytes_deletes_nothing_referenced(make_mou
         t.start()
     try:
         # Five collections at least; more while none found garbage yet (on a loaded machine
-        # the first ones can all come before the writers have let go of a content).
-        runs, deadline = 0, time.monotonic() + 60
+        # the first ones can all come before the writers have let go of a content: with the
+        # default test run's two workers, 60 s once went by without any).
+        runs, deadline = 0, time.monotonic() + 150
         while runs < 5 or (deleted == 0 and time.monotonic() < deadline):
             out = fusestate("gc", file_bucket.url, "--meta", pg_url, "--grace", "0").stdout
             deleted += int(re.search(r"deleted (\d+) unreferenced", out).group(1))
