@@ -31,7 +31,20 @@ def node(ino: int, size: int = BS) -> Inode:
                  atime_ns=0, mtime_ns=0, ctime_ns=0)
 
 
-class Blocks:
+class Ledger:
+    """What the fill tells a block store of the blocks it takes on: nothing held here."""
+
+    def holds(self, key: str) -> bool:
+        return False
+
+    def will_fill(self, keys: list[str]) -> None:
+        pass
+
+    def filled(self, keys: list[str]) -> None:
+        pass
+
+
+class Blocks(Ledger):
     """Each block's fetch waits until the test lets it through (``release``): the test, not
     the scheduler, decides which fill ends first."""
 
@@ -46,15 +59,6 @@ class Blocks:
     def release(self, *inodes: int) -> None:
         for ino in inodes:
             self.gate(f"block-{ino}").set()
-
-    def holds(self, key: str) -> bool:
-        return False
-
-    def will_fill(self, keys: list[str]) -> None:
-        pass
-
-    def filled(self, keys: list[str]) -> None:
-        pass
 
     async def read(self, key: str, start: int, end: int) -> bytes:
         return bytes(end - start)  # no RocksDB table: each file is filled whole
@@ -163,7 +167,7 @@ def test_a_waiting_fill_stops_at_once_before_other_content() -> None:
     run(body)
 
 
-class TableBlocks:
+class TableBlocks(Ledger):
     """Blocks holding real files' bytes; records what the fill asked for and in what order,
     and lets the test say whether readers wait for the bucket."""
 
@@ -177,15 +181,6 @@ class TableBlocks:
         self.most_in_flight = {True: 0, False: 0}  # the most at once, while readers were busy and not
         self.files_in_flight: collections.Counter[str] = collections.Counter()  # background fetches by file
         self.most_files_in_flight = 0
-
-    def holds(self, key: str) -> bool:
-        return False
-
-    def will_fill(self, keys: list[str]) -> None:
-        pass
-
-    def filled(self, keys: list[str]) -> None:
-        pass
 
     async def read(self, key: str, start: int, end: int) -> bytes:
         self.events.append(("read", key))
@@ -212,6 +207,21 @@ class TableBlocks:
         return self.data[key]
 
 
+def table_fs(files: dict[int, bytes], bs: int) -> tuple[FileSystem, "TableBlocks"]:
+    """A file system of ``bs``-byte blocks holding ``files`` (inode -> bytes), block i of inode
+    n keyed ``n-i``."""
+    fs = FileSystem()
+    fs.block_size = bs
+    blocks = fs.blocks = TableBlocks(files, bs)  # type: ignore[assignment]
+
+    class Meta:
+        async def block_map(self, ino: int) -> dict[int, str]:
+            return {i: f"{ino}-{i}" for i in range((len(files[ino]) + bs - 1) // bs)}
+
+    fs.meta = Meta()  # type: ignore[assignment]
+    return fs, blocks
+
+
 def test_lazy_fills_every_tables_tail_first_and_its_data_blocks_only_while_readers_are_quiet(
         rocksdb_tables: list[Path]) -> None:
     """Two RocksDB tables and a file that is not one: the tables' tails (index, filters,
@@ -223,15 +233,7 @@ def test_lazy_fills_every_tables_tail_first_and_its_data_blocks_only_while_reade
     ends = {ino: sst.data_end_of_file(str(t)) for ino, t in ((1, rocksdb_tables[0]), (2, rocksdb_tables[1]))}
 
     async def main() -> None:
-        fs = FileSystem()
-        fs.block_size = bs
-        blocks = fs.blocks = TableBlocks(files, bs)  # type: ignore[assignment]
-
-        class Meta:
-            async def block_map(self, ino: int) -> dict[int, str]:
-                return {i: f"{ino}-{i}" for i in range((len(files[ino]) + bs - 1) // bs)}
-
-        fs.meta = Meta()  # type: ignore[assignment]
+        fs, blocks = table_fs(files, bs)
         pages: dict[int, bytearray] = {ino: bytearray(len(c)) for ino, c in files.items()}
         stores: list[tuple[int, int]] = []
 
@@ -273,15 +275,7 @@ def test_tails_fills_only_what_an_open_reads(rocksdb_tables: list[Path]) -> None
     end = sst.data_end_of_file(str(rocksdb_tables[0]))
 
     async def main() -> None:
-        fs = FileSystem()
-        fs.block_size = bs
-        blocks = fs.blocks = TableBlocks({1: content}, bs)  # type: ignore[assignment]
-
-        class Meta:
-            async def block_map(self, ino: int) -> dict[int, str]:
-                return {i: f"1-{i}" for i in range((len(content) + bs - 1) // bs)}
-
-        fs.meta = Meta()  # type: ignore[assignment]
+        fs, blocks = table_fs({1: content}, bs)
         stored: list[tuple[int, int]] = []
         fill = PageFill(fs, lambda ino, offset, data: stored.append((offset, len(data))),  # type: ignore[arg-type]
                         budget=64 << 20, mode="tails")
@@ -308,15 +302,7 @@ def test_lazy_starts_every_first_part_at_once_and_bounds_the_data_blocks_by_the_
     files = {ino: t.read_bytes() for ino, t in enumerate(tables, start=1)}
 
     async def main() -> None:
-        fs = FileSystem()
-        fs.block_size = bs
-        blocks = fs.blocks = TableBlocks(files, bs)  # type: ignore[assignment]
-
-        class Meta:
-            async def block_map(self, ino: int) -> dict[int, str]:
-                return {i: f"{ino}-{i}" for i in range((len(files[ino]) + bs - 1) // bs)}
-
-        fs.meta = Meta()  # type: ignore[assignment]
+        fs, blocks = table_fs(files, bs)
         budget = int(1.6 * max(len(c) for c in files.values()))
         fill = PageFill(fs, lambda ino, offset, data: None, budget=budget, mode="lazy")  # type: ignore[arg-type]
         async with trio.open_nursery() as nursery:

@@ -429,16 +429,17 @@ def recovery_goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
                             f"{took / floor:.2f} ({took:.1f} s against {floor:.1f} s)",
                             took / floor <= SKEWED_FLOOR_GOAL))
     if skew and fetched:
-        shares = {size: b / (size * 1e9) for size, b in fetched.items()}
-        out.append(goal_row(f"Spark restart, Zipf keys, bytes fetched before the first batch was done / the state "
-                            f"≤ {SKEWED_FETCH_GOAL:g}",
-                            "; ".join(f"{r:.2f} at {size:g} GB" for size, r in shares.items()),
-                            all(r <= SKEWED_FETCH_GOAL for r in shares.values())))
+        out.append(share_goal("Spark restart, Zipf keys, bytes fetched before the first batch was done / the state",
+                              fetched, SKEWED_FETCH_GOAL, 2))
     same = dict(restart_points(doc, f"{LAZY}:same-node", "fetched_bytes"))
     if same:
-        shares = {size: b / (size * 1e9) for size, b in same.items()}
-        out.append(goal_row(f"Spark restart on the same node (its cache dir kept), bytes fetched / the state "
-                            f"≤ {SAME_NODE_FETCH_GOAL:g}",
-                            "; ".join(f"{r:.4f} at {size:g} GB" for size, r in shares.items()),
-                            all(r <= SAME_NODE_FETCH_GOAL for r in shares.values())))
+        out.append(share_goal("Spark restart on the same node (its cache dir kept), bytes fetched / the state",
+                              same, SAME_NODE_FETCH_GOAL, 4))
     return out
+
+
+def share_goal(goal: str, fetched: dict[float, float], at_most: float, digits: int) -> dict[str, Any]:
+    """A goal on bytes fetched as a share of the state, at each size (GB -> bytes)."""
+    shares = {size: b / (size * 1e9) for size, b in fetched.items()}
+    return goal_row(f"{goal} ≤ {at_most:g}", "; ".join(f"{r:.{digits}f} at {size:g} GB" for size, r in shares.items()),
+                    all(r <= at_most for r in shares.values()))
