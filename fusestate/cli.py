@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 
 from fusestate import __version__
 from fusestate.config import (DEFAULT_BLOCK_SIZE, FRONTENDS, DEFAULT_METRICS_PORT, METRICS_PORTS,
-                              PREFETCH_LINK_MODES, PREFETCH_MODES, WHOLE_BLOCK_MODES, MountConfig, format_size, meta_url_of, parse_size)
+                              PREFETCH_LINK_MODES, PREFETCH_MODES, WHOLE_BLOCK_MODES, MountConfig, format_size,
+                              meta_url_of, parse_size)
 from fusestate.errors import UserError
 from fusestate.spark.arguments import cluster_arguments, pipeline_arguments
 

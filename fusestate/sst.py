@@ -20,7 +20,7 @@ result is None and the caller treats the file as plain bytes.
 from __future__ import annotations
 
 import struct
-from typing import Generator, NamedTuple, Optional
+from typing import Awaitable, Callable, Generator, NamedTuple, Optional
 
 MAGIC = 0x88E241B785F4CFF7          # block-based table, footer with a checksum type and a version
 LEGACY_MAGIC = 0xDB4775248B80FB57   # block-based table, format version 0
@@ -143,12 +143,22 @@ def data_end_steps(file_size: int) -> Steps:
         return None
 
 
-def run_steps(steps: Steps, read) -> Optional[int]:  # read: (offset, length) -> bytes
-    """Drive :func:`data_end_steps` with a blocking reader."""
+def run_steps(steps: Steps, read: Callable[[int, int], bytes]) -> Optional[int]:
+    """Drive :func:`data_end_steps` with a blocking reader of (offset, length)."""
     try:
         want = next(steps)
         while True:
             want = steps.send(read(*want))
+    except StopIteration as done:
+        return done.value
+
+
+async def run_steps_async(steps: Steps, read: Callable[[int, int], Awaitable[bytes]]) -> Optional[int]:
+    """Drive :func:`data_end_steps` with an asynchronous reader of (offset, length)."""
+    try:
+        want = next(steps)
+        while True:
+            want = steps.send(await read(*want))
     except StopIteration as done:
         return done.value
 

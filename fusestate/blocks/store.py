@@ -488,18 +488,13 @@ class BlockStore:
             self._reader_waits_changed.set()
             self._reader_waits_changed = trio.Event()
 
-    @property
-    def readers_waiting(self) -> int:
-        """Reads that wait for the bucket now."""
-        return self._reader_waits
-
     def readers_busy(self, quiet: float = READERS_QUIET_SECONDS) -> bool:
         """Whether a small read (a point lookup) waits for the bucket now, or did less than
         ``quiet`` seconds ago."""
         return bool(self._reader_waits) or trio.current_time() - self._reader_waits_ended < quiet
 
     async def readers_quiet(self, quiet: float = READERS_QUIET_SECONDS) -> None:
-        """Return once no reader has waited for the bucket for ``quiet`` seconds: background
+        """Return once no small read has waited for the bucket for ``quiet`` seconds: background
         fetches call it before each block, so they never hold a bucket connection, a worker
         thread or a core that a reader could use."""
         while True:

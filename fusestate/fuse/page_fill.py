@@ -44,6 +44,7 @@ store waited for.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import os
@@ -313,13 +314,7 @@ class PageFill:
 
     async def _data_end(self, fill: _Fill) -> Optional[int]:
         """Where the file's data blocks end, if it is a RocksDB table (None: it is not)."""
-        steps = sst.data_end_steps(fill.node.size)
-        try:
-            want = next(steps)
-            while True:
-                want = steps.send(await self._read(fill, *want))
-        except StopIteration as done:
-            return done.value
+        return await sst.run_steps_async(sst.data_end_steps(fill.node.size), functools.partial(self._read, fill))
 
     async def _read(self, fill: _Fill, offset: int, length: int) -> bytes:
         """Bytes of the file as linked (its block map then), through the block store's read
@@ -340,13 +335,13 @@ class PageFill:
         # that read is answered on this loop.
         try:
             await trio.to_thread.run_sync(self._store, ino, start, chunk)
-            if self.trace is not None:
-                self.trace.event("fill", ino=ino, off=start, n=len(chunk), part=part)
         except OSError as exc:
             if exc.errno == errno.ENOSYS:
                 self._disabled = True
                 log.warning("the kernel cannot take data into its page cache; linked files are not filled")
             raise
+        if self.trace is not None:
+            self.trace.event("fill", ino=ino, off=start, n=len(chunk), part=part)
 
     async def _background_turn(self) -> bool:
         """Before a background block: wait while any file's first part is pending, and while
