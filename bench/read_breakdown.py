@@ -5,8 +5,9 @@ all and ``--read-trace`` (fusestate/read_trace.py): every page RocksDB and Spark
 the daemon once (the page cache was dropped; later reads of it do not), and every bucket read
 is recorded. Each read of a table (``.sst``) is told apart by where it falls
 (fusestate/sst.py): at or after the end of the data blocks it is what opening the table reads
-(index, filters, properties, footer); before it, a data block, read by a point lookup (a
-small read) or by a scan (64 KiB or more: a compaction, or an iteration).
+(index, filters, properties, footer); before it, a data block, read by a scan (a read of
+64 KiB or more, or one that starts where the last read of the same file ended: a compaction or
+an iteration reading block after block) or else by a point lookup.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ PAGE = 4096
 SCAN_BYTES = 64 * 1024
 PURPOSES = {
     "open": "tables: index, filters, footer (what an open reads)",
-    "point": "tables: data blocks, point reads (< 64 KiB)",
-    "scan": "tables: data blocks, scans (>= 64 KiB: compaction or iteration)",
+    "point": "tables: data blocks, point reads (< 64 KiB, not after the last read)",
+    "scan": "tables: data blocks, scans (>= 64 KiB or sequential: compaction or iteration)",
     "changelog": "changelogs (replayed by the load)",
     "zip": "snapshot zips (MANIFEST, OPTIONS, metadata)",
     "other": "other files",
@@ -62,7 +63,9 @@ def state_files(root: Path) -> dict[int, dict[str, Any]]:
     return files
 
 
-def purpose(info: dict[str, Any], off: int, n: int) -> str:
+def purpose(info: dict[str, Any], off: int, n: int, sequential: bool = False) -> str:
+    """What a read of ``n`` bytes at ``off`` was for; ``sequential``: it starts where the last
+    read of the file ended (the first block of a scan counts as a point read)."""
     if info["kind"] != "table":
         return info["kind"]
     end = info.get("data_end")
@@ -70,7 +73,7 @@ def purpose(info: dict[str, Any], off: int, n: int) -> str:
         return "other"
     if off >= end // PAGE * PAGE:
         return "open"
-    return "scan" if n >= SCAN_BYTES else "point"
+    return "scan" if n >= SCAN_BYTES or sequential else "point"
 
 
 def breakdown(trace: Path, files: dict[int, dict[str, Any]], batch_start: float, batch_done: float) -> dict[str, Any]:
@@ -80,6 +83,7 @@ def breakdown(trace: Path, files: dict[int, dict[str, Any]], batch_start: float,
     fetched = {ph: {"whole_blocks": 0, "ranges": 0} for ph in PHASES}
     touched: dict[tuple[int, str], set[int]] = {}
     sizes: dict[str, int] = {}  # the batch's table reads by size
+    read_end: dict[int, int] = {}  # where the last read of each file ended
     for line in trace.read_text().splitlines():
         e = json.loads(line)
         if e["t"] > batch_done:
@@ -89,7 +93,9 @@ def breakdown(trace: Path, files: dict[int, dict[str, Any]], batch_start: float,
             info = files.get(e["ino"])
             if info is None:
                 continue  # a file removed since (the job's own scratch)
-            p = purpose(info, e["off"], e["n"])
+            sequential = read_end.get(e["ino"]) == e["off"] and e["off"] > 0
+            read_end[e["ino"]] = e["off"] + e["n"]
+            p = purpose(info, e["off"], e["n"], sequential)
             if phase == "batch" and info["kind"] == "table":
                 size = f"<= {1 << max(12, (e['n'] - 1).bit_length())}"  # the power of two at or above, from 4 KiB
                 sizes[size] = sizes.get(size, 0) + 1

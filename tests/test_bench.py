@@ -873,6 +873,7 @@ def test_a_traced_restart_is_broken_down_by_what_rocksdb_read(tmp_path: Path, ro
         {"t": 2.5, "e": "read", "ino": ino, "off": 4096, "n": 4096},                 # a point lookup
         {"t": 2.6, "e": "read", "ino": ino, "off": 4096, "n": 4096},                 # the same page again
         {"t": 2.7, "e": "read", "ino": ino, "off": 131072, "n": 131072},             # a scan
+        {"t": 2.75, "e": "read", "ino": ino, "off": 262144, "n": 16384},             # and on, block by block
         {"t": 2.8, "e": "get", "n": 4 << 20},
         {"t": 9.0, "e": "read", "ino": ino, "off": 0, "n": 4096},                    # after the batch
     ]
@@ -882,7 +883,7 @@ def test_a_traced_restart_is_broken_down_by_what_rocksdb_read(tmp_path: Path, ro
     assert b["reads"]["changelog"]["before_batch"]["bytes"] == 5000
     assert b["reads"]["point"]["batch"] == {"bytes": 8192, "reads": 2}
     assert b["distinct_bytes"]["point"] == 4096
-    assert b["reads"]["scan"]["batch"]["bytes"] == 131072
+    assert b["reads"]["scan"]["batch"] == {"bytes": 131072 + 16384, "reads": 2}
     assert b["fetched"] == {"before_batch": {"whole_blocks": 0, "ranges": 8192},
                             "batch": {"whole_blocks": 4 << 20, "ranges": 0}}
     assert b["tables_read"] == 1 and b["tables_data_bytes"] == end

@@ -474,6 +474,22 @@ def test_each_node_reports_where_the_volumes_files_are_warm(make_mount, file_buc
     scrape = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
     assert 'fusestate_warm_bytes{dir="/p1"} 200000.0' in scrape
 
+    def probe(path: Path, share: bytes = b"") -> int:
+        """0 when the node holds ``share`` of the bytes under ``path``, else the errno."""
+        try:
+            os.setxattr(path, "user.fusestate.warm", share)
+            return 0
+        except OSError as exc:
+            return exc.errno or -1
+
+    # The same answer through the mount, as a Spark executor asks it (user.fusestate.warm).
+    assert probe(a.path / "p1") == probe(b.path / "p2") == probe(b.path / "p2" / "f") == 0
+    assert probe(b.path / "p1") == probe(b.path / "p1" / "f") == errno.ENODATA
+    assert probe(b.path, b"0.5") == 0 and probe(b.path, b"0.6") == errno.ENODATA
+    assert probe(b.path, b"1.5") == probe(b.path, b"most") == errno.EINVAL
+    (b.path / "empty").mkdir()
+    assert probe(b.path / "empty") == errno.ENODATA
+
 
 def test_fsync_makes_namespace_changes_survive_a_database_crash(make_mount, file_bucket: Bucket, pg_url: str,
                                                                 postgres_server) -> None:

@@ -27,8 +27,8 @@ pytest.importorskip("pyspark")
 if shutil.which("java") is None:
     pytest.skip("no java on this machine", allow_module_level=True)
 
-from fusestate.spark.cluster import Cluster, DriverBatches, Node, summary_lines  # noqa: E402
-from fusestate.spark.pipeline import final_view, read_output  # noqa: E402
+from fusestate.spark.cluster import Cluster, DriverBatches, Node, placed_stores, summary_lines  # noqa: E402
+from fusestate.spark.pipeline import SPARK_LOG_NAME, final_view, read_output  # noqa: E402
 
 BATCHES = 6
 SIZE = ["--keys", "4000", "--payload-bytes", "256", "--events-per-batch", "1000"]
@@ -113,6 +113,36 @@ def test_pipeline_on_a_two_worker_cluster_equals_local_mode(cluster: Cluster, lo
     assert sum(links) >= s["rocksdb_files_copied"], links
     # Both nodes ran state stores.
     assert all(w.status()["fuse"]["bytes_written"] > 0 for w in cluster.workers)
+
+
+def test_a_query_restarted_on_the_same_nodes_reads_its_state_from_their_caches(cluster: Cluster,
+                                                                              tmp_path: Path) -> None:
+    """Stop the query after batch 1 and start it again on a new driver node, the two workers and
+    their caches kept (a job restarted on the nodes it ran on). Spark's first batch of a new
+    run has no record of where a state store was: its tasks go where the batch's shuffle
+    input is (here one input file, so one node) or wherever a slot is free. The shim's
+    StoreAffinity starts each store on the node whose cache holds its next load instead. So
+    the workers fetch less than half of one store's share of the state before that batch is
+    done, where stores put by Spark alone (those the other node built) read theirs whole."""
+    cluster.start(workers=2)
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    checkpoint = cluster.checkpoint("q")
+    size = ["--payload-bytes", "2048"]
+    # The module's 0 s locality wait spreads the stores over both nodes while the state is
+    # built; the restart has Spark's own (3 s): a task waits for the node it is placed on
+    # rather than moving to whichever executor is free first.
+    conf = ["--conf", "spark.locality.wait=3s"]
+    finish(cluster.start_driver([*pipeline_args(out, report, checkpoint, batches=2), *size]))
+    stores = 2 * 4  # two stateful operators, 4 partitions each
+    state = json.loads(report.read_text())["summary"]["rocksdb_sst_bytes_last"]
+    before = {w.name: counter(w.status(), "bytes_in") for w in cluster.workers}
+    driver = cluster.start_driver([*pipeline_args(out, report, checkpoint, batches=4), *size, *conf])
+    wait_for_batch(out, 2, driver)
+    fetched = {w.name: counter(w.status(), "bytes_in") - before[w.name] for w in cluster.workers}
+    finish(driver)
+    assert placed_stores(out / SPARK_LOG_NAME) == (stores, stores), tail(driver)
+    assert state > 1_000_000
+    assert sum(fetched.values()) < state / stores / 2, (fetched, state)
 
 
 def rejoined(cluster: Cluster, node: Node, known: set[str], timeout: float = 180) -> bool:
@@ -392,6 +422,33 @@ def test_cluster_summary_shows_what_the_nodes_did() -> None:
         "spark.sql.streaming.stateStore.minDeltasForSnapshot": "10"})
     assert "state files    0 linked by the shim on loads and commits (changelog checkpointing: state files " \
            "reach the checkpoint with a snapshot, every 10 versions)" in summary_lines(changelog)
+
+
+def test_a_restart_row_says_where_the_stores_started_and_what_that_fetched(tmp_path: Path) -> None:
+    """--restart-after: the summary's restart row, from the run's record and the line the shim's
+    StoreAffinity writes to the new driver's log (the last such line: the query's last start)."""
+    log = tmp_path / "driver2.log"
+    log.write_text("x\nfusestate: 3 of 8 state stores of query 1f-2e start on a node that holds them (2 of 2 "
+                   "executors answered in 250 ms)\nfusestate: 7 of 8 state stores of query 1f-2e start on a node "
+                   "that holds them (2 of 2 executors answered in 260 ms)\n")
+    assert placed_stores(log) == (7, 8)
+    assert placed_stores(tmp_path / "none.log") is None
+    restart = {"after_batch": 3, "first_batch_s": 21.04, "fetched_before_first_batch": {"worker1": 2**20,
+                                                                                        "worker2": 0},
+               "stores_placed": 7, "stores": 8}
+    report = {"summary": {"batches": 1, "rows": 10, "records_per_second": 1.0, "batch_ms_median": 10,
+                          "rocksdb_files_copied": 1, "rocksdb_bytes_copied": 0},
+              "batches": [{"batch": 4, "state_commit_ms": 3, "rocksdb": {}}],
+              "cluster": {"faults": [], "nodes": {}, "restart": restart}}
+    assert ("restart       after batch 3 on a new driver, the same workers: its first batch done 21.0 s later; 7 of "
+            "8 state stores started on a node that held them; fetched before it: 1.0 MiB (worker1 1.0 MiB, worker2 "
+            "0.0 MiB)") in summary_lines(report)
+    # The restart needs a batch after it.
+    import argparse
+
+    from fusestate.spark.cluster import ClusterError, planned_faults
+    with pytest.raises(ClusterError, match="--restart-after 7: the batches are 0 to 7"):
+        planned_faults(argparse.Namespace(restart_after=7, batches=8))
 
 
 def test_traffic_adds_up_a_restarted_daemon_to_the_dead_one() -> None:

@@ -158,14 +158,15 @@ def shaped_setups(ctx: Context) -> list[str]:
 
 def fetch_connector(setups: list[str]) -> tuple[list[str], Optional[str]]:
     """Fetch S3A's jars before the first run when ``s3a`` is among ``setups``: the setups that can
-    run, and why s3a cannot (its cells get that error; the other setups run)."""
-    if S3A not in setups:
+    run, and why s3a cannot (its cells get that error; the other setups run). ``s3a:<variant>``
+    counts as s3a."""
+    if not any(s.partition(":")[0] == S3A for s in setups):
         return setups, None
     try:
         jars = connector_jars()
     except ConnectorUnavailable as exc:
         log(f"  s3a: {exc}")
-        return [s for s in setups if s != S3A], str(exc)
+        return [s for s in setups if s.partition(":")[0] != S3A], str(exc)
     log(f"  s3a: Hadoop's S3A connector, {len(jars)} jars ({jars[0].name})")
     return setups, None
 

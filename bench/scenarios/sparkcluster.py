@@ -63,6 +63,13 @@ BUDGET = {"tiny": None, "quick": 900.0, "full": None}
 FUSESTATE_S3 = "fusestate@s3"  # the shared volume's bucket on the shaped endpoint, as s3a's checkpoint
 JUICEFS = "juicefs-pg"  # the checkpoint on a JuiceFS volume every node mounts, the state on local disk
 SETUPS = ["local", "fusestate", S3A, FUSESTATE_S3, JUICEFS]
+# A restart on the same nodes instead of a lost one (run only when --systems names them): the
+# query stops once the state is built and the rest runs on a new driver, the workers and their
+# caches kept. ``:restart`` with the shim's StoreAffinity (each store starts on the node that
+# holds it), ``:restart-unplaced`` with it off (Spark puts each store where a slot is free).
+RESTART, UNPLACED = "restart", "restart-unplaced"
+RESTART_SETUPS = [f"fusestate:{RESTART}", f"fusestate:{UNPLACED}", f"{FUSESTATE_S3}:{RESTART}",
+                  f"{FUSESTATE_S3}:{UNPLACED}", f"{S3A}:{RESTART}"]
 ON_POSTGRES = ("fusestate", FUSESTATE_S3, JUICEFS)
 ON_ENDPOINT = (S3A, FUSESTATE_S3)
 SIZES: dict[str, dict[str, Any]] = {
@@ -83,6 +90,11 @@ METRICS = [
     Metric("fetched_mb", "MB", higher_is_better=False,
            label="read from the bucket by the surviving node from the loss to that batch (fusestate)"),
     Metric("cpu_ms_per_record", "ms", higher_is_better=False, label="CPU time of the machine per record before the loss"),
+    Metric("restart_s", "s", higher_is_better=False,
+           label="restart on the same nodes (:restart) to its first batch completed"),
+    Metric("restart_fetched_mb", "MB", higher_is_better=False,
+           label="read from the bucket by the workers from the restart to that batch (fusestate)"),
+    Metric("stores_placed", "stores", label="state stores the restart started on a node that held them"),
 ]
 # Snapshots every second version, taken by a maintenance task every second: a node lost
 # mid-stream leaves state stores whose load reads a snapshot (its files linked on
@@ -112,6 +124,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     from fusestate.spark.cluster import Cluster
     from fusestate.spark.pipeline import SPARK_LOG_NAME
 
+    setup, _, variant = setup.partition(":")  # restart on the same nodes, or lose one
     # Every key written, then steady batches before the loss and a few after it.
     batches = -(-keys // p["events_per_batch"]) + STEADY_BATCHES + 3
     need, free = keys * p["payload_bytes"] * DISK_PER_STATE_BYTE[setup], shutil.disk_usage(work).free
@@ -170,7 +183,8 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
                     "--min-deltas-for-snapshot", "2", *skew_arguments(p.get("key_skew", 0)), *connector]
             for c in CONF:
                 args += ["--conf", c]
-            driver = cluster.start_driver(args)
+            driver = cluster.start_driver(args if not variant else
+                                          [*args, "--batches", str(lose_after + 1)])  # the last --batches counts
             deadline = time.monotonic() + p["timeout"]
 
             def wait_for_batch(batch: int, each: Optional[Callable[[], None]] = None) -> None:
@@ -186,22 +200,28 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             cpu_before = cpu.snapshot()
             wait_for_batch(lose_after)
             cpu_used = cpu.spent(cpu_before, cpu.snapshot())
-            survivor = cluster.workers[0]
-            fetched_before = _bucket_bytes_in(survivor) if volume else 0
-            requested_before = _requested_bytes(survivor) if volume else 0
-            lost_at = time.time()
-            cluster.workers[-1].kill()
-            cluster.workers[-1].wipe_cache()
-            # The batch running at the loss is the first to complete after it. Meanwhile, what the
-            # survivor reads from the bucket, every half second: when its fetch of the lost stores ended.
-            fetches = FetchTimeline(survivor, lost_at, fetched_before) if volume else None
-            wait_for_batch(lose_after + 1, fetches.sample if fetches else None)
-            fetched = _bucket_bytes_in(survivor) - fetched_before if volume else 0
-            # What the survivor's executor asked its daemon to fill at the loss (the shim's LossFill).
-            filled_at_loss = _requested_bytes(survivor) - requested_before if volume else 0
-            if driver.wait(p["timeout"]) != 0:
-                raise RuntimeError(f"the pipeline failed; see {driver.log}")
-        doc = json.loads(report.read_text())
+            if variant:
+                if driver.wait(p["timeout"]) != 0:
+                    raise RuntimeError(f"the pipeline failed; see {driver.log}")
+                built = json.loads(report.read_text())
+                restarted = restart_run(cluster, args, variant, volume is not None, lose_after, p["timeout"])
+            else:
+                survivor = cluster.workers[0]
+                fetched_before = _bucket_bytes_in(survivor) if volume else 0
+                requested_before = _requested_bytes(survivor) if volume else 0
+                lost_at = time.time()
+                cluster.workers[-1].kill()
+                cluster.workers[-1].wipe_cache()
+                # The batch running at the loss is the first to complete after it. Meanwhile, what the
+                # survivor reads from the bucket, every half second: when its fetch of the lost stores ended.
+                fetches = FetchTimeline(survivor, lost_at, fetched_before) if volume else None
+                wait_for_batch(lose_after + 1, fetches.sample if fetches else None)
+                fetched = _bucket_bytes_in(survivor) - fetched_before if volume else 0
+                # What the survivor's executor asked its daemon to fill at the loss (the shim's LossFill).
+                filled_at_loss = _requested_bytes(survivor) - requested_before if volume else 0
+                if driver.wait(p["timeout"]) != 0:
+                    raise RuntimeError(f"the pipeline failed; see {driver.log}")
+            doc = json.loads(report.read_text())
     finally:
         if server is not None:
             server.close()
@@ -211,10 +231,10 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
                 endpoint.fsspec().rm(bucket, recursive=True)
             except Exception as exc:  # noqa: BLE001 - a bucket left behind costs disk, not the result
                 log(f"  could not empty bucket {bucket}: {exc}")
+    if variant:
+        return {**steady_metrics(built, lose_after, cpu_used), **restarted}
     before = [b for b in doc["batches"] if WARMUP_BATCHES <= b["batch"] <= lose_after]
     after = [b for b in doc["batches"] if b["batch"] > lose_after]
-    rows, ms = sum(b["rows"] for b in before), sum(b["duration_ms"] for b in before)
-    commits = [b["state_commit_ms"] for b in before]
     ends = [_end_time(b) for b in after]
     first_end = min(e for e in ends if e > lost_at)
     loads = after[0]["rocksdb"] if after else {}  # the batch running at the loss loads the lost stores
@@ -223,15 +243,57 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
         parts.update(fetches.summary(fetched))
     if volume:
         parts["fill_at_loss_mb"] = filled_at_loss / 1e6
-    return {"records_per_s": rows / (ms / 1000) if ms else 0.0,
-            **({"commit_ms_median": float(statistics.median(commits))} if commits else {}),
+    return {**steady_metrics(doc, lose_after, cpu_used),
             "recovery_s": first_end - lost_at,
             "restore_s": loads.get("rocksdbLoadLatencyMs", 0) / 1000,
             "loaded_files": loads.get("rocksdbFilesCopied", 0),
             **({"fetched_mb": fetched / 1e6} if volume else {}),
-            "cpu_ms_per_record": 1000 * cpu_used["machine"] / rows if rows else 0.0,
-            **{f"cpu_s_{part}": round(seconds, 2) for part, seconds in cpu_used.items()},
             **parts}
+
+
+def steady_metrics(doc: dict[str, Any], lose_after: int, cpu_used: dict[str, float]) -> dict[str, float]:
+    """Records/s, the median state commit and the machine's CPU time per record over the steady
+    batches (after the warm-up, up to the loss or restart)."""
+    before = [b for b in doc["batches"] if WARMUP_BATCHES <= b["batch"] <= lose_after]
+    rows, ms = sum(b["rows"] for b in before), sum(b["duration_ms"] for b in before)
+    commits = [b["state_commit_ms"] for b in before]
+    return {"records_per_s": rows / (ms / 1000) if ms else 0.0,
+            **({"commit_ms_median": float(statistics.median(commits))} if commits else {}),
+            "cpu_ms_per_record": 1000 * cpu_used["machine"] / rows if rows else 0.0,
+            **{f"cpu_s_{part}": round(seconds, 2) for part, seconds in cpu_used.items()}}
+
+
+def restart_run(cluster: Any, args: list[str], variant: str, on_volume: bool, last: int,
+                timeout: float) -> dict[str, float]:
+    """The query, stopped after batch ``last``, started again on a new driver node with the same
+    workers (``fusestate spark-cluster --restart-after``): the time to its first batch, what the
+    workers fetched until then, and how many state stores StoreAffinity placed. Spark's own
+    locality wait (3 s) either way, so that a store's task waits for the node it is placed on."""
+    from fusestate.spark.cluster import placed_stores
+
+    out = Path(args[args.index("--output") + 1])
+    report = out.with_name("report-restart.json")
+    conf = ["--conf", "spark.locality.wait=3s", "--report", str(report)]
+    if variant == UNPLACED:
+        conf += ["--conf", "spark.fusestate.affinity.waitMs=0"]
+    before = {w.name: _bucket_bytes_in(w) for w in cluster.workers} if on_volume else {}
+    began = time.time()
+    driver = cluster.start_driver([*args, *conf])
+    done = out / f"batch-{last + 1:06d}" / "_SUCCESS"
+    deadline = time.monotonic() + timeout
+    while not done.exists():
+        if not driver.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"batch {last + 1} after the restart did not complete; see {driver.log}")
+        time.sleep(0.1)
+    fetched = sum(_bucket_bytes_in(w) - before[w.name] for w in cluster.workers) if on_volume else 0
+    if driver.wait(timeout) != 0:
+        raise RuntimeError(f"the restarted pipeline failed; see {driver.log}")
+    first = next(b for b in json.loads(report.read_text())["batches"] if b["batch"] == last + 1)
+    placed = placed_stores(driver.log)
+    return {"restart_s": _end_time(first) - began,
+            **({"restart_fetched_mb": fetched / 1e6} if on_volume else {}),
+            **({"stores_placed": float(placed[0])} if placed else {}),
+            "restart_load_s": first["rocksdb"].get("rocksdbLoadLatencyMs", 0) / 1000}
 
 
 class FetchTimeline:
@@ -307,7 +369,7 @@ def _end_time(batch: dict[str, Any]) -> float:
 
 def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
     """The systems ``--systems`` may name here, and those run without it."""
-    return Choices(SETUPS, SETUPS)
+    return Choices(SETUPS + RESTART_SETUPS, SETUPS)
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -319,7 +381,7 @@ def run(ctx: Context) -> dict[str, Any]:
     runs: list[dict[str, Any]] = [record(S3A, 0, v, error=no_s3a) for v in variants] if no_s3a else []
     if ctx.mount_options:
         log(f"  {NAME}: --mount-options does not apply (the cluster harness mounts its nodes itself)")
-    on_endpoint = any(s in ON_ENDPOINT for s in setups)
+    on_endpoint = any(s.partition(":")[0] in ON_ENDPOINT for s in setups)
     if on_endpoint:
         # The endpoint's test credentials, for the daemons of fusestate@s3 (the nodes inherit them).
         for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):

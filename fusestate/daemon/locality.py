@@ -18,7 +18,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from fusestate.meta.engine import ROOT_INODE, FsError, MetaEngine
+from fusestate.meta.engine import ROOT_INODE, FsError, Inode, MetaEngine
 
 REFRESH_SECONDS = 60.0
 MAX_FILES = 20_000
@@ -63,7 +63,31 @@ async def warm_dirs(meta: MetaEngine, is_local: Callable[[str], bool], block_siz
         start = await _resolve(meta, path)
     except FsError:
         return Locality([], 0, False)
-    queue: list[tuple[int, str]] = [(start, "/" + path.strip("/"))]
+    return await _walk(meta, is_local, block_size, start, "/" + path.strip("/"), max_files)
+
+
+async def warm_share(meta: MetaEngine, is_local: Callable[[str], bool], block_size: int, ino: int,
+                     max_files: int = MAX_FILES) -> tuple[int, int]:
+    """The bytes of the regular files under directory ``ino`` (or of file ``ino``) whose blocks
+    ``is_local``, and their bytes in all: whether a state store is this node's to load."""
+    node = await meta.getattr(ino)
+    if node.is_reg:
+        return await _file_warm_bytes(meta, is_local, block_size, node), node.size
+    walk = await _walk(meta, is_local, block_size, ino, "/", max_files)
+    return sum(d.warm_bytes for d in walk.dirs), sum(d.bytes for d in walk.dirs)
+
+
+async def _file_warm_bytes(meta: MetaEngine, is_local: Callable[[str], bool], block_size: int, node: Inode) -> int:
+    warm = 0
+    for index, key in (await meta.block_map(node.id)).items():
+        if is_local(key):
+            warm += max(0, min(block_size, node.size - index * block_size))
+    return warm
+
+
+async def _walk(meta: MetaEngine, is_local: Callable[[str], bool], block_size: int, start: int, start_path: str,
+                max_files: int) -> Locality:
+    queue: list[tuple[int, str]] = [(start, start_path)]
     result: list[WarmDir] = []
     seen = 0
     while queue:
@@ -88,10 +112,7 @@ async def warm_dirs(meta: MetaEngine, is_local: Callable[[str], bool], block_siz
                     seen += 1
                     here.files += 1
                     here.bytes += node.size
-                    warm = 0
-                    for index, key in (await meta.block_map(node.id)).items():
-                        if is_local(key):
-                            warm += max(0, min(block_size, node.size - index * block_size))
+                    warm = await _file_warm_bytes(meta, is_local, block_size, node)
                     if warm:
                         here.warm_files += 1
                         here.warm_bytes += warm

@@ -25,7 +25,7 @@ from fusestate.daemon.metrics import Histograms, listen, serve_stats
 from fusestate.daemon.stats import status_numbers
 from fusestate.daemon.lease import (FENCE_GRACE, TAKEOVER_WAIT, Lease, LeaseLost, LeaseRecord, epoch_starts,
                                     read_leases)
-from fusestate.daemon.locality import REFRESH_SECONDS as LOCALITY_REFRESH_SECONDS, Locality, warm_dirs
+from fusestate.daemon.locality import REFRESH_SECONDS as LOCALITY_REFRESH_SECONDS, Locality, warm_dirs, warm_share
 from fusestate.daemon.paths import CacheLayout, check_mountpoint, control_socket, prepare_cache_dir
 from fusestate.errors import UserError
 from fusestate.localio import libc
@@ -130,6 +130,7 @@ class Daemon:
         if self.ops.page_fill is not None:
             self.ops.page_fill.trace = self.trace
         self.ops.op_observer = Histograms.observer(histograms.fuse)
+        self.ops.warm_share = self.warm_share
         self.last_locality: Optional[Locality] = None  # refreshed for the metrics
 
     def _open_metadata(self) -> MetaEngine:
@@ -473,6 +474,10 @@ class Daemon:
         still count): no disk-cache lookup or stat per block, for the periodic refresh."""
         is_local = self.holds_block if exact else self.blocks.holds
         return await warm_dirs(self.meta, is_local, self.volume.block_size, path)
+
+    async def warm_share(self, ino: int) -> tuple[int, int]:
+        """The bytes under inode ``ino`` whose blocks this node holds, and their bytes in all."""
+        return await warm_share(self.meta, self.holds_block, self.volume.block_size, ino)
 
     async def _refresh_locality(self) -> None:
         """Keep the metrics' view of warm directories at most REFRESH_SECONDS old."""

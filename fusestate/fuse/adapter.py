@@ -32,6 +32,10 @@ ST_BLKSIZE = 128 * 1024
 # request may carry (the kernel's 64 KiB value limit holds about this many SST names).
 FILL_XATTR = b"user.fusestate.fill"
 FILL_NAMES_MAX = 4096
+# The extended attribute whose setting asks whether this node holds a directory's files (see
+# setxattr); its value is the share of their bytes that must be local, 0.5 when empty.
+WARM_XATTR = b"user.fusestate.warm"
+WARM_SHARE_DEFAULT = 0.5
 
 
 def _translate_errors(fn: F) -> F:
@@ -86,6 +90,8 @@ class FuseOperations(pyfuse3.Operations):
         self.op_observer: Optional[Callable[[str, float], None]] = None
         # Fills the page cache with files linked here (--prefetch-links); None: off.
         self.page_fill: Optional[PageFill] = None
+        # (warm bytes, bytes) of the files under an inode: set by the mount, for WARM_XATTR
+        self.warm_share: Optional[Callable[[int], Awaitable[tuple[int, int]]]] = None
         self.trace: Optional[ReadTrace] = None  # --read-trace
         # How to have the kernel drop an entry: the front end serving this mount says.
         self.invalidate_entry: Callable[[int, bytes], None] = _invalidate_entry
@@ -313,6 +319,9 @@ class FuseOperations(pyfuse3.Operations):
         control socket is this daemon's user's only. The caller has looked the files up (the
         kernel must know an inode to take its pages) and opens them only after asking (a file
         open here is not filled)."""
+        if name == WARM_XATTR:
+            await self._warm_probe(inode, value)
+            return
         if name != FILL_XATTR:
             raise pyfuse3.FUSEError(errno.ENOTSUP)
         node = await self.fs.getattr(inode)
@@ -328,6 +337,23 @@ class FuseOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         if self.page_fill is not None:
             await self.page_fill.requested_all(targets)
+
+    async def _warm_probe(self, inode: int, value: bytes) -> None:
+        """``user.fusestate.warm`` asks whether this node holds the files under a directory (or
+        a file): it succeeds when at least the share ``value`` (0.5 when empty) of their bytes
+        has its blocks here, and fails with ENODATA when not, or when there are no bytes. A
+        question, not a setting: nothing is stored. The answer is the error code because this
+        daemon answers no getxattr (see below), and the mount reaches it from any process on
+        the node (a Spark executor asks it which state stores to prefer: docs/spark.md)."""
+        try:
+            share = float(value.decode() or WARM_SHARE_DEFAULT)
+        except (UnicodeDecodeError, ValueError):
+            raise pyfuse3.FUSEError(errno.EINVAL) from None
+        if not 0.0 <= share <= 1.0 or self.warm_share is None:
+            raise pyfuse3.FUSEError(errno.EINVAL if self.warm_share is not None else errno.ENOTSUP)
+        warm, total = await self.warm_share(inode)
+        if total == 0 or warm < share * total:
+            raise pyfuse3.FUSEError(errno.ENODATA)
 
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
         # ENOSYS, not ENODATA: the kernel then stops sending getxattr for good (callers

@@ -101,6 +101,10 @@ def cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-daemon-of", default=None, metavar="NODE",
                    help="whose daemon --kill-daemon-after kills: a worker (worker1, worker2, ...; default the "
                         "last) or the driver (driver)")
+    p.add_argument("--restart-after", type=int, default=None, metavar="BATCH",
+                   help="stop the query once this batch has completed (its driver ends) and run the rest on a "
+                        "new driver node, the workers and their caches kept: a job restarted on the nodes it "
+                        "ran on; the summary says what the restart's first batch fetched")
     p.add_argument("--meta-ha", action="store_true",
                    help="keep the volume's metadata in a highly available PostgreSQL the run starts (Patroni, three "
                         "etcd members, a primary and a synchronous standby on 127.0.0.x) instead of one server")

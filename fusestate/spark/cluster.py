@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -516,21 +517,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nodes = "1 worker node" if args.workers == 1 else f"{args.workers} worker nodes"
             say(f"== starting a Spark master and {nodes} on {bucket} at {args.mountpoint}")
             cluster.start(args.workers)
-            pipeline = ["--output", str(output), "--report", str(report_path), "--json",
+            def pipeline(batches: int) -> list[str]:
+                return ["--output", str(output), "--report", str(report_path), "--json",
                         "--checkpoint", cluster.checkpoint(query),
-                        "--batches", str(args.batches), "--keys", str(args.keys), "--key-skew", str(args.key_skew),
+                        "--batches", str(batches), "--keys", str(args.keys), "--key-skew", str(args.key_skew),
                         "--partitions", str(args.partitions), "--wait-for-remount", str(REMOUNT_WAIT),
                         *([] if args.changelog else ["--no-changelog"]),
                         *[a for c in CLUSTER_CONF for a in ("--conf", c)]]
+
             say(f"== the pipeline, driver on its own node; node logs under {root}/nodes"
                 + ("" if kept else " (removed after the run unless --keep)"))
-            driver = cluster.start_driver(pipeline)
+            first = args.batches if args.restart_after is None else args.restart_after + 1
+            driver = cluster.start_driver(pipeline(first))
             traffic = Traffic()
             traffic.sample(cluster.workers + cluster.drivers)
-            follow_driver(cluster, driver, faults, BatchLines(args.json, True), say, traffic)
+            show = BatchLines(args.json, True)
+            follow_driver(cluster, driver, faults, show, say, traffic)
             code = driver.wait()
             if code != 0:
                 raise ClusterError(f"the pipeline failed (exit status {code}): {_tail(driver.log)}")
+            restarted = None
+            if args.restart_after is not None:
+                say(f"== the query stopped after batch {args.restart_after}; it starts again on a new driver node, "
+                    "the same workers")
+                restarted = Restart(args.restart_after, traffic, cluster)
+                driver = cluster.start_driver(pipeline(args.batches))
+                follow_driver(cluster, driver, faults, restarted.watching(show), say, traffic)
+                code = driver.wait()
+                if code != 0:
+                    raise ClusterError(f"the restarted pipeline failed (exit status {code}): {_tail(driver.log)}")
+                restarted.placed = placed_stores(driver.log)
             traffic.sample(cluster.workers + cluster.drivers)
         result = json.loads(report_path.read_text())
         lost = next((f for f in faults if f.kind == LOSE_NODE and f.done), None)
@@ -538,6 +554,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "lost_worker": lost.node if lost else None,
                              "lost_after_batch": lost.after if lost else None,
                              "faults": [f.record() for f in faults], "nodes": traffic.totals(),
+                             "restart": restarted.record() if restarted else None,
                              "root": str(root) if kept else None}
         write_report(report_path, result)
         print(json.dumps(result) if args.json else "\n".join(summary_lines(result)), flush=True)
@@ -578,8 +595,55 @@ class Fault:
                 "back_after_s": self.back_after_s, "nodes_before": self.nodes_before}
 
 
+class Restart:
+    """A query stopped after a batch and started again on a new driver node, the workers kept:
+    how long its first batch took and what the workers fetched until it was done."""
+
+    def __init__(self, after: int, traffic: Traffic, cluster: "Cluster") -> None:
+        self.after = after
+        self.traffic = traffic
+        self.workers = cluster.workers
+        traffic.sample(self.workers)
+        self.before = traffic.totals()
+        self.started = time.monotonic()
+        self.first_batch_s: Optional[float] = None
+        self.fetched: dict[str, int] = {}
+        self.placed: Optional[tuple[int, int]] = None  # state stores started where they were warm, of all
+
+    def watching(self, show: Callable[[dict], None]) -> Callable[[dict], None]:
+        """``show``, which also notes the first batch's end and what the workers fetched until it."""
+        def seen(rec: dict) -> None:
+            if self.first_batch_s is None:
+                self.first_batch_s = round(time.monotonic() - self.started, 1)
+                self.traffic.sample(self.workers)
+                since = difference(self.traffic.totals(), self.before)
+                self.fetched = {w.name: since.get(w.name, {}).get("fetched_bytes", 0) for w in self.workers}
+            show(rec)
+        return seen
+
+    def record(self) -> dict[str, Any]:
+        return {"after_batch": self.after, "first_batch_s": self.first_batch_s,
+                "fetched_before_first_batch": self.fetched,
+                "stores_placed": self.placed[0] if self.placed else None,
+                "stores": self.placed[1] if self.placed else None}
+
+
+def placed_stores(driver_log: Path) -> Optional[tuple[int, int]]:
+    """How many of the restarted query's state stores the shim's StoreAffinity started on a
+    node that held them, of how many: from the line it writes to the driver's log."""
+    found = None
+    with contextlib.suppress(FileNotFoundError):
+        for m in re.finditer(r"fusestate: (\d+) of (\d+) state stores of query \S+ start on a node",
+                             driver_log.read_text(errors="replace")):
+            found = (int(m.group(1)), int(m.group(2)))
+    return found
+
+
 def planned_faults(args: argparse.Namespace) -> list[Fault]:
     """The faults the command line asks for: a lost worker node, a node's daemon killed alone."""
+    if args.restart_after is not None and not 0 <= args.restart_after < args.batches - 1:
+        raise ClusterError(f"--restart-after {args.restart_after}: the batches are 0 to {args.batches - 1}, and "
+                           "the restart needs one after it")
     faults = []
     if args.lose_worker_after is not None:
         faults.append(Fault(LOSE_NODE, f"worker{args.workers}", args.lose_worker_after))
@@ -722,6 +786,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     for fault in cluster.get("faults", []):
         if fault["injected"]:
             rows.append(fault_row(report, fault, nodes))
+    if cluster.get("restart"):
+        rows.append(restart_row(cluster["restart"]))
     if nodes:
         up = sum(n["uploaded_bytes"] for n in nodes.values())
         down = sum(n["fetched_bytes"] for n in nodes.values())
@@ -729,6 +795,17 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
                          for name, n in sorted(nodes.items()))
         rows.append(("bucket", f"{_mib(up)} uploaded, {_mib(down)} fetched ({each})"))
     return ["== cluster summary", *aligned(rows + file_rows(report))]
+
+
+def restart_row(restart: dict[str, Any]) -> tuple[str, str]:
+    """What a restart on the same workers fetched before its first batch was done."""
+    fetched = restart["fetched_before_first_batch"]
+    each = ", ".join(f"{name} {_mib(n)}" for name, n in sorted(fetched.items()))
+    placed = ("" if restart["stores"] is None else
+              f"; {restart['stores_placed']} of {restart['stores']} state stores started on a node that held them")
+    took = "" if restart["first_batch_s"] is None else f"its first batch done {restart['first_batch_s']:.1f} s later"
+    return ("restart", f"after batch {restart['after_batch']} on a new driver, the same workers: {took}"
+                       f"{placed}; fetched before it: {_mib(sum(fetched.values()))} ({each})")
 
 
 def _mib(n: float) -> str:

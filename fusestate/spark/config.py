@@ -339,8 +339,10 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
         })
         # An executor whose mount died exits at once, and Spark moves its work elsewhere,
         # rather than failing every task it is given until the job aborts; a lost executor's
-        # state stores are filled into the page cache of the executors left.
+        # state stores are filled into the page cache of the executors left; a restarted
+        # query's state stores start on the nodes whose caches hold them.
         conf["spark.plugins"] = shim.PLUGINS
+        conf["spark.sql.streaming.streamingQueryListeners"] = shim.AFFINITY_LISTENER_CLASS
     check_state_conf(conf, on_mount=not local)
     for d in ([local_dir] + ([checkpoint_dir.parent] if checkpoint_dir else [])) if create else []:
         try:

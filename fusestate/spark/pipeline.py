@@ -477,7 +477,7 @@ def summarize(batches: list[dict]) -> dict:
         "rocksdb_files_copied": sum(metric("rocksdbFilesCopied")),
         "rocksdb_bytes_copied": sum(metric("rocksdbBytesCopied")),
         "state_rows_last": batches[-1]["state_rows"],
-        "rocksdb_sst_bytes_last": batches[-1]["rocksdb"].get("rocksdbTotalSizeOnDisk"),
+        "rocksdb_sst_bytes_last": batches[-1]["rocksdb"].get("rocksdbSstFileSize"),  # summed over the stores
     }
 
 

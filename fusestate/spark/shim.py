@@ -26,7 +26,11 @@ AFS_CLASS = "io.fusestate.hadoop.FusestateFs"
 MOUNT_WATCH_CLASS = "io.fusestate.hadoop.MountWatch"
 # A Spark plugin that fills a lost executor's state stores into the survivors' page cache.
 LOSS_FILL_CLASS = "io.fusestate.hadoop.LossFill"
-PLUGINS = f"{MOUNT_WATCH_CLASS},{LOSS_FILL_CLASS}"
+# A Spark plugin and a streaming query listener that start each state store of a (re)started
+# query on the node whose cache holds it.
+AFFINITY_CLASS = "io.fusestate.hadoop.StoreAffinity"
+AFFINITY_LISTENER_CLASS = "io.fusestate.hadoop.StoreAffinity$Listener"
+PLUGINS = f"{MOUNT_WATCH_CLASS},{LOSS_FILL_CLASS},{AFFINITY_CLASS}"
 
 
 def installed_jar() -> Path:
