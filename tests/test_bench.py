@@ -904,6 +904,7 @@ def test_the_restart_goals_of_a_skewed_run_and_a_same_node_restart() -> None:
                        row("fetched_first_batch_bytes", "4 GB (Zipf 1.1)", **{lazy: 1.2e9}),
                        row("fetched_bytes", "4 GB (Zipf 1.1)", **{same: 0.01e9})],
            "floor": [row("restart_s", "floor", **{lazy: 12.0})]}
+    doc["systems"] = ["s3a", lazy, same]
     texts = [(g["measured"], g["met"]) for g in sr.recovery_goals(doc)]
     assert texts == [("0.28 at 1 GB (14.0 s against 50.0 s); 0.25 at 4 GB (25.0 s against 100.0 s)", True),
                      ("2.08 (25.0 s against 12.0 s)", False),

@@ -404,7 +404,8 @@ def runs_of(ctx: Context, p: dict[str, Any], setups: list[str], variants: list[s
             break
         for keys, variant in zip(p["keys"], variants):
             for setup in setups:
-                work = ctx.work / f"{NAME}-{setup}-{keys}-r{repeat}"
+                # No colon of a variant in the path: Spark splits its local dirs' list there.
+                work = ctx.work / f"{NAME}-{setup.replace(':', '-')}-{keys}-r{repeat}"
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir(parents=True)
                 label = f"{NAME} r{repeat + 1} {variant} {setup}"
