@@ -270,6 +270,7 @@ def restart_run(cluster: Any, args: list[str], variant: str, on_volume: bool, la
     workers fetched until then, and how many state stores StoreAffinity placed. Spark's own
     locality wait (3 s) either way, so that a store's task waits for the node it is placed on."""
     from fusestate.spark.cluster import placed_stores
+    from fusestate.spark.pipeline import SPARK_LOG_NAME
 
     out = Path(args[args.index("--output") + 1])
     report = out.with_name("report-restart.json")
@@ -289,10 +290,14 @@ def restart_run(cluster: Any, args: list[str], variant: str, on_volume: bool, la
     if driver.wait(timeout) != 0:
         raise RuntimeError(f"the restarted pipeline failed; see {driver.log}")
     first = next(b for b in json.loads(report.read_text())["batches"] if b["batch"] == last + 1)
-    placed = placed_stores(driver.log)
+    placed = placed_stores(out / SPARK_LOG_NAME)
     return {"restart_s": _end_time(first) - began,
             **({"restart_fetched_mb": fetched / 1e6} if on_volume else {}),
             **({"stores_placed": float(placed[0])} if placed else {}),
+            # the driver's start up to the batch's (JVM, session, query start), the batch itself
+            "restart_start_s": round(_end_time(first) - first["duration_ms"] / 1000 - began, 2),
+            "restart_batch_s": first["duration_ms"] / 1000,
+            "restart_updates_s": sum(op["updates_ms"] for op in first["operators"]) / 1000,
             "restart_load_s": first["rocksdb"].get("rocksdbLoadLatencyMs", 0) / 1000}
 
 

@@ -52,8 +52,8 @@ from typing import Any, Callable, Optional, Sequence
 from fusestate.errors import UserError
 from fusestate.spark.arguments import DEFAULT_MOUNTPOINT
 from fusestate.spark.config import scratch_options
-from fusestate.spark.pipeline import (REPORT_NAME, BatchLines, aligned, changelog_note, check_key_skew, file_rows,
-                                      run_rows, write_report)
+from fusestate.spark.pipeline import (REPORT_NAME, SPARK_LOG_NAME, BatchLines, aligned, changelog_note, check_key_skew,
+                                      file_rows, run_rows, write_report)
 
 MASTER_HOST = "127.0.0.1"
 DRIVER_HOST = "127.0.0.1"
@@ -546,7 +546,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 code = driver.wait()
                 if code != 0:
                     raise ClusterError(f"the restarted pipeline failed (exit status {code}): {_tail(driver.log)}")
-                restarted.placed = placed_stores(driver.log)
+                restarted.placed = placed_stores(output / SPARK_LOG_NAME)
             traffic.sample(cluster.workers + cluster.drivers)
         result = json.loads(report_path.read_text())
         lost = next((f for f in faults if f.kind == LOSE_NODE and f.done), None)
@@ -628,13 +628,13 @@ class Restart:
                 "stores": self.placed[1] if self.placed else None}
 
 
-def placed_stores(driver_log: Path) -> Optional[tuple[int, int]]:
+def placed_stores(spark_log: Path) -> Optional[tuple[int, int]]:
     """How many of the restarted query's state stores the shim's StoreAffinity started on a
-    node that held them, of how many: from the line it writes to the driver's log."""
+    node that held them, of how many: from the last line it wrote to the driver's Spark log."""
     found = None
     with contextlib.suppress(FileNotFoundError):
         for m in re.finditer(r"fusestate: (\d+) of (\d+) state stores of query \S+ start on a node",
-                             driver_log.read_text(errors="replace")):
+                             spark_log.read_text(errors="replace")):
             found = (int(m.group(1)), int(m.group(2)))
     return found
 

@@ -50,7 +50,8 @@ import org.apache.spark.sql.streaming.StreamingQueryListener;
  * poll of the driver every {@code spark.fusestate.affinity.intervalMs} (250) milliseconds; asked
  * about a checkpoint, the executor lists its state stores and asks its node's daemon, through the
  * mount, which files of each store's next load ({@link LatestSnapshot}) it holds (the
- * {@code user.fusestate.warm} attribute), and answers with their bytes;</li>
+ * {@code user.fusestate.warm} attribute), and answers with their bytes for each store it holds
+ * at least half of;</li>
  * <li>{@link Listener} ({@code spark.sql.streaming.streamingQueryListeners}), told of a query's
  * start before its first batch is planned: it asks every executor and waits for their answers
  * (at most {@code spark.fusestate.affinity.waitMs}, 5000; 0 turns this off), then records each
@@ -348,12 +349,15 @@ public class StoreAffinity implements SparkPlugin {
         return out;
     }
 
-    /** The bytes of a store's next load whose files this node holds (at least half of each). */
+    /** The bytes of a store's next load whose files this node holds (at least half of each), or
+     *  0 when that is less than half of the load's bytes: a store this node does not hold. */
     static long warmBytes(Path store) throws IOException {
         long warm = 0;
+        long total = 0;
         for (Path f : LatestSnapshot.files(store)) {
             try {
                 long size = Files.size(f);
+                total += size;
                 if (warmHere(f)) {
                     warm += size;
                 }
@@ -361,7 +365,7 @@ public class StoreAffinity implements SparkPlugin {
                 // deleted since the listing (maintenance)
             }
         }
-        return warm;
+        return 2 * warm >= total ? warm : 0;
     }
 
     /** Whether this node's daemon holds at least half of a file's bytes: it answers the setting
