@@ -475,6 +475,9 @@ CLUSTER_CONF = [
     "spark.locality.wait=0s",
     "spark.executor.memory=1g",
 ]
+# A restart (--restart-after) keeps Spark's own locality wait: each state store's first task
+# waits up to 3 s for the node StoreAffinity placed it on.
+RESTART_CONF = ["spark.locality.wait=3s", *CLUSTER_CONF[1:]]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -517,13 +520,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             nodes = "1 worker node" if args.workers == 1 else f"{args.workers} worker nodes"
             say(f"== starting a Spark master and {nodes} on {bucket} at {args.mountpoint}")
             cluster.start(args.workers)
-            def pipeline(batches: int) -> list[str]:
+            def pipeline(batches: int, conf: Sequence[str] = CLUSTER_CONF) -> list[str]:
                 return ["--output", str(output), "--report", str(report_path), "--json",
                         "--checkpoint", cluster.checkpoint(query),
                         "--batches", str(batches), "--keys", str(args.keys), "--key-skew", str(args.key_skew),
                         "--partitions", str(args.partitions), "--wait-for-remount", str(REMOUNT_WAIT),
                         *([] if args.changelog else ["--no-changelog"]),
-                        *[a for c in CLUSTER_CONF for a in ("--conf", c)]]
+                        *[a for c in conf for a in ("--conf", c)]]
 
             say(f"== the pipeline, driver on its own node; node logs under {root}/nodes"
                 + ("" if kept else " (removed after the run unless --keep)"))
@@ -541,7 +544,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 say(f"== the query stopped after batch {args.restart_after}; it starts again on a new driver node, "
                     "the same workers")
                 restarted = Restart(args.restart_after, traffic, cluster)
-                driver = cluster.start_driver(pipeline(args.batches))
+                driver = cluster.start_driver(pipeline(args.batches, RESTART_CONF))
                 follow_driver(cluster, driver, faults, restarted.watching(show), say, traffic)
                 code = driver.wait()
                 if code != 0:
