@@ -188,13 +188,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             deadline = time.monotonic() + p["timeout"]
 
             def wait_for_batch(batch: int, each: Optional[Callable[[], None]] = None) -> None:
-                done = out / f"batch-{batch:06d}" / "_SUCCESS"
-                while not done.exists():
-                    if not driver.alive() or time.monotonic() > deadline:
-                        raise RuntimeError(f"batch {batch} did not complete; see {driver.log}")
-                    if each is not None:
-                        each()
-                    time.sleep(0.1)
+                wait_for_output(out, batch, driver, deadline, each)
 
             wait_for_batch(WARMUP_BATCHES - 1)
             cpu_before = cpu.snapshot()
@@ -251,6 +245,19 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             **parts}
 
 
+def wait_for_output(out: Path, batch: int, driver: Any, deadline: float,
+                    each: Optional[Callable[[], None]] = None) -> None:
+    """Until the pipeline's output has ``batch`` (calling ``each`` between looks); an error once
+    the driver ended or ``deadline`` (time.monotonic()) passed."""
+    done = out / f"batch-{batch:06d}" / "_SUCCESS"
+    while not done.exists():
+        if not driver.alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"batch {batch} did not complete; see {driver.log}")
+        if each is not None:
+            each()
+        time.sleep(0.1)
+
+
 def steady_metrics(doc: dict[str, Any], lose_after: int, cpu_used: dict[str, float]) -> dict[str, float]:
     """Records/s, the median state commit and the machine's CPU time per record over the steady
     batches (after the warm-up, up to the loss or restart)."""
@@ -280,12 +287,7 @@ def restart_run(cluster: Any, args: list[str], variant: str, on_volume: bool, la
     before = {w.name: _bucket_bytes_in(w) for w in cluster.workers} if on_volume else {}
     began = time.time()
     driver = cluster.start_driver([*args, *conf])
-    done = out / f"batch-{last + 1:06d}" / "_SUCCESS"
-    deadline = time.monotonic() + timeout
-    while not done.exists():
-        if not driver.alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"batch {last + 1} after the restart did not complete; see {driver.log}")
-        time.sleep(0.1)
+    wait_for_output(out, last + 1, driver, time.monotonic() + timeout)
     fetched = sum(_bucket_bytes_in(w) - before[w.name] for w in cluster.workers) if on_volume else 0
     if driver.wait(timeout) != 0:
         raise RuntimeError(f"the restarted pipeline failed; see {driver.log}")

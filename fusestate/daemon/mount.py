@@ -476,8 +476,10 @@ class Daemon:
         return await warm_dirs(self.meta, is_local, self.volume.block_size, path)
 
     async def warm_share(self, ino: int) -> tuple[int, int]:
-        """The bytes under inode ``ino`` whose blocks this node holds, and their bytes in all."""
-        return await warm_share(self.meta, self.holds_block, self.volume.block_size, ino)
+        """The bytes under inode ``ino`` whose blocks this node holds, and their bytes in all.
+        It answers a FUSE request (``user.fusestate.warm``), so it asks only the caches'
+        in-memory indexes, as the metrics' refresh does: no disk-cache lookup on the loop."""
+        return await warm_share(self.meta, self.blocks.holds, self.volume.block_size, ino)
 
     async def _refresh_locality(self) -> None:
         """Keep the metrics' view of warm directories at most REFRESH_SECONDS old."""

@@ -345,12 +345,14 @@ class FuseOperations(pyfuse3.Operations):
         question, not a setting: nothing is stored. The answer is the error code because this
         daemon answers no getxattr (see below), and the mount reaches it from any process on
         the node (a Spark executor asks it which state stores to prefer: docs/spark.md)."""
+        if self.warm_share is None:
+            raise pyfuse3.FUSEError(errno.ENOTSUP)
         try:
             share = float(value.decode() or WARM_SHARE_DEFAULT)
         except (UnicodeDecodeError, ValueError):
             raise pyfuse3.FUSEError(errno.EINVAL) from None
-        if not 0.0 <= share <= 1.0 or self.warm_share is None:
-            raise pyfuse3.FUSEError(errno.EINVAL if self.warm_share is not None else errno.ENOTSUP)
+        if not 0.0 <= share <= 1.0:
+            raise pyfuse3.FUSEError(errno.EINVAL)
         warm, total = await self.warm_share(inode)
         if total == 0 or warm < share * total:
             raise pyfuse3.FUSEError(errno.ENODATA)

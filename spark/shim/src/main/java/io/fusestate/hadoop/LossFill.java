@@ -18,7 +18,6 @@ import java.util.Map;
 import java.util.Set;
 import java.util.TreeSet;
 import java.util.concurrent.ConcurrentHashMap;
-import java.util.concurrent.Executors;
 import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.TimeUnit;
 
@@ -206,11 +205,7 @@ public class LossFill implements SparkPlugin {
                 long interval = ctx.conf().getLong("spark.fusestate.lossFill.intervalMs", 500L);
                 holdSeconds = ctx.conf().getLong("spark.fusestate.lossFill.holdSeconds", 120L);
                 maxSurvivors = ctx.conf().getInt("spark.fusestate.lossFill.maxSurvivors", 4);
-                timer = Executors.newSingleThreadScheduledExecutor(r -> {
-                    Thread t = new Thread(r, "fusestate-loss-fill");
-                    t.setDaemon(true);
-                    return t;
-                });
+                timer = DaemonTimer.named("fusestate-loss-fill");
                 timer.scheduleWithFixedDelay(this::poll, interval, interval, TimeUnit.MILLISECONDS);
             } catch (RuntimeException | LinkageError e) {
                 System.err.println("fusestate: the loss fill is off on this executor: " + e);

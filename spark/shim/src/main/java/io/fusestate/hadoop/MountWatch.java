@@ -7,7 +7,6 @@ import java.util.ArrayList;
 import java.util.Collections;
 import java.util.List;
 import java.util.Map;
-import java.util.concurrent.Executors;
 import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.TimeUnit;
 
@@ -111,11 +110,7 @@ public class MountWatch implements SparkPlugin {
                 return;
             }
             long interval = ctx.conf().getLong("spark.fusestate.mountWatch.intervalMs", 500L);
-            timer = Executors.newSingleThreadScheduledExecutor(r -> {
-                Thread t = new Thread(r, "fusestate-mount-watch");
-                t.setDaemon(true);
-                return t;
-            });
+            timer = DaemonTimer.named("fusestate-mount-watch");
             timer.scheduleWithFixedDelay(this::check, interval, interval, TimeUnit.MILLISECONDS);
         }
 

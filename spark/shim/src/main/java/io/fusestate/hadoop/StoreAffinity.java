@@ -17,7 +17,6 @@ import java.util.Map;
 import java.util.TreeMap;
 import java.util.TreeSet;
 import java.util.UUID;
-import java.util.concurrent.Executors;
 import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.TimeUnit;
 
@@ -399,11 +398,7 @@ public class StoreAffinity implements SparkPlugin {
                     return; // local mode: one node; or turned off
                 }
                 long interval = ctx.conf().getLong("spark.fusestate.affinity.intervalMs", 250L);
-                timer = Executors.newSingleThreadScheduledExecutor(r -> {
-                    Thread t = new Thread(r, "fusestate-store-affinity");
-                    t.setDaemon(true);
-                    return t;
-                });
+                timer = DaemonTimer.named("fusestate-store-affinity");
                 timer.scheduleWithFixedDelay(this::poll, 0, interval, TimeUnit.MILLISECONDS);
             } catch (RuntimeException | LinkageError e) {
                 System.err.println("fusestate: state store affinity is off on this executor: " + e);
