@@ -45,13 +45,14 @@ from typing import Optional
 from bench.common import FUSESTATE, RESULTS_DIR
 from bench.read_breakdown import breakdown, state_files
 from bench.systems import drop_all_caches
-from fusestate.spark.config import scratch_options
+from fusestate.spark.config import ROCKSDB_PREFIX, scratch_options
 from fusestate.spark.pipeline import SPARK_LOG_NAME, root_cause
 
 # With the shim a state store's load links the files its RocksDB reads, and the daemon fetches
 # exactly those (page fill); cache warming would fetch the checkpoint's older versions and
 # changelogs first (docs/spark.md).
 SHIM_MOUNT_OPTIONS = ("--prefetch", "off")
+CHANGELOG_KEY = ROCKSDB_PREFIX + "changelogCheckpointing.enabled"
 SHAPED_SUFFIX = "@s3"  # a fusestate setup on --s3-endpoint's bucket instead of a file:// one
 S3A = "s3a"           # local disk, the checkpoint on --s3-endpoint through Hadoop's S3A connector
 
@@ -259,6 +260,7 @@ VARIANTS: dict[str, tuple[list[str], list[str]]] = {
     # and no read of each key before its write (Spark's count of the state's rows, which a
     # replayed changelog pays one point lookup per entry for).
     "no-changelog": (["--no-changelog"], []),
+    "changelog": (["--changelog"], []),
     "untracked": (["--conf", "spark.sql.streaming.stateStore.rocksdb.trackTotalNumberOfRows=false"], []),
 }
 TRACE = "trace"
@@ -308,7 +310,8 @@ def run_setup(label: str, work: Path, input_dir: Path, args, common: list[str]) 
     try:
         first = pipeline(f"{name} first run", state, out, input_dir, args.batches, common, *extra)
         result = {"first_run": {"wall_s": first["wall_s"], **steady(first),
-                                "state_rows": first["summary"]["state_rows_last"]}}
+                                "state_rows": first["summary"]["state_rows_last"]},
+                  "changelog": first.get("state_store_conf", {}).get(CHANGELOG_KEY) == "true"}
         ckpt = (mnt or d / "state") / ("job" if mnt else "") / "checkpoints" / "pipeline"
         result["checkpoint_bytes"] = s3(args).du(remote) if remote else du(ckpt)
         page_cache_dropped = drop_all_caches()
@@ -395,7 +398,7 @@ def main() -> int:
                         "name a variant after a colon: :no-snapshot-fill (restart with --snapshot-fill off), "
                         ":whole or :tails (restart with --prefetch-links whole or tails), :trace (no page fill, "
                         "every read recorded: the restart's breakdown by purpose), :same-node (the daemon killed "
-                        "and mounted again over its own cache dir), :no-changelog, :untracked (Spark's row count "
+                        "and mounted again over its own cache dir), :no-changelog or :changelog, :untracked (Spark's row count "
                         "off); several joined by +, e.g. :trace+no-changelog")
     p.add_argument("--s3-endpoint", default=None, metavar="URL",
                    help="an S3 endpoint (the shaped one) for the @s3 and +download setups")

@@ -55,4 +55,4 @@ $FS status "$MOUNTPOINT"
 echo "== PySpark state pipeline (RocksDB state store on the mount, hard-link commits)"
 rm -rf "$MOUNTPOINT/spark-job" /tmp/fusestate-main-job-output /tmp/fusestate-main-job-output.input
 $FS spark-pipeline --state-dir "$MOUNTPOINT/spark-job" --output /tmp/fusestate-main-job-output \
-    --batches "${BATCHES:-6}" --keys "${KEYS:-20000}" --use-shim --no-changelog
+    --batches "${BATCHES:-6}" --keys "${KEYS:-20000}" --use-shim

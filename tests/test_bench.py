@@ -509,6 +509,27 @@ def test_spark_restart_renders_the_part_above_the_floor() -> None:
     assert sr.replay_sentence(doc) == ""
 
 
+def test_results_say_which_setups_ran_with_changelog_checkpointing() -> None:
+    """The runner records each setup's checkpointing; the text says it from the result, not from
+    today's defaults, and a result from before that record keeps the text of its time."""
+    from bench.scenarios import sparkrestart as sr
+    from bench.scenarios.spark import checkpointing_text
+
+    def run(system: str, changelog: object) -> dict:
+        return {"system": system, "error": None, "raw": {"changelog": changelog}}
+
+    doc = {"systems": ["s3a", "fusestate+shim@s3"], "params": {"extra": []},
+           "runs": [run("s3a", True), run("fusestate+shim@s3", False), run("fusestate+shim@s3", False)]}
+    assert checkpointing_text(doc) == ("changelog checkpointing for *s3a*; a snapshot on every commit (no changelog) "
+                                       "for *fusestate+shim@s3*. ")
+    assert "Changelog checkpointing for *s3a*; a snapshot on every commit" in sr.describe_setups(doc)
+    doc["runs"].append({"system": "local", "error": "exited 1", "raw": None})  # a failed run says nothing
+    assert checkpointing_text(doc) is not None
+    doc["runs"].append(run("s3a", None))  # an older result: no record
+    assert checkpointing_text(doc) is None
+    assert "Every setup with changelog checkpointing, a snapshot every version" in sr.describe_setups(doc)
+
+
 def test_spark_runner_mounts_with_extra_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--mount-options reaches every fusestate mount the Spark runner makes, the takeover mount too,
     after the harness's own options (so a variant can override them)."""

@@ -300,14 +300,14 @@ def _log_ids(directory: Path) -> set[int]:
 
 
 def test_shim_commit_survives_node_loss_at_once(make_mount, file_bucket: Bucket, baseline, tmp_path: Path, shim):
-    """Every batch Spark has recorded as committed is in the bucket, under the settings the
-    setup helper writes by default (changelog checkpointing, a snapshot every few versions):
-    the node dies the moment the batch is reported, and on a fresh node the query resumes
-    after it with that batch's state. The journal is not shipped on a timer here; only
+    """Every batch Spark has recorded as committed is in the bucket, with changelog checkpointing
+    (the shim's other mode; the tests below run its default, a snapshot every commit): the node
+    dies the moment the batch is reported, and on a fresh node the query resumes after it with
+    that batch's state. The journal is not shipped on a timer here; only
     fsyncs ship it, and Spark itself never syncs its checkpoint files."""
     m = make_mount(file_bucket).mount("--journal-interval", "600")
     job, out = m.path / "job", tmp_path / "out"
-    cmd = pipeline_cmd(job, out, "--input", str(baseline["input"]), "--use-shim", *SMALL)
+    cmd = pipeline_cmd(job, out, "--input", str(baseline["input"]), "--use-shim", "--changelog", *SMALL)
     done = _run_until_batches(cmd, 2)
     commits = job / "checkpoints" / "pipeline" / "commits"
     recorded = _log_ids(commits)
@@ -318,7 +318,7 @@ def test_shim_commit_survives_node_loss_at_once(make_mount, file_bucket: Bucket,
     assert _log_ids(commits) >= recorded, "a commit Spark recorded was lost with the node"
     # The committed batches' state came along: the query resumes after them, and its
     # aggregates end as in the uninterrupted run (a lost changelog would miss its counts).
-    report = pipeline(job, out, baseline["input"], "--use-shim", *SMALL)
+    report = pipeline(job, out, baseline["input"], "--use-shim", "--changelog", *SMALL)
     assert report["state_store_conf"]["spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"] == "true"
     resumed = [b["batch"] for b in report["batches"]]
     assert resumed and resumed[0] > max(recorded), (resumed, recorded)
@@ -755,15 +755,21 @@ def test_state_conf_block_size_follows_the_mount(tmp_path: Path) -> None:
 
 def test_state_conf_snapshots_every_version_with_the_shim(make_mount, file_bucket: Bucket, tmp_path: Path,
                                                           shim) -> None:
-    """With the shim a snapshot costs links: one every version, linked in every second, so a
-    restart loads it instead of replaying the whole history; without the shim Spark's copies
-    keep the helper's every 10 versions and 30 s."""
+    """With the shim a snapshot costs links: by default every commit is one (no changelog, so a
+    restart loads the latest snapshot and replays nothing); with changelog checkpointing asked
+    for, one every version, linked in every second. Without the shim Spark's copies keep
+    changelog checkpointing and the helper's every 10 versions and 30 s."""
     from fusestate.spark.config import state_conf
 
     every, interval = "spark.sql.streaming.stateStore.minDeltasForSnapshot", "spark.sql.streaming.stateStore.maintenanceInterval"
+    changelog = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"
     m = make_mount(file_bucket).mount()
-    conf = state_conf(m.path / "job", use_shim=True).conf
-    assert (conf[every], conf[interval]) == ("1", "1s")
+    assert state_conf(m.path / "job", use_shim=True).conf[changelog] == "false"
+    assert state_conf(m.path / "plain").conf[changelog] == "true"
+    assert state_conf(tmp_path / "local", local=True).conf[changelog] == "true"
+    assert state_conf(m.path / "plain", changelog=False).conf[changelog] == "false"
+    conf = state_conf(m.path / "job", use_shim=True, changelog=True).conf
+    assert (conf[changelog], conf[every], conf[interval]) == ("true", "1", "1s")
     conf = state_conf(m.path / "plain").conf
     assert (conf[every], conf[interval]) == ("10", "30s")
     conf = state_conf(m.path / "job", use_shim=True, min_deltas_for_snapshot=5, maintenance_interval="10s").conf

@@ -43,7 +43,8 @@ SHAPED_SETUPS = [S3A, "local+download", "local+download-parallel", "fusestate+sh
 # fusestate+shim@s3 restarted another way (bench/spark_runner.py's VARIANTS, several joined by +, as
 # in fusestate+shim@s3:trace+no-changelog): run only when --systems names them.
 SHAPED_VARIANTS = ["fusestate+shim@s3:whole", "fusestate+shim@s3:tails", "fusestate+shim@s3:trace",
-                   "fusestate+shim@s3:same-node", "fusestate+shim@s3:no-changelog", "fusestate+shim@s3:untracked"]
+                   "fusestate+shim@s3:same-node", "fusestate+shim@s3:no-changelog", "fusestate+shim@s3:changelog",
+                   "fusestate+shim@s3:untracked"]
 VARIANT_OF_SHAPED = "fusestate+shim@s3:"
 # Names --systems takes for several setups at once (chosen_setups, shaped_setups).
 GROUPS = {"fusestate-file": "every fusestate setup off the endpoint", SHAPED: "every setup on the shaped endpoint"}
@@ -183,7 +184,9 @@ def run(ctx: Context) -> dict[str, Any]:
             if repeat >= p.get("repeats", ctx.repeats):
                 break
             label = f"spark r{repeat + 1}"
-            runs += runner_records(ctx, p, setups, env, repeat=repeat, variant="", label=label, metrics_of=metrics_of)
+            if setups:  # none when --systems names only setups on the endpoint
+                runs += runner_records(ctx, p, setups, env, repeat=repeat, variant="", label=label,
+                                       metrics_of=metrics_of)
             if endpoint is not None:
                 runs += runner_records(ctx, p, on_s3, env, repeat=repeat, variant="", label=label,
                                        metrics_of=metrics_of, runner_args=["--s3-endpoint", endpoint.endpoint])
@@ -193,16 +196,35 @@ def run(ctx: Context) -> dict[str, Any]:
             "raw_state_bytes": p["keys"] * p["payload_bytes"]}
 
 
+def checkpointing_text(doc: dict[str, Any]) -> Optional[str]:
+    """Which setups of a result ran with RocksDB changelog checkpointing and which with a snapshot on
+    every commit, as the runner recorded it; None for a result from before it recorded that (its
+    text then says what the setup helper's defaults were at the time)."""
+    modes: dict[str, set[bool]] = {}
+    for run in doc.get("runs", []):
+        if run.get("error") is None:
+            modes.setdefault(run["system"], set()).add((run.get("raw") or {}).get("changelog"))
+    if not modes or any(None in m or len(m) != 1 for m in modes.values()):
+        return None
+    on = [f"*{s}*" for s, m in modes.items() if True in m]
+    off = [f"*{s}*" for s, m in modes.items() if False in m]
+    parts = ([f"changelog checkpointing for {', '.join(on)}"] if on else []) + (
+        [f"a snapshot on every commit (no changelog) for {', '.join(off)}"] if off else [])
+    return "; ".join(parts) + ". "
+
+
 def render(doc: dict[str, Any], img_dir: Path, img_rel: str) -> str:
     p, names, rows = doc["params"], doc["systems"], doc["summary"]
     flags = " ".join(p.get("extra", []))
+    checkpointing = checkpointing_text(doc) or (
+        "local disk with changelog checkpointing, the fusestate setups without (a snapshot every commit). "
+        if "--no-changelog" in flags else
+        "every setup with changelog checkpointing, a snapshot every version with the shim and every 10 "
+        "versions without. ")
     parts = [f"The pipeline (`fusestate spark-pipeline`: per-key aggregation and deduplication on the RocksDB "
              f"state store, 4 partitions) over {p['keys']:,} keys × {p['payload_bytes']:,} B in {p['batches']} "
              f"batches{f' (`{flags}`)' if flags else ''}, then a kill and a restart; "
-             + ("local disk with changelog checkpointing, the fusestate setups without (a snapshot every commit). "
-                if "--no-changelog" in flags else
-                "every setup with changelog checkpointing, a snapshot every version with the shim and every 10 "
-                "versions without (the setup helper's defaults). ") + f"*local*: state and checkpoint "
+             + checkpointing + f"*local*: state and checkpoint "
              f"on local disk; *fusestate*: a `file://` mount with a `file://` checkpoint; "
              f"*fusestate+shim*: the same mount with the `fusestate://` checkpoint; mounts use `--scratch "
              f"'blockmgr-*'` (Spark's shuffle files stay on the node). The restart: fusestate's daemon killed and its "

@@ -32,8 +32,8 @@ from bench.common import Choices, Context, Metric, record, summarize
 from bench.endpoints import ShapedMoto
 from bench.read_breakdown import PURPOSES
 from bench.render import goal_row, md_table, medians_note, points_plot, variant_table
-from bench.scenarios.spark import (GROUPS, S3A, S3A_TEXT, SHAPED_SETUPS, SHAPED_VARIANTS, chosen_setups,
-                                   fetch_connector, keys_text,
+from bench.scenarios.spark import (GROUPS, S3A, S3A_TEXT, SHAPED_SETUPS, SHAPED_VARIANTS, checkpointing_text,
+                                   chosen_setups, fetch_connector, keys_text,
                                    runner_records, shaped_setups, skew_arguments, skew_suffix, spark_env)
 
 NAME = "spark-restart"
@@ -42,8 +42,9 @@ TITLE = "Spark restart against state size"
 SUMMARY = "Spark pipeline: restart to the first completed batch for growing state, fixed batch size"
 BUDGET = {"tiny": None, "quick": 300.0, "full": None}
 SETUPS = ["local", "fusestate+shim"]
-# Every setup runs the setup helper's defaults: changelog checkpointing, a snapshot every version
-# with the shim (a snapshot costs links) and every 10 versions without (a snapshot copies files).
+# Every setup runs the setup helper's defaults: a snapshot on every commit with the shim (a snapshot
+# costs links), changelog checkpointing and a snapshot every 10 versions without (a snapshot copies
+# files). Each result records which a setup ran with (the runner's ``changelog``).
 EXTRA = ["--state-compression", "none"]
 # Each fusestate setup against the local-disk restart it replaces: on the shaped endpoint,
 # local disk whose checkpoint is downloaded first (file by file, as Spark's state store copies).
@@ -302,11 +303,14 @@ def describe_setups(doc: dict[str, Any]) -> str:
     if p.get("shape"):
         text += f"On the shaped S3 endpoint ({p['shape']}): " + "".join(
             t for s, t in SETUP_TEXT.items() if s in present and s in ON_ENDPOINT_SETUPS)
-    if "--no-changelog" in p.get("extra", []):
+    recorded = checkpointing_text(doc)
+    if recorded:
+        text += recorded[0].upper() + recorded[1:]
+    elif "--no-changelog" in p.get("extra", []):
         text += ("Local disk with changelog checkpointing; the fusestate setups with a snapshot on every commit "
                  "(`--no-changelog`). ")
     else:
-        text += ("Every setup with the setup helper's defaults: changelog checkpointing, a snapshot every "
+        text += ("Every setup with changelog checkpointing, a snapshot every "
                  "version with the shim (linked into the checkpoint within a second; the shim setups mount "
                  "with `--prefetch off`), every 10 versions without. ")
     return text
@@ -406,20 +410,20 @@ def ratio_goal(goal: str, mine: dict[float, float], base: dict[float, float], at
 
 
 LAZY = "fusestate+shim@s3"
-NO_CHANGELOG, SAME_NODE = "no-changelog", "same-node"
+NO_CHANGELOG, CHANGELOG, SAME_NODE = "no-changelog", "changelog", "same-node"
 SKEWED_S3A_GOAL, SKEWED_FLOOR_GOAL, SKEWED_FETCH_GOAL, SAME_NODE_FETCH_GOAL = 0.3, 1.3, 0.25, 0.01
 
 
 def recovery_goals(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The goals of a restart that does not wait for the state: on skewed keys against s3a and
     the floor, and what the restart fetched before its first batch was done, for the default
-    setup and, when it ran, the one without changelog checkpointing; a restart on the same node
+    setup and, when they ran, the ones with changelog checkpointing on or off; a restart on the same node
     (``:same-node``, with any other variant) fetching next to nothing."""
     out = []
     skew = doc.get("params", {}).get("key_skew") or 0
     s3a = dict(restart_points(doc, S3A))
     floor = floor_seconds(doc)
-    for name in (LAZY, f"{LAZY}:{NO_CHANGELOG}"):
+    for name in (LAZY, f"{LAZY}:{NO_CHANGELOG}", f"{LAZY}:{CHANGELOG}"):
         lazy = dict(restart_points(doc, name))
         fetched = dict(restart_points(doc, name, "fetched_first_batch_bytes"))
         if skew and set(s3a) & set(lazy):

@@ -50,7 +50,10 @@ def pipeline_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-shim", action="store_true", help="checkpoint via the fusestate:// Hadoop file system (hard-link commits)")
     p.add_argument("--shim-jar", default=None,
                    help="the fusestate:// shim's jar, if built elsewhere (default: the one installed with fusestate)")
-    p.add_argument("--no-changelog", action="store_true", help="turn RocksDB changelog checkpointing off")
+    p.add_argument("--changelog", action=argparse.BooleanOptionalAction, default=None,
+                   help="RocksDB changelog checkpointing (default: off with --use-shim, where every commit is a "
+                        "snapshot the shim links and a restart replays nothing; on without it, where a snapshot "
+                        "is a copy)")
     p.add_argument("--min-deltas-for-snapshot", type=int, default=None,
                    help="with changelog checkpointing: a snapshot every this many versions (default 1 with "
                         "--use-shim, where a snapshot costs links, else 10)")

@@ -525,7 +525,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "--checkpoint", cluster.checkpoint(query),
                         "--batches", str(batches), "--keys", str(args.keys), "--key-skew", str(args.key_skew),
                         "--partitions", str(args.partitions), "--wait-for-remount", str(REMOUNT_WAIT),
-                        *([] if args.changelog else ["--no-changelog"]),
+                        "--changelog" if args.changelog else "--no-changelog",
                         *[a for c in conf for a in ("--conf", c)]]
 
             say(f"== the pipeline, driver on its own node; node logs under {root}/nodes"

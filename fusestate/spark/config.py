@@ -255,7 +255,7 @@ class StateLayout:
 def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: bool = False,
                checkpoint: Optional[str | os.PathLike] = None, local: bool = False,
                shim_jar_path: Optional[str | os.PathLike] = None,
-               changelog: bool = True, min_deltas_for_snapshot: Optional[int] = None,
+               changelog: Optional[bool] = None, min_deltas_for_snapshot: Optional[int] = None,
                maintenance_interval: Optional[str] = None, shuffle_partitions: int = 4,
                compression: Optional[str] = None, block_size_kb: Optional[int] = None,
                s3a_endpoint: Optional[str] = None, s3a_region: Optional[str] = None,
@@ -265,9 +265,12 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
     fusestate mount (``local=True``: on local disk, for a baseline).
 
     ``checkpoint`` overrides the checkpoint directory (default ``<state_dir>/checkpoints/<query>``):
-    a path, ``file://`` or ``fusestate://``. ``min_deltas_for_snapshot`` and ``maintenance_interval``
-    default to a snapshot every version linked every second with the shim, else every 10 versions and
-    every 30 s (see :data:`SHIM_MIN_DELTAS_FOR_SNAPSHOT`). ``use_shim`` registers the ``fusestate://`` Hadoop
+    a path, ``file://`` or ``fusestate://``. ``changelog`` (RocksDB changelog checkpointing) defaults
+    to off with the shim, where every commit is a snapshot the shim links (a restart then loads it
+    and replays nothing), and on without it, where a snapshot is a copy. With changelog
+    checkpointing, ``min_deltas_for_snapshot`` and ``maintenance_interval`` default to a snapshot
+    every version linked every second with the shim, else every 10 versions and every 30 s (see
+    :data:`SHIM_MIN_DELTAS_FOR_SNAPSHOT`). ``use_shim`` registers the ``fusestate://`` Hadoop
     file system (the jar installed with fusestate; ``shim_jar_path`` for another copy) and names the
     checkpoint with that scheme; it needs the checkpoint and ``spark.local.dir`` on one mount.
     With ``local=True`` the checkpoint may be ``s3a://bucket/prefix``, what most jobs run today:
@@ -299,6 +302,8 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
         if scheme == SHIM_SCHEME and not use_shim:
             raise SparkSetupError(f"checkpoint location {checkpoint} needs the shim: use_shim=True (--use-shim)")
         uri = f"{SHIM_SCHEME if use_shim else 'file'}://{checkpoint_dir}"
+    if changelog is None:
+        changelog = not use_shim
     if min_deltas_for_snapshot is None:
         min_deltas_for_snapshot = SHIM_MIN_DELTAS_FOR_SNAPSHOT if use_shim else MIN_DELTAS_FOR_SNAPSHOT
     if maintenance_interval is None:

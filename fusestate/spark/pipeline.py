@@ -614,7 +614,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # created or the JVM starts: a wrong one fails here in one line, not inside the query.
     layout = state_conf(state_dir, query="pipeline", use_shim=args.use_shim, checkpoint=args.checkpoint,
                         local=args.local, shim_jar_path=args.shim_jar,
-                        changelog=not args.no_changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
+                        changelog=args.changelog, min_deltas_for_snapshot=args.min_deltas_for_snapshot,
                         shuffle_partitions=args.partitions, compression=args.state_compression,
                         block_size_kb=args.block_size_kb, s3a_endpoint=args.s3a_endpoint,
                         s3a_region=args.s3a_region,
