@@ -398,8 +398,8 @@ def main() -> int:
                         "name a variant after a colon: :no-snapshot-fill (restart with --snapshot-fill off), "
                         ":whole or :tails (restart with --prefetch-links whole or tails), :trace (no page fill, "
                         "every read recorded: the restart's breakdown by purpose), :same-node (the daemon killed "
-                        "and mounted again over its own cache dir), :no-changelog or :changelog, :untracked (Spark's row count "
-                        "off); several joined by +, e.g. :trace+no-changelog")
+                        "and mounted again over its own cache dir), :no-changelog or :changelog, :untracked "
+                        "(Spark's row count off); several joined by +, e.g. :trace+no-changelog")
     p.add_argument("--s3-endpoint", default=None, metavar="URL",
                    help="an S3 endpoint (the shaped one) for the @s3 and +download setups")
     p.add_argument("--no-changelog", action="store_true", help="fusestate setups: changelog checkpointing off")
