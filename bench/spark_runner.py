@@ -45,14 +45,13 @@ from typing import Optional
 from bench.common import FUSESTATE, RESULTS_DIR
 from bench.read_breakdown import breakdown, state_files
 from bench.systems import drop_all_caches
-from fusestate.spark.config import ROCKSDB_PREFIX, scratch_options
+from fusestate.spark.config import CHANGELOG_KEY, scratch_options
 from fusestate.spark.pipeline import SPARK_LOG_NAME, root_cause
 
 # With the shim a state store's load links the files its RocksDB reads, and the daemon fetches
 # exactly those (page fill); cache warming would fetch the checkpoint's older versions and
 # changelogs first (docs/spark.md).
 SHIM_MOUNT_OPTIONS = ("--prefetch", "off")
-CHANGELOG_KEY = ROCKSDB_PREFIX + "changelogCheckpointing.enabled"
 SHAPED_SUFFIX = "@s3"  # a fusestate setup on --s3-endpoint's bucket instead of a file:// one
 S3A = "s3a"           # local disk, the checkpoint on --s3-endpoint through Hadoop's S3A connector
 

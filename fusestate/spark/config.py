@@ -45,6 +45,7 @@ from fusestate.spark import s3a, shim
 SHIM_SCHEME, SHIM_FS_CLASS, SHIM_AFS_CLASS = shim.SCHEME, shim.FS_CLASS, shim.AFS_CLASS
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 ROCKSDB_PREFIX = "spark.sql.streaming.stateStore.rocksdb."
+CHANGELOG_KEY = ROCKSDB_PREFIX + "changelogCheckpointing.enabled"
 # What Spark names the dirs it makes in spark.local.dir (Utils.createTempDir, DiskBlockManager).
 SHUFFLE_PREFIX = "blockmgr-"
 SPARK_LOCAL_PREFIXES = ("spark-", SHUFFLE_PREFIX)
@@ -312,7 +313,7 @@ def state_conf(state_dir: str | os.PathLike, *, query: str = "query", use_shim: 
         "spark.local.dir": str(local_dir),
         "spark.sql.streaming.checkpointLocation": uri,
         "spark.sql.streaming.stateStore.providerClass": ROCKSDB_PROVIDER,
-        ROCKSDB_PREFIX + "changelogCheckpointing.enabled": "true" if changelog else "false",
+        CHANGELOG_KEY: "true" if changelog else "false",
         "spark.sql.streaming.stateStore.minDeltasForSnapshot": str(min_deltas_for_snapshot),
         "spark.sql.streaming.stateStore.maintenanceInterval": maintenance_interval,
         "spark.sql.shuffle.partitions": str(shuffle_partitions),

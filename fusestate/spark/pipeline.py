@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from fusestate.errors import UserError
-from fusestate.spark.config import ROCKSDB_PREFIX, missing_scratch, state_conf
+from fusestate.spark.config import CHANGELOG_KEY, missing_scratch, state_conf
 from fusestate.spark.mount_loss import Daemon, daemon_of, executor_mount_lost, own_mount_lost, wait_for_mount
 from fusestate.spark.preflight import check_executors, check_shared_checkpoint
 from fusestate.spark.snapshot_fill import SnapshotFill, fill_latest_snapshot
@@ -543,7 +543,7 @@ def changelog_note(report: dict[str, Any]) -> str:
     """Why no state file was linked or copied, when changelog checkpointing is on: commits
     write changelogs, and SSTs reach the checkpoint only with a snapshot."""
     conf = report.get("state_store_conf", {})
-    if conf.get(ROCKSDB_PREFIX + "changelogCheckpointing.enabled") != "true":
+    if conf.get(CHANGELOG_KEY) != "true":
         return ""
     every = conf.get("spark.sql.streaming.stateStore.minDeltasForSnapshot", "?")
     return f" (changelog checkpointing: state files reach the checkpoint with a snapshot, every {every} versions)"
