@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -22,7 +23,7 @@ from typing import Optional
 import psycopg
 import pytest
 
-from conftest import Bucket, Mount, assert_one_line_error, fusestate, wait_for
+from conftest import BIN, Bucket, Mount, assert_one_line_error, fusestate, wait_for
 from fusestate.harness.postgres import LocalPostgres
 
 SESSION_TIMEOUT = 3.0
@@ -357,15 +358,16 @@ def test_gc_racing_uploads_of_the_same_bytes_deletes_nothing_referenced(make_mou
     same blocks become unreferenced and referenced again), while ``fusestate gc --grace 0``
     runs over and over: every file left reads back whole on a node with an empty cache."""
     a, b = shared_pair(make_mount, file_bucket, pg_url, "--block-size", "64K")
-    contents = [random.Random(i).randbytes(200_000) for i in range(3)]
+    contents = [random.Random(i).randbytes(200_000) for i in range(5)]
     stop = threading.Event()
     errors: list[BaseException] = []
     kept: dict[str, bytes] = {}
     deleted = 0
 
     def churn(m: Mount, tag: str, offset: int) -> None:
-        # Each node holds one of the three contents at a time, so at any moment at least one
-        # is unreferenced (garbage), and soon written again by one node or the other.
+        # Each node holds at most two of the five contents at a time (the one it writes and
+        # the one before it), so at any moment at least one is unreferenced (garbage), and
+        # soon written again by one node or the other.
         try:
             previous = None
             n = 0
@@ -380,6 +382,21 @@ def test_gc_racing_uploads_of_the_same_bytes_deletes_nothing_referenced(make_mou
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
+    # The collections run from a shell started before the writers open any file: a process
+    # started from this one while they write would inherit their open files, and its exec
+    # would close them, a FUSE flush that waits for their fsync (seconds, when the collector
+    # just took their bytes and the node puts them again).
+    gc_command = " ".join(shlex.quote(arg) for arg in (str(BIN / "fusestate"), "gc", file_bucket.url,
+                                                       "--meta", pg_url, "--grace", "0"))
+    collector = subprocess.Popen(["bash", "-c", f"while read -r _; do {gc_command} 2>&1; echo '-- done'; done"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert collector.stdin is not None and collector.stdout is not None
+
+    def collect() -> str:
+        collector.stdin.write("\n")
+        collector.stdin.flush()
+        return "".join(iter(collector.stdout.readline, "-- done\n"))
+
     threads = [threading.Thread(target=churn, args=(m, tag, i)) for i, (m, tag) in enumerate(((a, "a"), (b, "b")))]
     for t in threads:
         t.start()
@@ -389,13 +406,17 @@ def test_gc_racing_uploads_of_the_same_bytes_deletes_nothing_referenced(make_mou
         # default test run's two workers, 60 s once went by without any).
         runs, deadline = 0, time.monotonic() + 150
         while runs < 5 or (deleted == 0 and time.monotonic() < deadline):
-            out = fusestate("gc", file_bucket.url, "--meta", pg_url, "--grace", "0").stdout
-            deleted += int(re.search(r"deleted (\d+) unreferenced", out).group(1))
+            out = collect()
+            found = re.search(r"deleted (\d+) unreferenced", out)
+            assert found, out
+            deleted += int(found.group(1))
             runs += 1
     finally:
         stop.set()
         for t in threads:
             t.join()
+        collector.stdin.close()
+        collector.wait(timeout=60)
     assert not errors, errors
     assert deleted > 0, "gc never found anything to delete: the race was not exercised"
     assert len(kept) == 2
