@@ -121,6 +121,8 @@ def make_gcs_bucket(endpoint: str, name: str) -> None:
 
 def resident_bytes(paths: list[Path]) -> int:
     """Bytes of these files in the kernel's page cache (util-linux fincore)."""
+    if not paths:
+        return 0  # fincore fails without a file to look at
     out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, paths)],
                          check=True, capture_output=True, text=True).stdout
     return sum(int(line) for line in out.split())

@@ -106,6 +106,26 @@ def test_passthrough_writes_never_reach_the_daemon_and_land_in_the_bucket(make_m
     assert not any((m.cache_dir / "backing").iterdir())
 
 
+def test_what_an_fsync_returned_for_is_in_the_bucket_when_the_node_is_lost(make_mount, file_bucket) -> None:
+    """The embedded engine with --durability remote: an fsync of a passthrough file puts its
+    large blocks in the bucket itself and stages the small ones; a second file of the same
+    bytes finds them there. The daemon killed right after the fsyncs, its cache disk lost:
+    a fresh node reads every fsynced byte back."""
+    m = _passthrough_mount(make_mount, file_bucket)
+    sst = os.urandom(9 * MiB + 5)  # two whole blocks and a tail, each put by the fsync
+    manifest = os.urandom(300)  # staged, and uploaded by the journal's shipment
+    for name, data in (("000012.sst", sst), ("MANIFEST-000001", manifest), ("copy.sst", sst)):
+        with open(m.path / name, "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+    m.kill()  # well within the journal's interval (2 s): only the fsyncs shipped it
+    m.wipe_cache()
+    m.mount("--frontend", "pyfuse3", "--takeover")
+    assert (m.path / "000012.sst").read_bytes() == sst
+    assert (m.path / "copy.sst").read_bytes() == sst
+    assert (m.path / "MANIFEST-000001").read_bytes() == manifest
+
+
 def test_passthrough_keeps_sparse_files_sparse(make_mount, file_bucket) -> None:
     m = _passthrough_mount(make_mount, file_bucket)
     far = 1 << 40

@@ -10,6 +10,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -68,10 +69,15 @@ def test_copy_inside_the_mount_is_deduplicated(make_mount, file_bucket: Bucket) 
     assert file_bucket.block_objects() == objects
 
     m.mount()
-    for name in ("orig", "copy", "sub/copy2"):
+    assert digest(m.path / "orig") == sha(data)
+    # The original's blocks are in the disk cache now: moved there from staging after their
+    # upload, or (an fsync on the passthrough front end puts them in the bucket itself)
+    # fetched by this read.
+    cached = m.status()["cache"]["disk_bytes"]
+    for name in ("copy", "sub/copy2"):
         assert digest(m.path / name) == sha(data), name
-    # The copies did not add blocks to the disk cache either (slack for its index database).
-    assert m.status()["cache"]["disk_bytes"] < before["cache"]["disk_bytes"] + MiB
+    # The copies did not add blocks to the disk cache (slack for its index database).
+    assert m.status()["cache"]["disk_bytes"] < cached + MiB
 
 
 # --- fsync and durability ---------------------------------------------------------------------
@@ -259,10 +265,12 @@ def test_sigterm_keeps_what_was_written_to_a_file_still_open(make_mount, file_bu
 
 # --- caches ----------------------------------------------------------------------------------------
 
-def test_uploaded_blocks_leave_the_page_cache(make_mount, file_bucket: Bucket) -> None:
+def test_uploaded_blocks_leave_the_page_cache(make_mount, file_bucket: Bucket, frontend: Optional[str]) -> None:
     """Once a block is in the bucket, its staging file (now the disk cache entry) and its
     file:// object are on disk only: the mounted file's own pages hold the bytes already,
-    and a page cache that keeps growing costs the daemon most of its CPU."""
+    and a page cache that keeps growing costs the daemon most of its CPU. (On the
+    passthrough front end the fsync puts the blocks in the bucket itself: nothing staged,
+    and no disk cache entry for a file:// bucket, which reads as fast.)"""
     m: Mount = make_mount(file_bucket).mount()
     data = rand(24 * MiB, 21)
     write_file(m.path / "f", data, fsync=True)
@@ -270,7 +278,8 @@ def test_uploaded_blocks_leave_the_page_cache(make_mount, file_bucket: Bucket) -
 
     entries = list((m.cache_dir / "blocks").rglob("*.val"))
     objects = [p for p in Path(file_bucket.root(), "blocks").rglob("*") if p.is_file()]
-    assert len(entries) >= 6 and len(objects) >= 6
+    assert len(objects) >= 6
+    assert len(entries) >= 6 if frontend != "passthrough" else not entries
     assert resident_bytes(entries) < 2 * BLOCK, "disk cache entries kept in the page cache"
     assert resident_bytes(objects) < BLOCK, "bucket objects kept in the page cache"
     drop_page_cache()

@@ -129,6 +129,7 @@ class BlockStore:
         # Shared engines: blocks being put from memory, the slots large ones take, and how many
         # written blocks wait to be kept in the disk cache.
         self._putting: dict[str, _Put] = {}
+        self._staged_beside_put: set[str] = set()  # staged while an fsync put the same bytes (``committed``)
         self._put_slots = trio.CapacityLimiter(max(1, uploader.concurrency))
         self._keeping = 0
         self._keep_threads = BackgroundThreads(1, "keep")
@@ -156,21 +157,23 @@ class BlockStore:
         self._keep_threads.close()
 
     # --- write side --------------------------------------------------------
-    async def seal(self, data: BlockData, direct: bool = False) -> Optional[str]:
+    async def seal(self, data: BlockData, direct: bool = False, key: Optional[str] = None) -> Optional[str]:
         """Store a block's final bytes; returns its key (None for an all-zero hole).
 
         The caller must reference the key in the metadata (set_block) without
         awaiting in between, so the object cannot be discarded under it. Raises
         OSError(ENOSPC) when the cache disk is full and nothing will free it.
         ``direct``: the caller passes the bytes to ``upload_before_commit`` (a shared
-        engine), which puts the block from memory: it is not staged.
+        engine), which puts the block from memory: it is not staged. ``key``: the
+        caller hashed the bytes already (``seal_digest``), so they are not hashed again.
         """
-        if len(data) <= HASH_ON_LOOP_BYTES:
-            key = seal_digest(data)
-        else:
-            key = await trio.to_thread.run_sync(seal_digest, data, limiter=self._local_io)
         if key is None:
-            return None
+            if len(data) <= HASH_ON_LOOP_BYTES:
+                key = seal_digest(data)
+            else:
+                key = await trio.to_thread.run_sync(seal_digest, data, limiter=self._local_io)
+            if key is None:
+                return None
         self.memory.put(key, data)
         if self.meta.shared:
             # Staged whatever the volume holds: the upload puts it (the same bytes, the same
@@ -197,7 +200,30 @@ class BlockStore:
             return key
         with _in_flight(self._staging_inflight, key):
             await self._write_staging(key, data)
+        if key in self._putting:  # an fsync puts the same bytes from memory: see ``committed``
+            self._staged_beside_put.add(key)
         return key
+
+    async def put_for_fsync(self, data: BlockData, key: str) -> bool:
+        """A block an fsync waits for (the embedded engine, ``--durability remote``): put it
+        in the bucket from memory now, before its commit references it, instead of staging
+        it for the journal's shipment to upload (True). The fsync then waits for one write
+        of the bytes instead of three (staging, the upload's read of it, the bucket), and a
+        crash before the commit leaves an object no metadata names, which the collector
+        removes. False when the volume holds or is staging these bytes already: the caller
+        seals them (``seal``), which finds them, and for a small block (a RocksDB MANIFEST's
+        append), whose staging costs little and whose upload the shipment does beside
+        others. After the commit: ``committed_uploaded``."""
+        assert not self.meta.shared
+        if len(data) <= DIRECT_PUT_BYTES or key in self._staging_inflight or self.uploader.is_pending(key) or await self.meta.object_info(key) is not None:
+            return False
+        self.memory.put(key, data)
+        await self._put_from_memory(key, data)
+        return True
+
+    async def committed_uploaded(self, key: str) -> None:
+        """A block put by ``put_for_fsync`` is referenced by the metadata now: in the bucket."""
+        await self.meta.mark_uploaded(key)
 
     def seal_inline(self, data: BlockData) -> Optional[str]:
         """A small file's block whose bytes its commit hands to the database (a shared
@@ -255,12 +281,12 @@ class BlockStore:
         if self.uploader.is_pending(key):
             return await self.upload_expected([(key, len(data))])
         try:
-            return await self._put_shared(key, data)
+            return await self._put_from_memory(key, data)
         except BaseException:
             await self._stop_awaiting(key)
             raise
 
-    async def _put_shared(self, key: str, data: BlockData) -> float:
+    async def _put_from_memory(self, key: str, data: BlockData) -> float:
         """Put a sealed block from memory, once however many seals of the same bytes wait
         for it; returns when the upload they share began."""
         while (other := self._putting.get(key)) is not None:
@@ -372,7 +398,12 @@ class BlockStore:
                 del self._awaiting_commit[key]
             return
         info = await self.meta.object_info(key)
-        if info is not None and not info.uploaded:
+        staged_beside_put = key in self._staged_beside_put
+        self._staged_beside_put.discard(key)
+        # Uploaded already (an fsync put the same bytes meanwhile) and staged by this seal:
+        # queued all the same, and the uploader, finding it in the bucket, only moves the
+        # staging file to the read cache.
+        if info is not None and (not info.uploaded or staged_beside_put):
             self.uploader.add(key, size)
 
     def _staged(self, key: str) -> bool:
@@ -389,6 +420,8 @@ class BlockStore:
 
     async def abandon(self, key: Optional[str]) -> None:
         """A sealed key that will not be referenced after all: drop its staging file."""
+        if key:
+            self._staged_beside_put.discard(key)
         if key and is_inline(key):
             return  # never left memory
         if key and self.meta.shared:
