@@ -129,7 +129,7 @@ class BlockStore:
         # Shared engines: blocks being put from memory, the slots large ones take, and how many
         # written blocks wait to be kept in the disk cache.
         self._putting: dict[str, _Put] = {}
-        self._staged_beside_put: set[str] = set()  # staged while an fsync put the same bytes (``committed``)
+        self._staged_uncommitted: set[str] = set()  # staged by ``seal``, not committed yet (``committed``)
         self._put_slots = trio.CapacityLimiter(max(1, uploader.concurrency))
         self._keeping = 0
         self._keep_threads = BackgroundThreads(1, "keep")
@@ -200,8 +200,7 @@ class BlockStore:
             return key
         with _in_flight(self._staging_inflight, key):
             await self._write_staging(key, data)
-        if key in self._putting:  # an fsync puts the same bytes from memory: see ``committed``
-            self._staged_beside_put.add(key)
+        self._staged_uncommitted.add(key)
         return key
 
     async def put_for_fsync(self, data: BlockData, key: str) -> bool:
@@ -398,12 +397,12 @@ class BlockStore:
                 del self._awaiting_commit[key]
             return
         info = await self.meta.object_info(key)
-        staged_beside_put = key in self._staged_beside_put
-        self._staged_beside_put.discard(key)
-        # Uploaded already (an fsync put the same bytes meanwhile) and staged by this seal:
+        staged = key in self._staged_uncommitted
+        self._staged_uncommitted.discard(key)
+        # Staged by this seal but uploaded already (an fsync put the same bytes meanwhile):
         # queued all the same, and the uploader, finding it in the bucket, only moves the
         # staging file to the read cache.
-        if info is not None and (not info.uploaded or staged_beside_put):
+        if info is not None and (not info.uploaded or staged):
             self.uploader.add(key, size)
 
     def _staged(self, key: str) -> bool:
@@ -421,7 +420,7 @@ class BlockStore:
     async def abandon(self, key: Optional[str]) -> None:
         """A sealed key that will not be referenced after all: drop its staging file."""
         if key:
-            self._staged_beside_put.discard(key)
+            self._staged_uncommitted.discard(key)
         if key and is_inline(key):
             return  # never left memory
         if key and self.meta.shared:

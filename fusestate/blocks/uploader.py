@@ -299,6 +299,11 @@ class Uploader:
                     self.stats.uploaded_blocks += 1
                     self.stats.uploaded_bytes += p.size
                 await self.meta.mark_uploaded(key)
+            # In the bucket: the fsync or journal shipment waiting for it goes ahead while the
+            # staging file becomes a disk cache entry (the block stays pending, so staged,
+            # until then), as for a shared engine.
+            p.error = None
+            p.done.set()
             # Uploaded: the row stays (referenced, or waiting for the collector), so a
             # new seal of these bytes needs no staging file and this removal cannot race it.
             info = await self.meta.object_info(key)
