@@ -106,12 +106,17 @@ def test_passthrough_writes_never_reach_the_daemon_and_land_in_the_bucket(make_m
     assert not any((m.cache_dir / "backing").iterdir())
 
 
-def test_what_an_fsync_returned_for_is_in_the_bucket_when_the_node_is_lost(make_mount, file_bucket) -> None:
-    """The embedded engine with --durability remote: an fsync of a passthrough file puts its
-    large blocks in the bucket itself and stages the small ones; a second file of the same
-    bytes finds them there. The daemon killed right after the fsyncs, its cache disk lost:
-    a fresh node reads every fsynced byte back."""
-    m = _passthrough_mount(make_mount, file_bucket)
+@pytest.mark.parametrize("front", ["pyfuse3", "passthrough"])
+def test_what_an_fsync_returned_for_is_in_the_bucket_when_the_node_is_lost(make_mount, file_bucket, front: str) -> None:
+    """The embedded engine with --durability remote: an fsync puts a file's large blocks in
+    the bucket itself (those it seals: a passthrough file's changed ones, the block path's
+    last) and stages the small ones; a second file of the same bytes finds them there. The
+    daemon killed right after the fsyncs, its cache disk lost: a fresh node reads every
+    fsynced byte back."""
+    if front == "passthrough":
+        m = _passthrough_mount(make_mount, file_bucket)
+    else:
+        m = make_mount(file_bucket, extra=["--frontend", front]).mount()
     sst = os.urandom(9 * MiB + 5)  # two whole blocks and a tail, each put by the fsync
     manifest = os.urandom(300)  # staged, and uploaded by the journal's shipment
     for name, data in (("000012.sst", sst), ("MANIFEST-000001", manifest), ("copy.sst", sst)):

@@ -220,6 +220,16 @@ class BlockStore:
         await self._put_from_memory(key, data)
         return True
 
+    async def seal_for_fsync(self, data: BlockData) -> tuple[Optional[str], bool]:
+        """``seal`` for a block an fsync waits for: put in the bucket now if it is large and
+        new (``put_for_fsync``; True), else staged or found. Returns its key (None: a hole)."""
+        key = await trio.to_thread.run_sync(seal_digest, data, limiter=self._local_io)
+        if key is None:
+            return None, False
+        if await self.put_for_fsync(data, key):
+            return key, True
+        return await self.seal(data, key=key), False
+
     async def committed_uploaded(self, key: str) -> None:
         """A block put by ``put_for_fsync`` is referenced by the metadata now: in the bucket."""
         await self.meta.mark_uploaded(key)

@@ -310,12 +310,6 @@ class PassthroughFiles:
         data = self.backing.read_block(ino, offset, nbytes, False)
         return data, seal_digest(data)
 
-    def _puts_for_fsync(self: "FileSystem", f: OpenFile) -> bool:
-        """Whether ``f``'s seal puts its changed blocks in the bucket itself: an fsync waits
-        for them on the embedded engine with ``--durability remote``, where staging them
-        first would only add two disk writes to its wait (``BlockStore.put_for_fsync``)."""
-        return f.syncing > 0 and self.durability == "remote" and not self.meta.shared and self.ship_metadata is not None
-
     async def _commit_backing(self: "FileSystem", f: OpenFile, changed: dict[int, Optional[tuple[str, int]]],
                               inline: dict[str, bytes], size: int, began: Optional[float]):
         mtime = f.node.mtime_ns
