@@ -17,8 +17,9 @@ that already has daemon-served handles is served by the daemon too.
 
 A volume file's bytes reach its blocks when it is *sealed*: at the close of a writing
 handle, at fsync and at the last release, each block of the backing file is hashed, the
-changed ones are staged (on a shared volume uploaded before the commit) and committed with
-the file's size and mtime, as the block path commits them. fsync durability, the journal's
+changed ones are stored (staged; put in the bucket before the commit on a shared volume, and
+by an fsync that waits for the bucket) and committed with the file's size and mtime, as the
+block path commits them. fsync durability, the journal's
 order and close-to-open visibility on a shared volume are therefore the block path's. After
 the file's last handle the backing file is kept for the next reader (RocksDB reads the SSTs
 it wrote: compactions, lookups) while the file's size and blocks are what it holds, within a
@@ -240,6 +241,7 @@ class PassthroughFiles:
             inline: dict[str, bytes] = {}
             staged: list[tuple[str, int]] = []
             expected: list[tuple[str, int]] = []  # shared engines: uploaded before the commit
+            uploads_began: list[float] = []  # when each of those uploads began
             put: list[str] = []  # an fsync's blocks put in the bucket before the commit
             put_now = self._puts_for_fsync(f)
             try:
@@ -262,25 +264,24 @@ class PassthroughFiles:
                         inline[key] = bytes(data)
                     elif put_now and await self.blocks.put_for_fsync(data, key):
                         put.append(key)
+                    elif self.meta.shared:  # from memory to the bucket, as the block path's: not staged
+                        key = await self.blocks.seal(data, direct=True, key=key)
+                        assert key is not None
+                        uploads_began.append(await self.blocks.upload_before_commit(key, data))
+                        expected.append((key, nbytes))
+                        staged.append((key, nbytes))
                     else:
                         key = await self.blocks.seal(data, key=key)
                         assert key is not None
                         staged.append((key, nbytes))
-                        if self.meta.shared:
-                            self.blocks.expect_commit(key)
-                            expected.append((key, nbytes))
                     changed[index] = (key, nbytes)
                     self.passthrough_stats.sealed_bytes += nbytes
 
                 await each_at_once(seal_block, sorted(i for i in with_data | set(f.keys) if i < count),
                                    SEAL_BLOCKS_AT_ONCE)
-                began: Optional[float] = time.monotonic() if inline else None
-                if expected:
-                    try:
-                        began = await self.blocks.upload_expected(expected)
-                    except BaseException:
-                        expected = []  # let go by upload_expected
-                        raise
+                began: Optional[float] = min(uploads_began) if uploads_began else None
+                if inline:
+                    began = time.monotonic() if began is None else began
                 if changed or f.attrs_dirty:
                     freed = await self._commit_backing(f, changed, inline, size, began)
                     expected = []
