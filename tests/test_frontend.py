@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENGINES, Mount, assert_one_line_error, engine_args, is_mounted, native_front_end_missing
+from conftest import (ENGINES, Mount, assert_one_line_error, engine_args, is_mounted, native_front_end_missing,
+                      wait_for)
 
 from fusestate.errors import UserError
 from fusestate.fuse import frontend as frontends
@@ -129,6 +133,57 @@ def test_what_an_fsync_returned_for_is_in_the_bucket_when_the_node_is_lost(make_
     assert (m.path / "000012.sst").read_bytes() == sst
     assert (m.path / "copy.sst").read_bytes() == sst
     assert (m.path / "MANIFEST-000001").read_bytes() == manifest
+
+
+# Writes a file, says so, waits for a line, rewrites 36 bytes at offset 100, fsyncs, says so.
+# A process of its own: a `fusestate status` started from a process that holds the file open
+# would inherit the descriptor, and its exec would close it (a FUSE flush, which seals).
+WRITER = """
+import os, random, sys
+data = random.Random(7).randbytes(9 * 2**20 + 5)
+with open(sys.argv[1], "wb") as f:
+    f.write(data)
+    f.flush()
+    print("written", flush=True)
+    sys.stdin.readline()
+    f.seek(100)
+    f.write(b"rewritten after its block was sealed")
+    f.flush()
+    os.fsync(f.fileno())
+print("synced", flush=True)
+"""
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_passthrough_writer_s_whole_blocks_are_sealed_before_its_fsync(make_mount, file_bucket, engine: str,
+                                                                         request: pytest.FixtureRequest) -> None:
+    """While a passthrough writer keeps its file open, the daemon seals the blocks the file's
+    size has passed, so the fsync stores only the rest; a block rewritten after it was sealed
+    ahead is stored again by the fsync, and a fresh node reads the file's last content."""
+    m = _passthrough_mount(make_mount, file_bucket, *engine_args(engine, request))
+    data = bytearray(random.Random(7).randbytes(9 * MiB + 5))  # two whole blocks and a tail
+    data[100:136] = b"rewritten after its block was sealed"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(m.path / "000042.sst")], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert writer.stdin is not None and writer.stdout is not None
+    try:
+        assert writer.stdout.readline() == "written\n"
+        wait_for(lambda: m.status()["passthrough"]["sealed_ahead"] >= 1, what="the whole blocks sealed ahead")
+        st = m.status()["passthrough"]
+        assert (st["sealed_bytes"], st["seals"]) == (8 * MiB, 0), st  # the whole blocks only; the file not sealed
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == "synced\n"
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        writer.wait()
+    st = m.status()["passthrough"]
+    assert st["sealed_bytes"] == 8 * MiB + 4 * MiB + (len(data) - 8 * MiB), st  # the rewritten block and the tail
+    m.umount()
+    m.wipe_cache()
+    m.mount("--frontend", "pyfuse3")
+    assert (m.path / "000042.sst").read_bytes() == data
 
 
 def test_passthrough_keeps_sparse_files_sparse(make_mount, file_bucket) -> None:

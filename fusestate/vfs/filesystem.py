@@ -154,6 +154,8 @@ class FileSystem(PassthroughFiles):
             self.fine_ctime = self.backing.fine_ctime()
         await self.blocks.release((await self.meta.start()).keys)
         nursery.start_soon(self._expire_dirty_loop)
+        if not self.read_only:
+            nursery.start_soon(self.seal_ahead_loop)
         if self.meta.shared and not self.read_only:
             nursery.start_soon(self._release_holds_loop)
 

@@ -61,6 +61,7 @@ class OpenFile:
     unsealed: bool = False                     # a passthrough writer may have changed it since the last seal
     local_stat: Optional[tuple[int, int, int]] = None  # the local file's size, mtime, ctime when last looked at
     sealed_stamp: Optional[tuple[int, int, int]] = None  # ... when its last seal began
+    sealed_ahead_stamp: Optional[tuple[int, int, int]] = None  # ... when its last seal of whole blocks began
 
     def __post_init__(self) -> None:
         self.idle.set()

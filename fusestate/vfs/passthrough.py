@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 # together instead of one after the other.
 SEAL_BLOCKS_AT_ONCE = 4
 
+# How often the whole blocks of files still being written through passthrough are sealed
+# (``seal_ahead_loop``): often enough that an SST's fsync finds all but its last block done.
+SEAL_AHEAD_INTERVAL = 0.1
+
 # Free space on the cache disk (beyond the metadata's reserve and twice --max-dirty) below
 # which new files are written through the daemon: the kernel writes a passthrough file's
 # bytes to the disk without asking, so they must fit.
@@ -70,6 +74,7 @@ class PassthroughStats:
         self.sealed_bytes = 0      # bytes of changed blocks those seals staged
         self.filled_bytes = 0      # bytes copied from blocks into backing files (an open for writing of a file with content)
         self.retained_hits = 0     # reads served from a backing file a writer left
+        self.sealed_ahead = 0      # seals of whole blocks while a writer was still writing the file
 
 
 class PassthroughFiles:
@@ -219,20 +224,25 @@ class PassthroughFiles:
         f.node.ctime_ns = max(f.node.ctime_ns, st.st_ctime_ns)
         f.attrs_dirty = True
 
-    async def _seal_backing(self: "FileSystem", f: OpenFile) -> None:
+    async def _seal_backing(self: "FileSystem", f: OpenFile, *, whole_blocks: bool = False) -> None:
         """Bring a backed volume file's blocks up to its backing file: hash every block,
-        stage and commit the changed ones with the size (durably while an fsync waits)."""
+        stage and commit the changed ones with the size (durably while an fsync waits).
+        ``whole_blocks``: only the blocks the file's size has passed, while its writer is
+        still open (``seal_ahead_loop``); the file stays unsealed."""
         async with f.lock:
             if not f.unsealed:
                 return
             self._refresh_from_local(f)
             stamp = f.local_stat  # taken before the blocks are read: a write meanwhile changes it
-            if self.fine_ctime and stamp is not None and stamp == f.sealed_stamp and not f.attrs_dirty:
+            if whole_blocks:
+                if stamp is None or stamp == f.sealed_ahead_stamp:
+                    return  # nothing written since the last look
+            elif self.fine_ctime and stamp is not None and stamp == f.sealed_stamp and not f.attrs_dirty:
                 f.unsealed = f.passthrough_writers > 0  # nothing written since the last seal (an fsync's)
                 return
             size, bs = f.node.size, self.block_size
-            count = -(-size // bs)
-            if any(index >= count for index in f.keys):
+            count = size // bs if whole_blocks else -(-size // bs)
+            if not whole_blocks and any(index >= count for index in f.keys):
                 node, freed = await self.meta.truncate(f.inode, size, time.time_ns())
                 for index in [i for i in f.keys if i >= count]:
                     del f.keys[index]
@@ -302,9 +312,35 @@ class PassthroughFiles:
             for key, nbytes in staged:
                 await self.blocks.committed(key, nbytes)
             f.attrs_dirty = False
+            if whole_blocks:
+                f.sealed_ahead_stamp = stamp
+                self.passthrough_stats.sealed_ahead += 1
+                return
             f.unsealed = f.passthrough_writers > 0  # a writer still open may write more
             f.sealed_stamp = stamp
             self.passthrough_stats.seals += 1
+
+    async def seal_ahead_loop(self: "FileSystem") -> None:
+        """Seal the whole blocks of files that passthrough writers are still writing, every
+        ``SEAL_AHEAD_INTERVAL`` seconds, as the block path seals a block once it is full:
+        the kernel writes a backing file without telling the daemon, so a file's first
+        seal (RocksDB's fsync of an SST, a state store's commit) would otherwise store
+        every block of it while the caller waits. That seal still reads and hashes every
+        block, but stores only those written since (the last, and any rewritten)."""
+        while True:
+            await trio.sleep(SEAL_AHEAD_INTERVAL)
+            if not self.passthrough:
+                continue
+            for f in list(self._files.values()):
+                if not (f.backed and f.unsealed and f.passthrough_writers) or f.lock.locked():
+                    continue
+                st = self.backing.stat(f.inode)
+                if st is None or st.st_size // self.block_size <= len(f.keys):
+                    continue  # no whole block it has no key for: nothing new to seal ahead
+                try:
+                    await self._seal_backing(f, whole_blocks=True)
+                except FsError as exc:  # the seal at the close or fsync tries again, and reports it
+                    log.warning("inode %d: sealing ahead of its writer failed: %s", f.inode, exc.strerror)
 
     def _read_backing_block(self: "FileSystem", ino: int, offset: int, nbytes: int) -> tuple[BlockData, Optional[str]]:
         """A block of a backing file and its key (None: all zeros), in one worker thread."""
