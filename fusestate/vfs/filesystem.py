@@ -23,7 +23,7 @@ from typing import Awaitable, Callable, Collection, Optional, Sequence
 
 import trio
 
-from fusestate.blocks.keys import BlockData, is_inline
+from fusestate.blocks.keys import BlockData, is_inline, seal_digest
 from fusestate.blocks.scratch_files import ScratchFiles
 from fusestate.blocks.store import BlockReadError, BlockStore
 from fusestate.blocks.uploader import UploadFailed, Uploader
@@ -33,7 +33,8 @@ from fusestate.vfs.block_buffer import BlockBuffer
 from fusestate.vfs.dir_listing import DirListing
 from fusestate.vfs.errors import FsError, commit_error, from_os_error
 from fusestate.vfs.open_file import OpenFile, Sealing, content_version
-from fusestate.vfs.passthrough import PassthroughFiles, PassthroughStats
+from fusestate.vfs.passthrough import SEAL_BLOCKS_AT_ONCE, PassthroughFiles, PassthroughStats
+from fusestate.vfs.tasks import each_at_once
 
 log = logging.getLogger(__name__)
 
@@ -496,25 +497,27 @@ class FileSystem(PassthroughFiles):
         size, bs = f.node.size, self.block_size
         blocks: dict[int, Optional[tuple[str, int]]] = {}
         sealed: list[tuple[str, int]] = []  # on a shared volume: held for the commit
+        uploads_began: list[float] = []
+        # With passthrough the kernel wrote the file through its page cache: read it from
+        # there (a direct read would first wait for those pages to reach the disk).
+        direct = not self.passthrough
+
+        async def seal_block(index: int) -> None:
+            nbytes = min(bs, size - index * bs)
+            data, key = await trio.to_thread.run_sync(self._read_local_block, self.scratch, f.inode, index * bs,
+                                                      nbytes, direct)
+            if key is not None and self.meta.shared:  # from memory to the bucket, as the block path's
+                key = await self.blocks.seal(data, direct=True, key=key)
+                assert key is not None
+                uploads_began.append(await self.blocks.upload_before_commit(key, data))
+                sealed.append((key, nbytes))
+            elif key is not None:
+                key = await self.blocks.seal(data, key=key)
+            blocks[index] = (key, nbytes) if key is not None else None
+
         try:
-            for index in range(-(-size // bs)):
-                nbytes = min(bs, size - index * bs)
-                # With passthrough the kernel wrote the file through its page cache: read it
-                # from there (a direct read would first wait for those pages to reach the disk).
-                data = await trio.to_thread.run_sync(self.scratch.read_block, f.inode, index * bs, nbytes,
-                                                     not self.passthrough)
-                key = await self.blocks.seal(data)
-                blocks[index] = (key, nbytes) if key is not None else None
-                if key is not None and self.meta.shared:
-                    self.blocks.expect_commit(key)
-                    sealed.append((key, nbytes))
-            began: Optional[float] = None
-            if sealed:
-                try:
-                    began = await self.blocks.upload_expected(sealed)
-                except BaseException:
-                    sealed = []  # let go by upload_expected
-                    raise
+            await each_at_once(seal_block, range(-(-size // bs)), SEAL_BLOCKS_AT_ONCE)
+            began: Optional[float] = min(uploads_began) if uploads_began else None
 
             async def promote(uploads_began: Optional[float]) -> Freed:
                 return await self.meta.promote(f.inode, blocks, size, f.node.mtime_ns, uploads_began=uploads_began)
@@ -545,6 +548,14 @@ class FileSystem(PassthroughFiles):
         await self.blocks.release(freed.keys)
         self.promoted_files += 1
         self.promoted_bytes += size
+
+    @staticmethod
+    def _read_local_block(store: ScratchFiles, ino: int, offset: int, nbytes: int,
+                          direct: bool) -> tuple[BlockData, Optional[str]]:
+        """A block of a local file (scratch or backing) and its key (None: all zeros), in one
+        worker thread."""
+        data = store.read_block(ino, offset, nbytes, direct)
+        return data, seal_digest(data)
 
     async def _put_again_from(self, store: ScratchFiles, ino: int, blocks: dict[int, Optional[tuple[str, int]]],
                               direct: bool, skip: Collection[str] = ()) -> float:

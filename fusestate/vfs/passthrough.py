@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Optional
 
 import trio
 
-from fusestate.blocks.keys import BlockData, seal_digest
 from fusestate.blocks.scratch_files import ScratchFiles
 from fusestate.vfs.errors import FsError, commit_error
 from fusestate.vfs.tasks import each_at_once
@@ -262,7 +261,8 @@ class PassthroughFiles:
                     if index not in with_data:  # all hole now
                         changed[index] = None
                         return
-                    data, key = await trio.to_thread.run_sync(self._read_backing_block, f.inode, index * bs, nbytes)
+                    data, key = await trio.to_thread.run_sync(self._read_local_block, self.backing, f.inode,
+                                                              index * bs, nbytes, False)
                     if key == f.keys.get(index):
                         return
                     if key is None:
@@ -341,11 +341,6 @@ class PassthroughFiles:
                     await self._seal_backing(f, whole_blocks=True)
                 except FsError as exc:  # the seal at the close or fsync tries again, and reports it
                     log.warning("inode %d: sealing ahead of its writer failed: %s", f.inode, exc.strerror)
-
-    def _read_backing_block(self: "FileSystem", ino: int, offset: int, nbytes: int) -> tuple[BlockData, Optional[str]]:
-        """A block of a backing file and its key (None: all zeros), in one worker thread."""
-        data = self.backing.read_block(ino, offset, nbytes, False)
-        return data, seal_digest(data)
 
     async def _commit_backing(self: "FileSystem", f: OpenFile, changed: dict[int, Optional[tuple[str, int]]],
                               inline: dict[str, bytes], size: int, began: Optional[float]):
