@@ -208,13 +208,15 @@ class BlockStore:
         in the bucket from memory now, before its commit references it, instead of staging
         it for the journal's shipment to upload (True). The fsync then waits for one write
         of the bytes instead of three (staging, the upload's read of it, the bucket), and a
-        crash before the commit leaves an object no metadata names, which the collector
-        removes. False when the volume holds or is staging these bytes already: the caller
+        crash before the commit leaves an object no metadata names, which ``fusestate gc``
+        deletes. False when the volume holds or is staging these bytes already: the caller
         seals them (``seal``), which finds them, and for a small block (a RocksDB MANIFEST's
         append), whose staging costs little and whose upload the shipment does beside
         others. After the commit: ``committed_uploaded``."""
         assert not self.meta.shared
-        if len(data) <= DIRECT_PUT_BYTES or key in self._staging_inflight or self.uploader.is_pending(key) or await self.meta.object_info(key) is not None:
+        if len(data) <= DIRECT_PUT_BYTES or key in self._staging_inflight or self.uploader.is_pending(key):
+            return False
+        if await self.meta.object_info(key) is not None:
             return False
         self.memory.put(key, data)
         await self._put_from_memory(key, data)

@@ -19,8 +19,9 @@ A volume file's bytes reach its blocks when it is *sealed*: at the close of a wr
 handle, at fsync and at the last release, each block of the backing file is hashed, the
 changed ones are stored (staged; put in the bucket before the commit on a shared volume, and
 by an fsync that waits for the bucket) and committed with the file's size and mtime, as the
-block path commits them. fsync durability, the journal's
-order and close-to-open visibility on a shared volume are therefore the block path's. After
+block path commits them; while a writer keeps the file open, the blocks its size has passed
+are sealed ahead every 0.1 s. fsync durability, the journal's order and close-to-open
+visibility on a shared volume are therefore the block path's. After
 the file's last handle the backing file is kept for the next reader (RocksDB reads the SSTs
 it wrote: compactions, lookups) while the file's size and blocks are what it holds, within a
 quarter of the read cache's size, oldest dropped first. A daemon killed before a seal loses
@@ -39,8 +40,8 @@ import trio
 
 from fusestate.blocks.scratch_files import ScratchFiles
 from fusestate.vfs.errors import FsError, commit_error
-from fusestate.vfs.tasks import each_at_once
 from fusestate.vfs.open_file import OpenFile, content_version
+from fusestate.vfs.tasks import each_at_once
 
 if TYPE_CHECKING:
     from fusestate.vfs.filesystem import FileSystem, Handle
@@ -70,7 +71,7 @@ class PassthroughStats:
         self.opens = 0             # opens answered with a backing file
         self.refused = 0           # backing files the kernel refused (the open went through the daemon)
         self.seals = 0             # backing files sealed into blocks
-        self.sealed_bytes = 0      # bytes of changed blocks those seals staged
+        self.sealed_bytes = 0      # bytes of changed blocks those seals stored (staged or put)
         self.filled_bytes = 0      # bytes copied from blocks into backing files (an open for writing of a file with content)
         self.retained_hits = 0     # reads served from a backing file a writer left
         self.sealed_ahead = 0      # seals of whole blocks while a writer was still writing the file
