@@ -24,7 +24,7 @@ import errno
 import os
 import shutil
 from collections import OrderedDict
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 from fusestate import localio
 
@@ -182,6 +182,20 @@ class ScratchFiles:
         """The indexes of the blocks that hold any data (not all hole): a sparse file's
         holes are never read (SEEK_DATA / SEEK_HOLE)."""
         out: set[int] = set()
+        for start, end in self._data_extents(ino):
+            out.update(range(start // block_size, (end - 1) // block_size + 1))
+        return out
+
+    def filled_blocks(self, ino: int, block_size: int) -> set[int]:
+        """The indexes of the blocks with no hole at all: every byte of them written (a block
+        whose writes came out of order is not, until the last of them has)."""
+        out: set[int] = set()
+        for start, end in self._data_extents(ino):
+            out.update(range(-(-start // block_size), end // block_size))
+        return out
+
+    def _data_extents(self, ino: int) -> Iterator[tuple[int, int]]:
+        """The file's ranges of data, ``[start, end)``, between its holes."""
         fd = os.open(self._path(ino), os.O_RDONLY | os.O_CLOEXEC)
         try:
             pos = 0
@@ -190,10 +204,10 @@ class ScratchFiles:
                     start = os.lseek(fd, pos, os.SEEK_DATA)
                 except OSError as exc:
                     if exc.errno == errno.ENXIO:  # no data past pos
-                        return out
+                        return
                     raise
                 end = os.lseek(fd, start, os.SEEK_HOLE)
-                out.update(range(start // block_size, (end - 1) // block_size + 1))
+                yield start, end
                 pos = end
         finally:
             os.close(fd)

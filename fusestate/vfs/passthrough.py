@@ -255,7 +255,10 @@ class PassthroughFiles:
             put: list[str] = []  # an fsync's blocks put in the bucket before the commit
             put_now = self._puts_for_fsync(f)
             try:
-                with_data = await trio.to_thread.run_sync(self.backing.data_blocks, f.inode, bs)
+                # Sealing ahead takes only blocks with no hole left: one whose writes come out
+                # of order is sealed once the last of them has come, as on the block path.
+                find = self.backing.filled_blocks if whole_blocks else self.backing.data_blocks
+                with_data = await trio.to_thread.run_sync(find, f.inode, bs)
 
                 async def seal_block(index: int) -> None:
                     nbytes = min(bs, size - index * bs)
@@ -288,8 +291,8 @@ class PassthroughFiles:
                     changed[index] = (key, nbytes)
                     self.passthrough_stats.sealed_bytes += nbytes
 
-                await each_at_once(seal_block, sorted(i for i in with_data | set(f.keys) if i < count),
-                                   SEAL_BLOCKS_AT_ONCE)
+                candidates = with_data if whole_blocks else with_data | set(f.keys)
+                await each_at_once(seal_block, sorted(i for i in candidates if i < count), SEAL_BLOCKS_AT_ONCE)
                 began: Optional[float] = min(uploads_began) if uploads_began else None
                 if inline:
                     began = time.monotonic() if began is None else began
