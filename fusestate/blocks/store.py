@@ -232,6 +232,14 @@ class BlockStore:
             return key, True
         return await self.seal(data, key=key), False
 
+    async def seal_uploaded(self, data: BlockData, key: str) -> tuple[str, float]:
+        """A shared engine's seal of a local file's block (a passthrough seal, a promotion):
+        from memory to the bucket before the commit, not staged, as the block path's. Returns
+        the key and when its upload began; then ``committed`` or ``abandon`` it."""
+        sealed = await self.seal(data, direct=True, key=key)
+        assert sealed is not None
+        return sealed, await self.upload_before_commit(sealed, data)
+
     async def committed_uploaded(self, key: str) -> None:
         """A block put by ``put_for_fsync`` is referenced by the metadata now: in the bucket."""
         await self.meta.mark_uploaded(key)

@@ -506,10 +506,9 @@ class FileSystem(PassthroughFiles):
             nbytes = min(bs, size - index * bs)
             data, key = await trio.to_thread.run_sync(self._read_local_block, self.scratch, f.inode, index * bs,
                                                       nbytes, direct)
-            if key is not None and self.meta.shared:  # from memory to the bucket, as the block path's
-                key = await self.blocks.seal(data, direct=True, key=key)
-                assert key is not None
-                uploads_began.append(await self.blocks.upload_before_commit(key, data))
+            if key is not None and self.meta.shared:
+                key, began = await self.blocks.seal_uploaded(data, key)
+                uploads_began.append(began)
                 sealed.append((key, nbytes))
             elif key is not None:
                 key = await self.blocks.seal(data, key=key)

@@ -278,10 +278,9 @@ class PassthroughFiles:
                         inline[key] = bytes(data)
                     elif put_now and await self.blocks.put_for_fsync(data, key):
                         put.append(key)
-                    elif self.meta.shared:  # from memory to the bucket, as the block path's: not staged
-                        key = await self.blocks.seal(data, direct=True, key=key)
-                        assert key is not None
-                        uploads_began.append(await self.blocks.upload_before_commit(key, data))
+                    elif self.meta.shared:
+                        key, began = await self.blocks.seal_uploaded(data, key)
+                        uploads_began.append(began)
                         expected.append((key, nbytes))
                         staged.append((key, nbytes))
                     else:
@@ -338,9 +337,9 @@ class PassthroughFiles:
             for f in list(self._files.values()):
                 if not (f.backed and f.unsealed and f.passthrough_writers) or f.lock.locked():
                     continue
-                st = self.backing.stat(f.inode)
-                if st is None or st.st_size // self.block_size <= len(f.keys):
-                    continue  # no whole block it has no key for: nothing new to seal ahead
+                self._refresh_from_local(f)  # one fstat: the size the kernel's writes left
+                if f.node.size // self.block_size <= len(f.keys) or f.local_stat == f.sealed_ahead_stamp:
+                    continue  # no whole block it has no key for, or nothing written since the last look
                 try:
                     await self._seal_backing(f, whole_blocks=True)
                 except FsError as exc:  # the seal at the close or fsync tries again, and reports it
