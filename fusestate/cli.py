@@ -164,6 +164,11 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
                         "node: never uploaded, emptied at the next mount (on a shared volume: when the mount "
                         "ends; the other nodes see the names, cannot open the files); for Spark's shuffle dirs: "
                         "--scratch 'blockmgr-*'; repeatable")
+    m.add_argument("--store-ahead", action="append", default=unset, metavar="PATTERN", dest="store_ahead",
+                   help="scratch files (--scratch) named to match this glob have their blocks stored while they "
+                        "are written and when closed, so that linking them into the volume (a state store's "
+                        "commit) finds them done (default: '*.sst', RocksDB's tables; 'none' turns it off); "
+                        "repeatable")
     m.add_argument("--journal-interval", type=float, default=unset,
                    help="seconds between metadata journal shipments; fsync ships at once "
                         f"(default {_default('journal_interval')})")
@@ -433,7 +438,9 @@ def _print_status(status: dict) -> None:
                      f"the volume already had"),
         ("scratch", f"{cache['scratch_files']} files, {format_size(cache['scratch_bytes'])} on the cache disk "
                     f"({', '.join(status['scratch_dirs']) or 'no --scratch'}); {cache['promoted_files']} linked "
-                    f"into the volume ({format_size(cache['promoted_bytes'])})"),
+                    f"into the volume ({format_size(cache['promoted_bytes'])}); "
+                    f"{cache.get('stored_ahead_blocks', 0)} blocks stored ahead of a link, "
+                    f"{cache.get('stored_ahead_used', 0)} used, {cache.get('stored_ahead_abandoned', 0)} let go"),
         ("remote", f"{format_size(remote['bytes_in'])} in, {format_size(remote['bytes_out'])} out, "
                    f"{remote['retries']} retries"),
         ("metrics", f"http://{status['metrics_addr']}/metrics" if status["metrics_addr"] else "off"),

@@ -115,6 +115,8 @@ class MountConfig:
     whole_blocks: str = "auto"               # auto | always | never: cold reads bring whole blocks to the node
     read_trace: Optional[str] = None         # diagnostics: a JSON line per read, bucket read and page fill
     scratch_dirs: list[str] = field(default_factory=list)  # name globs of node-local directories (--scratch)
+    # name globs of scratch files whose blocks are stored before they are linked out (--store-ahead)
+    store_ahead: list[str] = field(default_factory=lambda: ["*.sst"])
     meta_url: Optional[str] = None           # a shared metadata engine (postgresql://...); None: embedded SQLite
     session_timeout: float = 30.0            # shared engine: seconds without a heartbeat before others clean up
     meta_outage_budget: float = 60.0         # shared engine: seconds an operation waits for the database (EIO after)
@@ -166,6 +168,11 @@ class MountConfig:
         for pattern in self.scratch_dirs:
             if not pattern or "/" in pattern or pattern in ("*", ".", ".."):
                 raise UserError(f"bad --scratch {pattern!r}: expected a directory name pattern such as 'blockmgr-*'")
+        if self.store_ahead == ["none"]:
+            self.store_ahead = []
+        for pattern in self.store_ahead:
+            if not pattern or "/" in pattern:
+                raise UserError(f"bad --store-ahead {pattern!r}: expected a file name pattern such as '*.sst', or none")
         if self.metrics_addr not in (None, "off"):
             parse_metrics_addr(self.metrics_addr)
         if self.frontend not in FRONTENDS:

@@ -23,7 +23,8 @@ from typing import Optional
 import pytest
 import trio
 
-from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, fusestate, sha, wait_for
+from conftest import Bucket, Mount, assert_one_line_error, block_keys, digest, engine_args, fusestate, sha, wait_for
+from fusestate.fuse import frontend as frontends
 from fusestate.meta.embedded import journal
 from fusestate.meta.engine import ROOT_INODE, NewNode
 from fusestate.meta.embedded.engine import SQLiteEngine
@@ -336,6 +337,52 @@ def test_a_scratch_file_linked_into_the_volume_is_promoted(make_mount, file_buck
     fsck = fusestate("fsck", file_bucket.url, check=False)
     assert fsck.returncode == 0, fsck.stdout + fsck.stderr
     assert not block_keys(compacted_away) & file_bucket.block_objects()
+
+
+@pytest.mark.parametrize("engine, front", [("sqlite", "pyfuse3"), ("postgresql", "passthrough")])
+def test_a_scratch_table_is_stored_while_written_and_its_link_takes_those_blocks(
+        make_mount, file_bucket: Bucket, engine: str, front: str, request: pytest.FixtureRequest) -> None:
+    """RocksDB's tables in a scratch working dir (``--store-ahead '*.sst'``, the default) have
+    their blocks stored as they are written and once closed, so a commit's link finds them
+    stored. A block written again after it was stored is stored again by the link; a table
+    deleted without a link, or left when the mount ends, is let go, and on the embedded engine
+    never reaches the bucket. Files of other names are not stored ahead."""
+    if front == "passthrough" and (missing := frontends.passthrough_available()):
+        pytest.skip(missing)
+    m: Mount = make_mount(file_bucket, extra=[*SCRATCH, "--frontend", front, *engine_args(engine, request)]).mount()
+    work = m.path / "blockmgr-w" / "db"
+    linked, dropped, left = rand(9 * MiB + 11, 21), rand(5 * MiB, 22), rand(4 * MiB + 3, 23)
+    write(work / "000012.sst", linked)   # two whole blocks and a tail
+    write(work / "000011.sst", dropped)  # a whole block and a tail
+    write(work / "000013.sst", left)     # a whole block and a tail
+    write(work / "LOG", rand(5 * MiB, 24))
+    wait_for(lambda: m.status()["cache"]["stored_ahead_blocks"] >= 7, what="the tables' blocks stored ahead")
+    assert m.status()["cache"]["stored_ahead_blocks"] == 7  # not the LOG's
+    with open(work / "000012.sst", "r+b") as f:  # opened again and changed before its link
+        f.seek(100)
+        f.write(b"changed")
+    expected = linked[:100] + b"changed" + linked[107:]
+    (m.path / "ckpt").mkdir()
+    os.link(work / "000012.sst", m.path / "ckpt" / "000012.sst")
+    os.unlink(work / "000011.sst")
+    wait_for(lambda: m.status()["cache"]["stored_ahead_abandoned"] == 3,
+             what="the changed block and the deleted table's let go")
+    st = settle(m)["cache"]
+    assert (st["stored_ahead_used"], st["promoted_files"]) == (2, 1), st
+    if engine == "sqlite":
+        assert file_bucket.block_objects() == block_keys(expected)
+    else:
+        assert block_keys(expected) <= file_bucket.block_objects()
+    m.umount()
+    m.wipe_cache()  # a fresh node
+    m.mount()
+    assert read_cold(m.path / "ckpt" / "000012.sst") == expected
+    assert os.listdir(m.path) == ["ckpt"]
+    m.umount()
+    if engine == "sqlite":  # what the last mount left stored ahead was let go at its end
+        assert file_bucket.block_objects() == block_keys(expected)
+    fsck = fusestate("fsck", file_bucket.url, *engine_args(engine, request), check=False)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
 
 
 def test_promotion_and_loads_on_a_shared_volume(make_mount, file_bucket: Bucket, pg_url: str) -> None:

@@ -81,6 +81,17 @@ def _in_flight(table: dict[str, trio.Event], key: str) -> Iterator[None]:
         done.set()
 
 
+@dataclass(frozen=True)
+class SealedAhead:
+    """A block of a local file stored before the commit that will name it (a scratch file's
+    block, ahead of its promotion): hand its key to ``committed`` after that commit, or to
+    ``abandon`` when no commit will come."""
+
+    key: str
+    nbytes: int
+    began: Optional[float] = None  # shared engines: when its registered upload began
+
+
 class BlockReadError(IOError):
     def __init__(self, message: str) -> None:
         super().__init__(errno.EIO, message)
@@ -129,7 +140,9 @@ class BlockStore:
         # Shared engines: blocks being put from memory, the slots large ones take, and how many
         # written blocks wait to be kept in the disk cache.
         self._putting: dict[str, _Put] = {}
-        self._staged_uncommitted: set[str] = set()  # staged by ``seal``, not committed yet (``committed``)
+        # Seals that staged a block and have not committed it yet (``committed``) or let it go
+        # (``abandon``), per key: a staging file stays while any of them may still commit it.
+        self._staged_uncommitted: collections.Counter[str] = collections.Counter()
         self._put_slots = trio.CapacityLimiter(max(1, uploader.concurrency))
         self._keeping = 0
         self._keep_threads = BackgroundThreads(1, "keep")
@@ -200,7 +213,7 @@ class BlockStore:
             return key
         with _in_flight(self._staging_inflight, key):
             await self._write_staging(key, data)
-        self._staged_uncommitted.add(key)
+        self._staged_uncommitted[key] += 1
         return key
 
     async def put_for_fsync(self, data: BlockData, key: str) -> bool:
@@ -239,6 +252,19 @@ class BlockStore:
         sealed = await self.seal(data, direct=True, key=key)
         assert sealed is not None
         return sealed, await self.upload_before_commit(sealed, data)
+
+    async def seal_ahead(self, data: BlockData, key: str) -> SealedAhead:
+        """Store a block whose commit comes later (``SealedAhead``). A shared engine puts it
+        in the bucket from memory, registered with the engine, so the collector leaves it
+        alone until ``committed`` or ``abandon``; the embedded engine stages it, and
+        ``abandon`` drops the staging file, so nothing of a block never committed reaches
+        the bucket."""
+        if self.meta.shared:
+            key, began = await self.seal_uploaded(data, key)
+            return SealedAhead(key, len(data), began)
+        sealed = await self.seal(data, key=key)
+        assert sealed is not None
+        return SealedAhead(sealed, len(data))
 
     async def committed_uploaded(self, key: str) -> None:
         """A block put by ``put_for_fsync`` is referenced by the metadata now: in the bucket."""
@@ -417,13 +443,21 @@ class BlockStore:
                 del self._awaiting_commit[key]
             return
         info = await self.meta.object_info(key)
-        staged = key in self._staged_uncommitted
-        self._staged_uncommitted.discard(key)
+        staged = self._uncount_staged(key)
         # Staged by this seal but uploaded already (an fsync put the same bytes meanwhile):
         # queued all the same, and the uploader, finding it in the bucket, only moves the
         # staging file to the read cache.
         if info is not None and (not info.uploaded or staged):
             self.uploader.add(key, size)
+
+    def _uncount_staged(self, key: str) -> bool:
+        """One seal that staged ``key`` is done with it; whether one had."""
+        if self._staged_uncommitted.get(key, 0) <= 0:
+            return False
+        self._staged_uncommitted[key] -= 1
+        if self._staged_uncommitted[key] == 0:
+            del self._staged_uncommitted[key]
+        return True
 
     def _staged(self, key: str) -> bool:
         """Whether the block's bytes are in staging (so, maybe nowhere else)."""
@@ -439,8 +473,8 @@ class BlockStore:
 
     async def abandon(self, key: Optional[str]) -> None:
         """A sealed key that will not be referenced after all: drop its staging file."""
-        if key:
-            self._staged_uncommitted.discard(key)
+        if key and self._uncount_staged(key) and self._staged_uncommitted[key] > 0:
+            return  # another seal of these bytes may still commit them
         if key and is_inline(key):
             return  # never left memory
         if key and self.meta.shared:

@@ -105,7 +105,8 @@ class Daemon:
             memory_cache_size=cfg.memory_cache_size, max_dirty=cfg.max_dirty, durability=cfg.durability,
             upload_delay=cfg.upload_delay, upload_concurrency=cfg.upload_concurrency,
             readahead_blocks=cfg.readahead_blocks, whole_blocks=cfg.whole_blocks, prefetch=cfg.prefetch,
-            read_only=cfg.read_only, scratch_dirs=tuple(cfg.scratch_dirs), staging_reserve=self.disk_reserve))
+            read_only=cfg.read_only, scratch_dirs=tuple(cfg.scratch_dirs),
+            store_ahead=tuple(cfg.store_ahead), staging_reserve=self.disk_reserve))
         p = self.parts
         self.memory, self.disk, self.staging = p.memory, p.disk, p.staging
         self.uploader, self.blocks, self.warmer, self.fs = p.uploader, p.blocks, p.warmer, p.fs
@@ -264,6 +265,8 @@ class Daemon:
             log.info("unmounted; flushing dirty data")
             with trio.CancelScope(shield=True):
                 await self._flush_everything()
+                if not self.session_lost:
+                    await self.fs.abandon_all_sealed_ahead()  # no link out of a scratch dir can come now
                 await self._ship_snapshot()
                 self._finished.set()
                 # fusermount returns only once the kernel has dropped the mount's page cache,

@@ -34,6 +34,7 @@ from fusestate.vfs.dir_listing import DirListing
 from fusestate.vfs.errors import FsError, commit_error, from_os_error
 from fusestate.vfs.open_file import OpenFile, Sealing, content_version
 from fusestate.vfs.passthrough import SEAL_BLOCKS_AT_ONCE, PassthroughFiles, PassthroughStats
+from fusestate.vfs.scratch_ahead import ScratchSealAhead
 from fusestate.vfs.tasks import each_at_once
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,10 @@ class StatFs:
     name_max: int = NAME_MAX
 
 
-class FileSystem(PassthroughFiles):
+class FileSystem(PassthroughFiles, ScratchSealAhead):
     def __init__(self, meta: MetaEngine, blocks: BlockStore, uploader: Uploader, *,
                  block_size: int, durability: str = "remote", readahead_blocks: int = 2,
-                 read_only: bool = False, scratch_dirs: Sequence[str] = (),
+                 read_only: bool = False, scratch_dirs: Sequence[str] = (), store_ahead: Sequence[str] = (),
                  scratch_files: ScratchFiles, backing_files: Optional[ScratchFiles] = None) -> None:
         self.meta = meta
         self.blocks = blocks
@@ -103,6 +104,7 @@ class FileSystem(PassthroughFiles):
         # This node's scratch files' bytes, one plain file each (never in blocks).
         self.scratch = scratch_files
         self.promoted_files = 0  # scratch files linked into the volume (see link)
+        self._init_scratch_ahead(store_ahead)  # their blocks stored before the link (vfs/scratch_ahead.py)
         # FUSE passthrough (vfs/passthrough.py): volume files' backing files, and the inodes
         # whose kernel pages (of daemon-served opens) miss what passthrough wrote since.
         self.backing = backing_files or ScratchFiles(os.path.join(os.path.dirname(scratch_files.directory), "backing"))
@@ -157,6 +159,8 @@ class FileSystem(PassthroughFiles):
         nursery.start_soon(self._expire_dirty_loop)
         if not self.read_only:
             nursery.start_soon(self.seal_ahead_loop)
+            if self.store_ahead and self.scratch_dirs:
+                nursery.start_soon(self.scratch_ahead_loop)
         if self.meta.shared and not self.read_only:
             nursery.start_soon(self._release_holds_loop)
 
@@ -228,6 +232,7 @@ class FileSystem(PassthroughFiles):
             if f is not None:
                 self._drop_file_state(f)
             self.scratch.remove(freed.deleted_inode)
+            self.drop_sealed_ahead(freed.deleted_inode)
             self.backing.remove(freed.deleted_inode)
             self._retained.pop(freed.deleted_inode, None)
             self._pages_stale.discard(freed.deleted_inode)
@@ -496,26 +501,43 @@ class FileSystem(PassthroughFiles):
     async def _promote_locked(self, f: OpenFile) -> None:
         size, bs = f.node.size, self.block_size
         blocks: dict[int, Optional[tuple[str, int]]] = {}
-        sealed: list[tuple[str, int]] = []  # on a shared volume: held for the commit
+        sealed: list[tuple[str, int]] = []  # held for the commit: committed after it, let go if it fails
         uploads_began: list[float] = []
         # With passthrough the kernel wrote the file through its page cache: read it from
         # there (a direct read would first wait for those pages to reach the disk).
         direct = not self.passthrough
+        # Blocks stored while the file was written (vfs/scratch_ahead.py): each is taken if
+        # the file still holds its bytes; the ones taken are committed with the rest.
+        ahead = await self.take_sealed_ahead(f.inode)
+        taken: list[int] = []
 
         async def seal_block(index: int) -> None:
             nbytes = min(bs, size - index * bs)
             data, key = await trio.to_thread.run_sync(self._read_local_block, self.scratch, f.inode, index * bs,
                                                       nbytes, direct)
+            stored = ahead.get(index)
+            if stored is not None and stored.key == key and stored.nbytes == nbytes:
+                del ahead[index]
+                taken.append(index)
+                if stored.began is not None:
+                    uploads_began.append(stored.began)
+                sealed.append((stored.key, nbytes))
+                blocks[index] = (stored.key, nbytes)
+                return
             if key is not None and self.meta.shared:
                 key, began = await self.blocks.seal_uploaded(data, key)
                 uploads_began.append(began)
                 sealed.append((key, nbytes))
             elif key is not None:
                 key = await self.blocks.seal(data, key=key)
+                sealed.append((key, nbytes))
             blocks[index] = (key, nbytes) if key is not None else None
 
         try:
-            await each_at_once(seal_block, range(-(-size // bs)), SEAL_BLOCKS_AT_ONCE)
+            try:
+                await each_at_once(seal_block, range(-(-size // bs)), SEAL_BLOCKS_AT_ONCE)
+            finally:
+                await self.abandon_ahead(list(ahead.values()))  # written again since, or past the end
             began: Optional[float] = min(uploads_began) if uploads_began else None
 
             async def promote(uploads_began: Optional[float]) -> Freed:
@@ -531,7 +553,6 @@ class FileSystem(PassthroughFiles):
             if translated is exc:
                 raise
             raise translated from exc
-        sealed = [b for b in blocks.values() if b is not None]
         f.node.scratch = 0
         f.keys = {index: b[0] for index, b in blocks.items() if b is not None}
         f.attrs_dirty = False
@@ -544,6 +565,7 @@ class FileSystem(PassthroughFiles):
         self._remember_content(f)  # the kernel's pages hold these bytes
         for key, nbytes in sealed:
             await self.blocks.committed(key, nbytes)
+        self.scratch_ahead.used_blocks += len(taken)
         await self.blocks.release(freed.keys)
         self.promoted_files += 1
         self.promoted_bytes += size
@@ -666,6 +688,8 @@ class FileSystem(PassthroughFiles):
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = Handle(f, flags)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            f.writers += 1
         return fh
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int,
@@ -673,6 +697,7 @@ class FileSystem(PassthroughFiles):
         node = await self._create(parent, name, stat.S_IFREG | (mode & 0o7777), ctx, hold=True)
         f = self._files[node.id] = OpenFile(node=node, keys={}, held=True)
         f.handles += 1
+        self.scratch_created(node, name)
         return self._new_handle(f, flags), node
 
     def _handle(self, fh: int) -> Handle:
@@ -796,6 +821,8 @@ class FileSystem(PassthroughFiles):
                 f.node.size = offset + len(data)
             f.node.mtime_ns = f.node.ctime_ns = time.time_ns()
             f.attrs_dirty = True
+        if store is self.scratch:
+            self.scratch_written(f)
         return len(data)
 
     async def _dirty_block(self, f: OpenFile, index: int) -> BlockBuffer:
@@ -1041,6 +1068,9 @@ class FileSystem(PassthroughFiles):
             return
         f = h.file
         f.handles -= 1
+        if h.flags & os.O_ACCMODE != os.O_RDONLY:
+            f.writers -= 1
+            self.scratch_writer_closed(f)
         self._passthrough_closed(h)
         if f.handles > 0:
             return

@@ -36,6 +36,7 @@ class OpenFile:
     node: Inode
     keys: dict[int, str]                       # block index -> object key (committed)
     handles: int = 0
+    writers: int = 0                           # handles open for writing
     dirty: dict[int, BlockBuffer] = field(default_factory=dict)
     dirty_since: dict[int, float] = field(default_factory=dict)
     sealing: dict[int, Sealing] = field(default_factory=dict)

@@ -1,0 +1,217 @@
+"""Storing a scratch file's blocks before its promotion, so a commit's links find them done.
+
+A scratch file reaches the volume when it is linked out of its scratch directory: the
+shim links a RocksDB state store's SSTs into the checkpoint at every commit. The
+promotion (``FileSystem._promote``) must then have every block of the file stored (on a
+shared volume, in the bucket) before it commits, and the state store's commit waits for
+it. Most of those bytes were written well before the link: a compaction's output, or a
+flush's SST whose writer closed just before. So this node stores them as they come:
+
+Only files whose names match ``--store-ahead`` (``*.sst`` by default) are stored ahead:
+most scratch bytes (Spark's shuffle files) are never linked out, and must not be uploaded.
+
+| when | what is stored |
+|---|---|
+| every 0.1 s while the file is being written (by the kernel through passthrough, or by the daemon) | the blocks with no hole left that the file's size has passed |
+| once its last writer closes it | every other block with data, the partial last one too |
+
+A promotion still reads and hashes every block, and takes the stored block when the
+hashes match; a block written again since is stored again, and the old one let go. The
+blocks stored ahead of a file that is deleted, truncated away or never linked are let go
+too (``BlockStore.abandon``). On a shared volume, where a block must be in the bucket
+before a commit names it, the blocks are put there at once, registered with the engine:
+an abandoned one's registration ends and the collector deletes it in time. The embedded
+engine stages them, and an abandoned one's staging file is dropped: nothing of a file
+never linked out reaches its bucket. What a crash leaves, the next mount's recovery (and
+the collector) removes, as for any block sealed and not committed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import trio
+
+from fusestate.blocks.store import SealedAhead
+from fusestate.vfs.tasks import each_at_once
+
+if TYPE_CHECKING:
+    from fusestate.vfs.filesystem import FileSystem
+    from fusestate.meta.engine import Inode
+    from fusestate.vfs.open_file import OpenFile
+
+log = logging.getLogger(__name__)
+
+# How often the loop looks at scratch files being written.
+SCRATCH_AHEAD_INTERVAL = 0.1
+# Blocks of one file stored at once by the loop: fewer than a promotion's, since nothing
+# waits for them and the node's writers need the disk and the cores too.
+SCRATCH_AHEAD_BLOCKS_AT_ONCE = 2
+
+
+@dataclass
+class _Ahead:
+    """One scratch file's blocks stored ahead. Whoever takes it out of ``_ahead`` (a
+    promotion, a deletion) waits for ``busy`` and then owns its blocks."""
+
+    blocks: dict[int, SealedAhead] = field(default_factory=dict)
+    stamp: Optional[tuple[int, int, int]] = None  # the file's size and times when last looked at
+    busy: Optional[trio.Event] = None             # the loop is storing blocks of it now
+
+
+class ScratchAheadStats:
+    """What storing ahead did, for status and the metrics."""
+
+    def __init__(self) -> None:
+        self.stored_blocks = 0     # blocks stored ahead of a promotion
+        self.stored_bytes = 0
+        self.used_blocks = 0       # ... that a promotion found matching the file
+        self.abandoned_blocks = 0  # ... let go: the file was deleted, or the block written again
+
+
+class ScratchSealAhead:
+    """FileSystem's part for storing scratch files ahead (a mixin on FileSystem's state)."""
+
+    store_ahead: tuple[str, ...]  # name globs of the scratch files stored ahead (--store-ahead)
+    _ahead: dict[int, _Ahead]
+    _ahead_eligible: set[int]  # this node's scratch files whose names match them
+    _ahead_written: set[int]   # scratch files the daemon wrote since the loop last looked
+    _ahead_closed: set[int]    # scratch files whose last writer closed since
+    scratch_ahead: ScratchAheadStats
+
+    def _init_scratch_ahead(self, store_ahead: Sequence[str]) -> None:
+        self.store_ahead = tuple(store_ahead)
+        self._ahead = {}
+        self._ahead_eligible = set()
+        self._ahead_written = set()
+        self._ahead_closed = set()
+        self.scratch_ahead = ScratchAheadStats()
+
+    def _own_scratch(self: "FileSystem", f: "OpenFile") -> bool:
+        return f.node.is_reg and bool(f.node.scratch) and f.node.scratch == self.meta.scratch_owner
+
+    def scratch_created(self: "FileSystem", node: "Inode", name: bytes) -> None:
+        """A file was created: if it is a scratch file named as ``--store-ahead`` says, its
+        blocks are stored ahead."""
+        if node.scratch and node.is_reg and self.store_ahead:
+            text = name.decode("utf-8", "surrogateescape")
+            if any(fnmatch.fnmatchcase(text, pattern) for pattern in self.store_ahead):
+                self._ahead_eligible.add(node.id)
+
+    def scratch_written(self: "FileSystem", f: "OpenFile") -> None:
+        """The daemon wrote ``f``'s scratch file (the block path): the loop looks at it."""
+        if f.inode in self._ahead_eligible:
+            self._ahead_written.add(f.inode)
+
+    def scratch_writer_closed(self: "FileSystem", f: "OpenFile") -> None:
+        """A handle that could write ``f`` closed; once none is left, its tail is stored too."""
+        if f.inode in self._ahead_eligible and self._own_scratch(f) and f.node.nlink > 0 and f.writers == 0:
+            self._ahead_closed.add(f.inode)
+
+    async def scratch_ahead_loop(self: "FileSystem") -> None:
+        """Every ``SCRATCH_AHEAD_INTERVAL`` seconds, store the new whole blocks of scratch
+        files being written, and every block of those whose writers closed."""
+        while True:
+            await trio.sleep(SCRATCH_AHEAD_INTERVAL)
+            writing = {f.inode for f in self._files.values()
+                       if f.passthrough_writers and f.inode in self._ahead_eligible and self._own_scratch(f)}
+            writing |= self._ahead_written
+            closed, self._ahead_closed = self._ahead_closed, set()
+            self._ahead_written = set()
+            for ino in sorted(writing | closed):
+                try:
+                    if not await self._store_ahead(ino, whole_blocks_only=ino not in closed):
+                        (self._ahead_closed if ino in closed else self._ahead_written).add(ino)  # next time
+                except Exception as exc:  # noqa: BLE001 - the promotion stores what is missing, and reports it
+                    log.warning("inode %d: storing a scratch file's blocks ahead of its link failed: %s", ino, exc)
+
+    async def _store_ahead(self: "FileSystem", ino: int, whole_blocks_only: bool) -> bool:
+        """Store the blocks of scratch file ``ino`` that have none stored ahead. False when
+        it cannot be looked at now (a promotion or a write holds it): try again later."""
+        f = self._files.get(ino)
+        if f is not None and not self._own_scratch(f):
+            return True  # promoted meanwhile
+        if f is not None and f.lock.locked():
+            return False  # a promotion (or a truncate) is at it: look again next time
+        st = self.scratch.stat(ino)
+        if st is None:
+            self._ahead_eligible.discard(ino)
+            return True  # promoted or deleted meanwhile
+        entry = self._ahead.setdefault(ino, _Ahead())
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if entry.busy is not None or (stamp == entry.stamp and whole_blocks_only):
+            return entry.busy is None
+        entry.busy = busy = trio.Event()
+        try:
+            entry.stamp = stamp
+            size, bs = st.st_size, self.block_size
+            find = self.scratch.filled_blocks if whole_blocks_only else self.scratch.data_blocks
+            with_data = await trio.to_thread.run_sync(find, ino, bs)
+            last = size // bs if whole_blocks_only else -(-size // bs)
+            todo = sorted(i for i in with_data if i < last and i not in entry.blocks)
+            direct = not self.passthrough  # as the promotion reads it (see _promote_locked)
+
+            async def store(index: int) -> None:
+                nbytes = min(bs, size - index * bs)
+                data, key = await trio.to_thread.run_sync(self._read_local_block, self.scratch, ino, index * bs,
+                                                          nbytes, direct)
+                if key is None:
+                    return  # all zeros: a hole in the volume, nothing to store
+                entry.blocks[index] = await self.blocks.seal_ahead(data, key)
+                self.scratch_ahead.stored_blocks += 1
+                self.scratch_ahead.stored_bytes += nbytes
+
+            await each_at_once(store, todo, SCRATCH_AHEAD_BLOCKS_AT_ONCE)
+        finally:
+            entry.busy = None
+            busy.set()
+        return True
+
+    async def take_sealed_ahead(self: "FileSystem", ino: int) -> dict[int, SealedAhead]:
+        """The blocks stored ahead of ``ino``'s promotion, now the caller's (it holds the
+        file's lock: nothing writes the file meanwhile)."""
+        self._ahead_eligible.discard(ino)
+        entry = self._ahead.pop(ino, None)
+        if entry is None:
+            return {}
+        if entry.busy is not None:
+            await entry.busy.wait()
+        return entry.blocks
+
+    async def abandon_ahead(self: "FileSystem", blocks: list[SealedAhead]) -> None:
+        """Let go of blocks stored ahead that no commit will reference (shielded: it may run
+        on the way out of a failed promotion)."""
+        with trio.CancelScope(shield=True):
+            for sealed in blocks:
+                try:
+                    await self.blocks.abandon(sealed.key)
+                except Exception as exc:  # noqa: BLE001 - the collector, or the next mount's recovery, has it
+                    log.warning("letting go of block %s stored ahead failed: %s", sealed.key[:16], exc)
+                self.scratch_ahead.abandoned_blocks += 1
+
+    def drop_sealed_ahead(self: "FileSystem", ino: int) -> None:
+        """Scratch file ``ino`` was deleted: let go of what was stored ahead of it."""
+        self._ahead_eligible.discard(ino)
+        self._ahead_written.discard(ino)
+        self._ahead_closed.discard(ino)
+        entry = self._ahead.pop(ino, None)
+        if entry is None or self._nursery is None:
+            return
+
+        async def abandon() -> None:
+            if entry.busy is not None:
+                await entry.busy.wait()
+            await self.abandon_ahead(list(entry.blocks.values()))
+
+        self._nursery.start_soon(abandon)
+
+    async def abandon_all_sealed_ahead(self) -> None:
+        """The mount ends: no promotion will come for what was stored ahead."""
+        for ino in list(self._ahead):
+            entry = self._ahead.pop(ino)
+            if entry.busy is not None:
+                await entry.busy.wait()
+            await self.abandon_ahead(list(entry.blocks.values()))
