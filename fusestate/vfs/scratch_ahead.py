@@ -88,6 +88,7 @@ class ScratchSealAhead:
         self._ahead_eligible = set()
         self._ahead_written = set()
         self._ahead_closed = set()
+        self._ahead_ended = False  # the mount ends: nothing more is stored ahead
         self.scratch_ahead = ScratchAheadStats()
 
     def _own_scratch(self: "FileSystem", f: "OpenFile") -> bool:
@@ -114,14 +115,18 @@ class ScratchSealAhead:
     async def scratch_ahead_loop(self: "FileSystem") -> None:
         """Every ``SCRATCH_AHEAD_INTERVAL`` seconds, store the new whole blocks of scratch
         files being written, and every block of those whose writers closed."""
-        while True:
+        while not self._ahead_ended:
             await trio.sleep(SCRATCH_AHEAD_INTERVAL)
+            if self._ahead_ended:
+                return
             writing = {f.inode for f in self._files.values()
                        if f.passthrough_writers and f.inode in self._ahead_eligible and self._own_scratch(f)}
             writing |= self._ahead_written
             closed, self._ahead_closed = self._ahead_closed, set()
             self._ahead_written = set()
             for ino in sorted(writing | closed):
+                if self._ahead_ended:
+                    return
                 try:
                     if not await self._store_ahead(ino, whole_blocks_only=ino not in closed):
                         (self._ahead_closed if ino in closed else self._ahead_written).add(ino)  # next time
@@ -209,7 +214,9 @@ class ScratchSealAhead:
         self._nursery.start_soon(abandon)
 
     async def abandon_all_sealed_ahead(self) -> None:
-        """The mount ends: no promotion will come for what was stored ahead."""
+        """The mount ends: no promotion will come for what was stored ahead (the closes of
+        the unmount's releases store nothing more)."""
+        self._ahead_ended = True
         for ino in list(self._ahead):
             entry = self._ahead.pop(ino)
             if entry.busy is not None:
