@@ -440,7 +440,8 @@ def _print_status(status: dict) -> None:
                     f"({', '.join(status['scratch_dirs']) or 'no --scratch'}); {cache['promoted_files']} linked "
                     f"into the volume ({format_size(cache['promoted_bytes'])}); "
                     f"{cache.get('stored_ahead_blocks', 0)} blocks stored ahead of a link, "
-                    f"{cache.get('stored_ahead_used', 0)} used, {cache.get('stored_ahead_abandoned', 0)} let go"),
+                    f"{cache.get('stored_ahead_used', 0)} used, {cache.get('stored_ahead_abandoned', 0)} let go, "
+                    f"{cache.get('unread_promotions', 0)} links read nothing"),
         ("remote", f"{format_size(remote['bytes_in'])} in, {format_size(remote['bytes_out'])} out, "
                    f"{remote['retries']} retries"),
         ("metrics", f"http://{status['metrics_addr']}/metrics" if status["metrics_addr"] else "off"),

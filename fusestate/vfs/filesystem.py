@@ -25,7 +25,7 @@ import trio
 
 from fusestate.blocks.keys import BlockData, is_inline, seal_digest
 from fusestate.blocks.scratch_files import ScratchFiles
-from fusestate.blocks.store import BlockReadError, BlockStore
+from fusestate.blocks.store import BlockReadError, BlockStore, SealedAhead
 from fusestate.blocks.uploader import UploadFailed, Uploader
 from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, AttrChange, DirEntry, Freed, Inode,
                                    MetaEngine, NewNode)
@@ -507,22 +507,32 @@ class FileSystem(PassthroughFiles, ScratchSealAhead):
         # there (a direct read would first wait for those pages to reach the disk).
         direct = not self.passthrough
         # Blocks stored while the file was written (vfs/scratch_ahead.py): each is taken if
-        # the file still holds its bytes; the ones taken are committed with the rest.
-        ahead = await self.take_sealed_ahead(f.inode)
+        # the file still holds its bytes; the ones taken are committed with the rest. When
+        # they were checked since the file's last write, the file is not read at all.
+        ahead, checked = await self.take_sealed_ahead(f.inode, size)
         taken: list[int] = []
+
+        def take(index: int, stored: SealedAhead) -> None:
+            del ahead[index]
+            taken.append(index)
+            if stored.began is not None:
+                uploads_began.append(stored.began)
+            sealed.append((stored.key, stored.nbytes))
+            blocks[index] = (stored.key, stored.nbytes)
 
         async def seal_block(index: int) -> None:
             nbytes = min(bs, size - index * bs)
+            stored = ahead.get(index)
+            if checked:  # a block with none stored is all zeros, or a hole
+                if stored is not None:
+                    take(index, stored)
+                else:
+                    blocks[index] = None
+                return
             data, key = await trio.to_thread.run_sync(self._read_local_block, self.scratch, f.inode, index * bs,
                                                       nbytes, direct)
-            stored = ahead.get(index)
-            if stored is not None and stored.key == key and stored.nbytes == nbytes:
-                del ahead[index]
-                taken.append(index)
-                if stored.began is not None:
-                    uploads_began.append(stored.began)
-                sealed.append((stored.key, nbytes))
-                blocks[index] = (stored.key, nbytes)
+            if stored is not None and (stored.key, stored.nbytes) == (key, nbytes):
+                take(index, stored)
                 return
             if key is not None and self.meta.shared:
                 key, began = await self.blocks.seal_uploaded(data, key)
@@ -566,6 +576,7 @@ class FileSystem(PassthroughFiles, ScratchSealAhead):
         for key, nbytes in sealed:
             await self.blocks.committed(key, nbytes)
         self.scratch_ahead.used_blocks += len(taken)
+        self.scratch_ahead.unread_promotions += checked
         await self.blocks.release(freed.keys)
         self.promoted_files += 1
         self.promoted_bytes += size

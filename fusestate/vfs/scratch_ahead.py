@@ -13,10 +13,12 @@ most scratch bytes (Spark's shuffle files) are never linked out, and must not be
 | when | what is stored |
 |---|---|
 | every 0.1 s while the file is being written (by the kernel through passthrough, or by the daemon) | the blocks with no hole left that the file's size has passed |
-| once its last writer closes it | every other block with data, the partial last one too |
+| once its last writer closes it | every block read and hashed again: those stored are checked, the rest (the partial last one) stored, and the file's size and times noted |
 
-A promotion still reads and hashes every block, and takes the stored block when the
-hashes match; a block written again since is stored again, and the old one let go. The
+A promotion that finds the file's size and times as that last pass noted (on a cache disk
+whose every write gives the file a new ctime, ``FileSystem.fine_ctime``) takes the stored
+blocks as they are: it reads nothing. Otherwise it reads and hashes every block, takes the
+stored block where the hashes match, stores the others and lets the stale ones go. The
 blocks stored ahead of a file that is deleted, truncated away or never linked are let go
 too (``BlockStore.abandon``). On a shared volume, where a block must be in the bucket
 before a commit names it, the blocks are put there at once, registered with the engine:
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import trio
 
 from fusestate.blocks.store import SealedAhead
+from fusestate.vfs.passthrough import SEAL_BLOCKS_AT_ONCE
 from fusestate.vfs.tasks import each_at_once
 
 if TYPE_CHECKING:
@@ -47,9 +50,9 @@ log = logging.getLogger(__name__)
 
 # How often the loop looks at scratch files being written.
 SCRATCH_AHEAD_INTERVAL = 0.1
-# Blocks of one file stored at once by the loop: fewer than a promotion's, since nothing
-# waits for them and the node's writers need the disk and the cores too.
-SCRATCH_AHEAD_BLOCKS_AT_ONCE = 2
+# Blocks of one file stored at once by the loop: as many as a promotion's, which waits for
+# the loop's pass over the file it links (the flush's table, closed just before the link).
+SCRATCH_AHEAD_BLOCKS_AT_ONCE = SEAL_BLOCKS_AT_ONCE
 
 
 @dataclass
@@ -59,6 +62,9 @@ class _Ahead:
 
     blocks: dict[int, SealedAhead] = field(default_factory=dict)
     stamp: Optional[tuple[int, int, int]] = None  # the file's size and times when last looked at
+    # ... when a pass after its writers closed found every block of it stored (none written
+    # during that pass): the blocks are the file's while its size and times are these.
+    checked: Optional[tuple[int, int, int]] = None
     busy: Optional[trio.Event] = None             # the loop is storing blocks of it now
 
 
@@ -70,6 +76,7 @@ class ScratchAheadStats:
         self.stored_bytes = 0
         self.used_blocks = 0       # ... that a promotion found matching the file
         self.abandoned_blocks = 0  # ... let go: the file was deleted, or the block written again
+        self.unread_promotions = 0  # promotions that took every block stored and checked, reading nothing
 
 
 class ScratchSealAhead:
@@ -134,8 +141,9 @@ class ScratchSealAhead:
                     log.warning("inode %d: storing a scratch file's blocks ahead of its link failed: %s", ino, exc)
 
     async def _store_ahead(self: "FileSystem", ino: int, whole_blocks_only: bool) -> bool:
-        """Store the blocks of scratch file ``ino`` that have none stored ahead. False when
-        it cannot be looked at now (a promotion or a write holds it): try again later."""
+        """Store the blocks of scratch file ``ino`` that have none stored ahead; with
+        ``whole_blocks_only`` False (its writers closed), check the stored ones too. False
+        when it cannot be looked at now (a promotion or a write holds it): try again later."""
         f = self._files.get(ino)
         if f is not None and not self._own_scratch(f):
             return True  # promoted meanwhile
@@ -151,18 +159,29 @@ class ScratchSealAhead:
             return entry.busy is None
         entry.busy = busy = trio.Event()
         try:
-            entry.stamp = stamp
+            entry.stamp, entry.checked = stamp, None
             size, bs = st.st_size, self.block_size
             find = self.scratch.filled_blocks if whole_blocks_only else self.scratch.data_blocks
             with_data = await trio.to_thread.run_sync(find, ino, bs)
             last = size // bs if whole_blocks_only else -(-size // bs)
-            todo = sorted(i for i in with_data if i < last and i not in entry.blocks)
+            if whole_blocks_only:
+                todo = sorted(i for i in with_data if i < last and i not in entry.blocks)
+            else:  # every block the file has: the stored ones are checked
+                stale = [entry.blocks.pop(i) for i in list(entry.blocks) if i >= last or i not in with_data]
+                await self.abandon_ahead(stale)
+                todo = sorted(i for i in with_data if i < last)
             direct = not self.passthrough  # as the promotion reads it (see _promote_locked)
 
             async def store(index: int) -> None:
                 nbytes = min(bs, size - index * bs)
                 data, key = await trio.to_thread.run_sync(self._read_local_block, self.scratch, ino, index * bs,
                                                           nbytes, direct)
+                stored = entry.blocks.get(index)
+                if stored is not None and (stored.key, stored.nbytes) == (key, nbytes):
+                    return  # checked: still the file's
+                if stored is not None:
+                    del entry.blocks[index]
+                    await self.abandon_ahead([stored])
                 if key is None:
                     return  # all zeros: a hole in the volume, nothing to store
                 entry.blocks[index] = await self.blocks.seal_ahead(data, key)
@@ -170,21 +189,31 @@ class ScratchSealAhead:
                 self.scratch_ahead.stored_bytes += nbytes
 
             await each_at_once(store, todo, SCRATCH_AHEAD_BLOCKS_AT_ONCE)
+            if not whole_blocks_only and self.fine_ctime and self._scratch_stamp(ino) == stamp:
+                entry.checked = stamp  # nothing written while it was read: the blocks are the file's
         finally:
             entry.busy = None
             busy.set()
         return True
 
-    async def take_sealed_ahead(self: "FileSystem", ino: int) -> dict[int, SealedAhead]:
+    def _scratch_stamp(self: "FileSystem", ino: int) -> Optional[tuple[int, int, int]]:
+        """A scratch file's size, mtime and ctime now (None: it is gone)."""
+        st = self.scratch.stat(ino)
+        return None if st is None else (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    async def take_sealed_ahead(self: "FileSystem", ino: int, size: int) -> tuple[dict[int, SealedAhead], bool]:
         """The blocks stored ahead of ``ino``'s promotion, now the caller's (it holds the
-        file's lock: nothing writes the file meanwhile)."""
+        file's lock: nothing writes the file meanwhile), and whether they are known to be
+        the file's whole content at ``size`` bytes (checked since its last write): then the
+        promotion need not read the file."""
         self._ahead_eligible.discard(ino)
         entry = self._ahead.pop(ino, None)
         if entry is None:
-            return {}
+            return {}, False
         if entry.busy is not None:
             await entry.busy.wait()
-        return entry.blocks
+        checked = entry.checked is not None and entry.checked[0] == size and self._scratch_stamp(ino) == entry.checked
+        return entry.blocks, checked
 
     async def abandon_ahead(self: "FileSystem", blocks: list[SealedAhead]) -> None:
         """Let go of blocks stored ahead that no commit will reference (shielded: it may run
