@@ -87,6 +87,7 @@ class ScratchSealAhead:
     _ahead_eligible: set[int]  # this node's scratch files whose names match them
     _ahead_written: set[int]   # scratch files the daemon wrote since the loop last looked
     _ahead_closed: set[int]    # scratch files whose last writer closed since
+    _ahead_ended: bool         # the mount ends: nothing more is stored ahead
     scratch_ahead: ScratchAheadStats
 
     def _init_scratch_ahead(self, store_ahead: Sequence[str]) -> None:
@@ -115,7 +116,8 @@ class ScratchSealAhead:
             self._ahead_written.add(f.inode)
 
     def scratch_writer_closed(self: "FileSystem", f: "OpenFile") -> None:
-        """A handle that could write ``f`` closed; once none is left, its tail is stored too."""
+        """A handle that could write ``f`` closed; once none is left, the loop checks every
+        block of it and stores the rest."""
         if f.inode in self._ahead_eligible and self._own_scratch(f) and f.node.nlink > 0 and f.writers == 0:
             self._ahead_closed.add(f.inode)
 
@@ -155,8 +157,10 @@ class ScratchSealAhead:
             return True  # promoted or deleted meanwhile
         entry = self._ahead.setdefault(ino, _Ahead())
         stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        if entry.busy is not None or (stamp == entry.stamp and whole_blocks_only):
-            return entry.busy is None
+        if entry.busy is not None:
+            return False
+        if stamp == (entry.stamp if whole_blocks_only else entry.checked):
+            return True  # nothing written since the last look (or since the last check)
         entry.busy = busy = trio.Event()
         try:
             entry.stamp, entry.checked = stamp, None
