@@ -70,6 +70,10 @@ SETUPS = ["local", "fusestate", S3A, FUSESTATE_S3, JUICEFS]
 RESTART, UNPLACED = "restart", "restart-unplaced"
 RESTART_SETUPS = [f"fusestate:{RESTART}", f"fusestate:{UNPLACED}", f"{FUSESTATE_S3}:{RESTART}",
                   f"{FUSESTATE_S3}:{UNPLACED}", f"{S3A}:{RESTART}"]
+# fusestate with changelog checkpointing on, as the local baseline runs (the shim's default is
+# off: every commit a snapshot, flushed and linked): run only when --systems names it.
+CHANGELOG = "changelog"
+CHANGELOG_SETUPS = [f"fusestate+{CHANGELOG}"]
 ON_POSTGRES = ("fusestate", FUSESTATE_S3, JUICEFS)
 ON_ENDPOINT = (S3A, FUSESTATE_S3)
 SIZES: dict[str, dict[str, Any]] = {
@@ -125,6 +129,7 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
     from fusestate.spark.pipeline import SPARK_LOG_NAME
 
     setup, _, variant = setup.partition(":")  # restart on the same nodes, or lose one
+    setup, _, checkpointing = setup.partition("+")  # +changelog: changelog checkpointing on
     # Every key written, then steady batches before the loss and a few after it.
     batches = -(-keys // p["events_per_batch"]) + STEADY_BATCHES + 3
     need, free = keys * p["payload_bytes"] * DISK_PER_STATE_BYTE[setup], shutil.disk_usage(work).free
@@ -180,7 +185,8 @@ def one_run(ctx: Context, setup: str, keys: int, p: dict[str, Any], work: Path,
             args = ["--output", str(out), "--report", str(report), "--checkpoint", cluster.checkpoint("q"),
                     "--batches", str(batches), "--keys", str(keys), "--payload-bytes", str(p["payload_bytes"]),
                     "--events-per-batch", str(p["events_per_batch"]), "--partitions", "4", "--driver-memory", "2g",
-                    "--min-deltas-for-snapshot", "2", *skew_arguments(p.get("key_skew", 0)), *connector]
+                    "--min-deltas-for-snapshot", "2", *skew_arguments(p.get("key_skew", 0)), *connector,
+                    *(["--changelog"] if checkpointing == CHANGELOG else [])]
             for c in CONF:
                 args += ["--conf", c]
             driver = cluster.start_driver(args if not variant else
@@ -376,7 +382,7 @@ def _end_time(batch: dict[str, Any]) -> float:
 
 def choices(size: str) -> Choices:  # noqa: ARG001 - the same at every size
     """The systems ``--systems`` may name here, and those run without it."""
-    return Choices(SETUPS + RESTART_SETUPS, SETUPS)
+    return Choices(SETUPS + RESTART_SETUPS + CHANGELOG_SETUPS, SETUPS)
 
 
 def run(ctx: Context) -> dict[str, Any]:
