@@ -76,10 +76,11 @@ def namespace_mount(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fi
                     kind: str) -> Iterator[Mount]:
     """One mount of a fresh volume on the ``kind`` namespace (PostgreSQL: a fresh database).
     ``postgresql-scratch``: every example's directory is a scratch dir (``ex-*``), whose
-    contents a shared volume keeps in the node's memory (``meta.scratch.namespace``)."""
+    contents a shared volume keeps in the node's memory (``meta.scratch.namespace``), and
+    whose every file has its blocks stored ahead of a link (``--store-ahead '*'``)."""
     extra = ["--block-size", "64K"]
     if kind == "postgresql-scratch":
-        extra += ["--scratch", "ex-*"]
+        extra += ["--scratch", "ex-*", "--store-ahead", "*"]
     if kind.startswith("postgresql"):
         server = request.getfixturevalue("postgres_server")
         extra += ["--meta", server.create_database(f"model{uuid.uuid4().hex[:12]}")]
