@@ -87,6 +87,7 @@ def build(meta: MetaEngine, remote: RemoteStore, layout: CacheLayout, settings: 
     warmer = CacheWarmer(blocks, meta, mode=s.prefetch, disk_cache_bytes=s.read_cache_size)
     fs = FileSystem(node_local(meta) if s.scratch_dirs else meta, blocks, uploader, block_size=s.block_size,
                     durability=s.durability, readahead_blocks=s.readahead_blocks, read_only=s.read_only,
-                    scratch_dirs=s.scratch_dirs, store_ahead=s.store_ahead, scratch_files=ScratchFiles(layout.scratch, reserve=s.staging_reserve),
+                    scratch_dirs=s.scratch_dirs, store_ahead=s.store_ahead,
+                    scratch_files=ScratchFiles(layout.scratch, reserve=s.staging_reserve),
                     backing_files=ScratchFiles(layout.backing, reserve=s.staging_reserve))
     return Components(meta, remote, memory, disk, staging, uploader, blocks, warmer, fs)
