@@ -7,13 +7,13 @@ shared volume, in the bucket) before it commits, and the state store's commit wa
 it. Most of those bytes were written well before the link: a compaction's output, or a
 flush's SST whose writer closed just before. So this node stores them as they come:
 
-Only files whose names match ``--store-ahead`` (``*.sst`` by default) are stored ahead:
-most scratch bytes (Spark's shuffle files) are never linked out, and must not be uploaded.
-
 | when | what is stored |
 |---|---|
 | every 0.1 s while the file is being written (by the kernel through passthrough, or by the daemon) | the blocks with no hole left that the file's size has passed |
 | once its last writer closes it | every block read and hashed again: those stored are checked, the rest (the partial last one) stored, and the file's size and times noted |
+
+Only files whose names match ``--store-ahead`` (``*.sst`` by default) are stored ahead:
+most scratch bytes (Spark's shuffle files) are never linked out, and must not be uploaded.
 
 A promotion that finds the file's size and times as that last pass noted (on a cache disk
 whose every write gives the file a new ctime, ``FileSystem.fine_ctime``) takes the stored
@@ -42,8 +42,8 @@ from fusestate.vfs.passthrough import SEAL_BLOCKS_AT_ONCE
 from fusestate.vfs.tasks import each_at_once
 
 if TYPE_CHECKING:
-    from fusestate.vfs.filesystem import FileSystem
     from fusestate.meta.engine import Inode
+    from fusestate.vfs.filesystem import FileSystem
     from fusestate.vfs.open_file import OpenFile
 
 log = logging.getLogger(__name__)
