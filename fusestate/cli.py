@@ -161,7 +161,7 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> None:
                         "'never'")
     m.add_argument("--scratch", action="append", default=unset, metavar="PATTERN", dest="scratch_dirs",
                    help="directories created with a name matching this glob, and all they hold, stay on this "
-                        "node: never uploaded, emptied at the next mount (on a shared volume: when the mount "
+                        "node: not uploaded (but for --store-ahead's files), emptied at the next mount (on a shared volume: when the mount "
                         "ends; the other nodes see the names, cannot open the files); for Spark's shuffle dirs: "
                         "--scratch 'blockmgr-*'; repeatable")
     m.add_argument("--store-ahead", action="append", default=unset, metavar="PATTERN", dest="store_ahead",

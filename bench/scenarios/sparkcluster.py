@@ -105,6 +105,11 @@ METRICS = [
 # fusestate, copied from the shared directory on local disk) and a changelog or two.
 CONF = ["spark.locality.wait=0s", "spark.executor.memory=2g", "spark.sql.streaming.stateStore.maintenanceInterval=1s"]
 WARMUP_BATCHES = 2   # the executors' JVMs compile the query's code: not steady
+# A commit's parts as RocksDB's state store times them, summed over a batch's stores: the
+# memtable's flush, the checkpoint (hard links in the working dir), the files' sync to the
+# checkpoint location (the shim's links, or copies).
+COMMIT_PARTS = {"flush": "rocksdbCommitFlushLatency", "checkpoint": "rocksdbCommitCheckpointLatency",
+                "file_sync": "rocksdbCommitFileSyncLatencyMs"}
 # Disk a run takes, per byte of state: on fusestate the bucket keeps what RocksDB rewrote for
 # --gc-grace (an hour), so 4 GB of state left 41 GB in the bucket and 7 GB in the nodes' caches.
 # s3a: the nodes' local state, and the endpoint's objects (moto spools them to its temp dir).
@@ -265,13 +270,16 @@ def wait_for_output(out: Path, batch: int, driver: Any, deadline: float,
 
 
 def steady_metrics(doc: dict[str, Any], lose_after: int, cpu_used: dict[str, float]) -> dict[str, float]:
-    """Records/s, the median state commit and the machine's CPU time per record over the steady
-    batches (after the warm-up, up to the loss or restart)."""
+    """Records/s, the median state commit (and of its parts, as RocksDB times them) and the
+    machine's CPU time per record over the steady batches (after the warm-up, up to the loss
+    or restart)."""
     before = [b for b in doc["batches"] if WARMUP_BATCHES <= b["batch"] <= lose_after]
     rows, ms = sum(b["rows"] for b in before), sum(b["duration_ms"] for b in before)
     commits = [b["state_commit_ms"] for b in before]
+    parts = {f"commit_{part}_ms_median": float(statistics.median(b.get("rocksdb", {}).get(key) or 0 for b in before))
+             for part, key in COMMIT_PARTS.items()} if before else {}
     return {"records_per_s": rows / (ms / 1000) if ms else 0.0,
-            **({"commit_ms_median": float(statistics.median(commits))} if commits else {}),
+            **({"commit_ms_median": float(statistics.median(commits))} if commits else {}), **parts,
             "cpu_ms_per_record": 1000 * cpu_used["machine"] / rows if rows else 0.0,
             **{f"cpu_s_{part}": round(seconds, 2) for part, seconds in cpu_used.items()}}
 

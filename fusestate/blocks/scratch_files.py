@@ -6,7 +6,8 @@ backing file and its reads come back from it; the metadata keeps only its name, 
 times. This is most of what Spark writes (shuffle files, and the RocksDB working dirs
 whose files reach the volume only when a commit links them out). A scratch file linked
 out of its scratch dir is *promoted*: its bytes are read back, sealed into blocks and
-uploaded, and it becomes a file of the volume (``FileSystem.link``).
+uploaded, and it becomes a file of the volume (``FileSystem.link``). RocksDB's tables have
+their blocks stored ahead of that link (``vfs/scratch_ahead.py``), the file itself staying here.
 
 The page-aligned part of a write (all of it but a file's last partial page: the kernel's
 writeback sends whole pages) goes to disk with ``O_DIRECT`` from a reused aligned buffer.

@@ -89,7 +89,7 @@ class SealedAhead:
 
     key: str
     nbytes: int
-    began: Optional[float] = None  # shared engines: when its registered upload began
+    began: Optional[float] = None  # shared engines: when its upload began (``commit_blocks(uploads_began=...)``)
 
 
 class BlockReadError(IOError):
@@ -255,8 +255,8 @@ class BlockStore:
 
     async def seal_ahead(self, data: BlockData, key: str) -> SealedAhead:
         """Store a block whose commit comes later (``SealedAhead``). A shared engine puts it
-        in the bucket from memory, registered with the engine, so the collector leaves it
-        alone until ``committed`` or ``abandon``; the embedded engine stages it, and
+        in the bucket from memory, as ``seal_uploaded`` does for a promotion, and it waits
+        for ``committed`` or ``abandon``; the embedded engine stages it, and
         ``abandon`` drops the staging file, so nothing of a block never committed reaches
         the bucket."""
         if self.meta.shared:

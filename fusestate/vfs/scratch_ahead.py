@@ -21,8 +21,9 @@ blocks as they are: it reads nothing. Otherwise it reads and hashes every block,
 stored block where the hashes match, stores the others and lets the stale ones go. The
 blocks stored ahead of a file that is deleted, truncated away or never linked are let go
 too (``BlockStore.abandon``). On a shared volume, where a block must be in the bucket
-before a commit names it, the blocks are put there at once, registered with the engine:
-an abandoned one's registration ends and the collector deletes it in time. The embedded
+before a commit names it, the blocks are put there at once, as a promotion puts them: an
+abandoned one becomes an unreferenced row the collector deletes in time, and a promotion's
+commit passes the age of the oldest upload, so bytes collected since are put again. The embedded
 engine stages them, and an abandoned one's staging file is dropped: nothing of a file
 never linked out reaches its bucket. What a crash leaves, the next mount's recovery (and
 the collector) removes, as for any block sealed and not committed.
