@@ -175,6 +175,15 @@ def test_bad_size(tmp_path: Path, mp: Path, file_bucket: Bucket, option: str) ->
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.parametrize("option, value", [("--scratch", "a/b"), ("--scratch", "*"), ("--store-ahead", ""),
+                                           ("--store-ahead", "db/*.sst")])
+def test_bad_name_pattern(tmp_path: Path, mp: Path, file_bucket: Bucket, option: str, value: str) -> None:
+    proc = fusestate("mount", file_bucket.url, str(mp), "--cache-dir", str(tmp_path / "cache"),
+                     option, value, check=False)
+    assert_one_line_error(proc, f"bad {option}", "pattern")
+    assert_nothing_left(tmp_path)
+
+
 def test_cache_size_below_max_dirty(tmp_path: Path, mp: Path, file_bucket: Bucket) -> None:
     proc = fusestate("mount", file_bucket.url, str(mp), "--cache-dir", str(tmp_path / "cache"),
                      "--cache-size", "100M", "--max-dirty", "200M", check=False)
