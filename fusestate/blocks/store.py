@@ -82,10 +82,10 @@ def _in_flight(table: dict[str, trio.Event], key: str) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
-class SealedAhead:
-    """A block of a local file stored before the commit that will name it (a scratch file's
-    block, ahead of its promotion): hand its key to ``committed`` after that commit, or to
-    ``abandon`` when no commit will come."""
+class SealedBlock:
+    """A block of a local file stored for a commit to come (a scratch file's promotion, or
+    ahead of it): hand its key to ``committed`` after that commit, or to ``abandon`` when no
+    commit will come."""
 
     key: str
     nbytes: int
@@ -253,18 +253,18 @@ class BlockStore:
         assert sealed is not None
         return sealed, await self.upload_before_commit(sealed, data)
 
-    async def seal_ahead(self, data: BlockData, key: str) -> SealedAhead:
-        """Store a block whose commit comes later (``SealedAhead``). A shared engine puts it
+    async def seal_for_commit(self, data: BlockData, key: str) -> SealedBlock:
+        """Store a local file's block whose commit comes later (``SealedBlock``). A shared engine puts it
         in the bucket from memory, as ``seal_uploaded`` does for a promotion, and it waits
         for ``committed`` or ``abandon``; the embedded engine stages it, and
         ``abandon`` drops the staging file, so nothing of a block never committed reaches
         the bucket."""
         if self.meta.shared:
             key, began = await self.seal_uploaded(data, key)
-            return SealedAhead(key, len(data), began)
+            return SealedBlock(key, len(data), began)
         sealed = await self.seal(data, key=key)
         assert sealed is not None
-        return SealedAhead(sealed, len(data))
+        return SealedBlock(sealed, len(data))
 
     async def committed_uploaded(self, key: str) -> None:
         """A block put by ``put_for_fsync`` is referenced by the metadata now: in the bucket."""

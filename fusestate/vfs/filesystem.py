@@ -25,7 +25,7 @@ import trio
 
 from fusestate.blocks.keys import BlockData, is_inline, seal_digest
 from fusestate.blocks.scratch_files import ScratchFiles
-from fusestate.blocks.store import BlockReadError, BlockStore, SealedAhead
+from fusestate.blocks.store import BlockReadError, BlockStore, SealedBlock
 from fusestate.blocks.uploader import UploadFailed, Uploader
 from fusestate.meta.engine import (NAME_MAX, RENAME_EXCHANGE, RENAME_NOREPLACE, AttrChange, DirEntry, Freed, Inode,
                                    MetaEngine, NewNode)
@@ -512,13 +512,17 @@ class FileSystem(PassthroughFiles, ScratchSealAhead):
         ahead, checked = await self.take_sealed_ahead(f.inode, size)
         taken: list[int] = []
 
-        def take(index: int, stored: SealedAhead) -> None:
-            del ahead[index]
-            taken.append(index)
+        def hold(index: int, stored: SealedBlock) -> None:
+            """The block is stored: the commit names it (and must know when its upload began)."""
             if stored.began is not None:
                 uploads_began.append(stored.began)
             sealed.append((stored.key, stored.nbytes))
             blocks[index] = (stored.key, stored.nbytes)
+
+        def take(index: int, stored: SealedBlock) -> None:
+            del ahead[index]
+            taken.append(index)
+            hold(index, stored)
 
         async def seal_block(index: int) -> None:
             nbytes = min(bs, size - index * bs)
@@ -533,15 +537,10 @@ class FileSystem(PassthroughFiles, ScratchSealAhead):
                                                       nbytes, direct)
             if stored is not None and (stored.key, stored.nbytes) == (key, nbytes):
                 take(index, stored)
-                return
-            if key is not None and self.meta.shared:
-                key, began = await self.blocks.seal_uploaded(data, key)
-                uploads_began.append(began)
-                sealed.append((key, nbytes))
-            elif key is not None:
-                key = await self.blocks.seal(data, key=key)
-                sealed.append((key, nbytes))
-            blocks[index] = (key, nbytes) if key is not None else None
+            elif key is None:
+                blocks[index] = None  # all zeros: a hole
+            else:  # staged; on a shared volume put from memory into the bucket
+                hold(index, await self.blocks.seal_for_commit(data, key))
 
         try:
             try:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import trio
 
-from fusestate.blocks.store import SealedAhead
+from fusestate.blocks.store import SealedBlock
 from fusestate.vfs.passthrough import SEAL_BLOCKS_AT_ONCE
 from fusestate.vfs.tasks import each_at_once
 
@@ -61,7 +61,7 @@ class _Ahead:
     """One scratch file's blocks stored ahead. Whoever takes it out of ``_ahead`` (a
     promotion, a deletion) waits for ``busy`` and then owns its blocks."""
 
-    blocks: dict[int, SealedAhead] = field(default_factory=dict)
+    blocks: dict[int, SealedBlock] = field(default_factory=dict)
     stamp: Optional[tuple[int, int, int]] = None  # the file's size and times when last looked at
     # ... when a pass after its writers closed found every block of it stored (none written
     # during that pass): the blocks are the file's while its size and times are these.
@@ -189,7 +189,7 @@ class ScratchSealAhead:
                     await self.abandon_ahead([stored])
                 if key is None:
                     return  # all zeros: a hole in the volume, nothing to store
-                entry.blocks[index] = await self.blocks.seal_ahead(data, key)
+                entry.blocks[index] = await self.blocks.seal_for_commit(data, key)
                 self.scratch_ahead.stored_blocks += 1
                 self.scratch_ahead.stored_bytes += nbytes
 
@@ -206,7 +206,7 @@ class ScratchSealAhead:
         st = self.scratch.stat(ino)
         return None if st is None else (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
-    async def take_sealed_ahead(self: "FileSystem", ino: int, size: int) -> tuple[dict[int, SealedAhead], bool]:
+    async def take_sealed_ahead(self: "FileSystem", ino: int, size: int) -> tuple[dict[int, SealedBlock], bool]:
         """The blocks stored ahead of ``ino``'s promotion, now the caller's (it holds the
         file's lock: nothing writes the file meanwhile), and whether they are known to be
         the file's whole content at ``size`` bytes (checked since its last write): then the
@@ -220,16 +220,10 @@ class ScratchSealAhead:
         checked = entry.checked is not None and entry.checked[0] == size and self._scratch_stamp(ino) == entry.checked
         return entry.blocks, checked
 
-    async def abandon_ahead(self: "FileSystem", blocks: list[SealedAhead]) -> None:
-        """Let go of blocks stored ahead that no commit will reference (shielded: it may run
-        on the way out of a failed promotion)."""
-        with trio.CancelScope(shield=True):
-            for sealed in blocks:
-                try:
-                    await self.blocks.abandon(sealed.key)
-                except Exception as exc:  # noqa: BLE001 - the collector, or the next mount's recovery, has it
-                    log.warning("letting go of block %s stored ahead failed: %s", sealed.key[:16], exc)
-                self.scratch_ahead.abandoned_blocks += 1
+    async def abandon_ahead(self: "FileSystem", blocks: list[SealedBlock]) -> None:
+        """Let go of blocks stored ahead that no commit will reference."""
+        await self._abandon_sealed([sealed.key for sealed in blocks])
+        self.scratch_ahead.abandoned_blocks += len(blocks)
 
     def drop_sealed_ahead(self: "FileSystem", ino: int) -> None:
         """Scratch file ``ino`` was deleted: let go of what was stored ahead of it."""
@@ -240,19 +234,17 @@ class ScratchSealAhead:
         if entry is None or self._nursery is None:
             return
 
-        async def abandon() -> None:
-            if entry.busy is not None:
-                await entry.busy.wait()
-            await self.abandon_ahead(list(entry.blocks.values()))
+        self._nursery.start_soon(self._let_go_ahead, entry)
 
-        self._nursery.start_soon(abandon)
+    async def _let_go_ahead(self: "FileSystem", entry: _Ahead) -> None:
+        """Let go of a file's blocks stored ahead, once the loop's pass over it (if any) ends."""
+        if entry.busy is not None:
+            await entry.busy.wait()
+        await self.abandon_ahead(list(entry.blocks.values()))
 
-    async def abandon_all_sealed_ahead(self) -> None:
+    async def abandon_all_sealed_ahead(self: "FileSystem") -> None:
         """The mount ends: no promotion will come for what was stored ahead (the closes of
         the unmount's releases store nothing more)."""
         self._ahead_ended = True
-        for ino in list(self._ahead):
-            entry = self._ahead.pop(ino)
-            if entry.busy is not None:
-                await entry.busy.wait()
-            await self.abandon_ahead(list(entry.blocks.values()))
+        while self._ahead:
+            await self._let_go_ahead(self._ahead.pop(next(iter(self._ahead))))
